@@ -1,0 +1,20 @@
+# The two commands a new user needs: `make demo` and `make test`. Both set up first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup test unit demo lint clean-ray
+setup:
+	@bash scripts/setup.sh
+
+test: setup
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+unit: setup
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+demo: setup
+	@bash scripts/demo.sh
+
+lint: setup
+	$(VENV)/bin/ruff check atomr_infer tests scripts

@@ -1,0 +1,165 @@
+"""The error tree of atomr-infer.
+
+Every error the project raises on purpose is an ``AtomrError``. They cross Ray actor
+boundaries, so each one passes *all* of its constructor arguments to
+``super().__init__`` (ray-project/ray#50211): ``cls(*self.args)`` must rebuild it.
+HTTP status codes are attached only in the ingress (``serve/``), never here.
+
+    AtomrError
+    ├── SpecError                   a deployment spec is invalid (one or many problems)
+    ├── ModelError                  a model cannot be resolved or prepared
+    ├── BudgetExceeded              GPUs, memory or spend over a limit; nothing was started
+    ├── RequestError                a request is bad; the replica keeps serving others
+    │   └── InvalidRequest          names the offending field
+    ├── RoutingError
+    │   ├── DeploymentNotFound      no deployment by that name
+    │   ├── NoReadyReplica          the deployment exists but nothing is ready to serve
+    │   └── CapacityExhausted       serving.max_concurrent reached with on_capacity_exhausted=reject
+    └── EngineError                 the engine failed; open streams receive it
+        └── ReplicaUnavailable      the replica is draining, stopped or unhealthy
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class AtomrError(Exception):
+    """Base of every error atomr-infer raises on purpose."""
+
+    #: Whether retrying the same call later may succeed (capacity, readiness).
+    retryable: bool = False
+
+
+@dataclass(frozen=True)
+class SpecProblem:
+    """One problem in one spec: where it is and what is wrong."""
+
+    source: str  # file path, or "<dict>"
+    field: str  # dotted path, e.g. "runtime_config.max_model_len"; "" for the whole document
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.source}: {self.field}" if self.field else self.source
+        return f"{where}: {self.message}"
+
+
+class SpecError(AtomrError):
+    """One or more deployment specs are invalid. ``problems`` lists each one."""
+
+    def __init__(self, problems: list[SpecProblem] | tuple[SpecProblem, ...]) -> None:
+        super().__init__(list(problems))
+        self.problems: list[SpecProblem] = list(problems)
+
+    def __str__(self) -> str:
+        return "; ".join(str(p) for p in self.problems)
+
+
+class ModelError(AtomrError):
+    """A model reference cannot be resolved, found or prepared."""
+
+    def __init__(self, model: str, message: str, hint: str = "") -> None:
+        super().__init__(model, message, hint)
+        self.model, self.message, self.hint = model, message, hint
+
+    def __str__(self) -> str:
+        return f"model {self.model!r}: {self.message}" + (f" (hint: {self.hint})" if self.hint else "")
+
+
+class BudgetExceeded(AtomrError):
+    """A budget check failed before anything was created.
+
+    ``check`` is ``"gpus"``, ``"memory"`` or ``"spend"``; ``requested`` and ``available`` carry
+    the numbers in ``unit`` so a caller can render them.
+    """
+
+    def __init__(
+        self,
+        deployment: str,
+        check: str,
+        requested: float,
+        available: float,
+        unit: str,
+        hint: str = "",
+    ) -> None:
+        super().__init__(deployment, check, requested, available, unit, hint)
+        self.deployment, self.check = deployment, check
+        self.requested, self.available, self.unit, self.hint = requested, available, unit, hint
+
+    def __str__(self) -> str:
+        msg = (
+            f"deployment {self.deployment!r} over its {self.check} budget: "
+            f"needs {self.requested:g} {self.unit}, {self.available:g} {self.unit} available"
+        )
+        return msg + (f" (hint: {self.hint})" if self.hint else "")
+
+
+class RequestError(AtomrError):
+    """A request cannot be served as given. Other requests are unaffected."""
+
+
+class InvalidRequest(RequestError):
+    """A request field has a bad value. ``field`` names it (OpenAI's ``param``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(field, message)
+        self.field, self.message = field, message
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+class RoutingError(AtomrError):
+    """A request could not be routed to a replica."""
+
+
+class DeploymentNotFound(RoutingError):
+    def __init__(self, name: str, known: list[str] | tuple[str, ...] = ()) -> None:
+        super().__init__(name, list(known))
+        self.name, self.known = name, list(known)
+
+    def __str__(self) -> str:
+        known = ", ".join(self.known) if self.known else "none"
+        return f"no deployment named {self.name!r} (deployments: {known})"
+
+
+class NoReadyReplica(RoutingError):
+    retryable = True
+
+    def __init__(self, name: str, waited_s: float = 0.0) -> None:
+        super().__init__(name, waited_s)
+        self.name, self.waited_s = name, waited_s
+
+    def __str__(self) -> str:
+        return f"deployment {self.name!r} has no ready replica (waited {self.waited_s:.1f}s)"
+
+
+class CapacityExhausted(RoutingError):
+    retryable = True
+
+    def __init__(self, name: str, max_concurrent: int, retry_after_s: float = 1.0) -> None:
+        super().__init__(name, max_concurrent, retry_after_s)
+        self.name, self.max_concurrent, self.retry_after_s = name, max_concurrent, retry_after_s
+
+    def __str__(self) -> str:
+        return (
+            f"deployment {self.name!r} is at capacity "
+            f"(serving.max_concurrent={self.max_concurrent} per replica, on_capacity_exhausted=reject)"
+        )
+
+
+class EngineError(AtomrError):
+    """The engine failed. Every open stream of the replica receives this error."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ReplicaUnavailable(EngineError):
+    """The replica is not accepting requests (draining, stopped or unhealthy)."""
+
+    retryable = True

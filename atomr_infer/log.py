@@ -1,0 +1,58 @@
+"""structlog, configured once per process.
+
+JSON lines when stderr is not a TTY (Ray workers, CI, log shippers), a readable console
+otherwise. Context such as ``deployment``, ``replica`` and ``request_id`` is bound with
+``structlog.contextvars.bind_contextvars`` and appears on every line logged under it.
+``ATOMR_LOG_LEVEL`` (default ``INFO``) and ``ATOMR_LOG_FORMAT`` (``json`` | ``console``)
+override the defaults.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+import structlog
+
+_lock = threading.Lock()
+_configured = False
+
+
+def configure_logging(level: str | None = None, fmt: str | None = None, force: bool = False) -> None:
+    """Configure structlog for this process. Safe to call many times; the first call wins."""
+    global _configured
+    with _lock:
+        if _configured and not force:
+            return
+        level_name = (level or os.environ.get("ATOMR_LOG_LEVEL", "INFO")).upper()
+        level_no = logging.getLevelName(level_name)
+        if not isinstance(level_no, int):
+            level_no = logging.INFO
+        fmt = fmt or os.environ.get("ATOMR_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
+        renderer: structlog.typing.Processor = (
+            structlog.processors.JSONRenderer()
+            if fmt == "json"
+            else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        )
+        structlog.configure(
+            processors=[
+                structlog.contextvars.merge_contextvars,
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.StackInfoRenderer(),
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
+            wrapper_class=structlog.make_filtering_bound_logger(level_no),
+            logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+            cache_logger_on_first_use=False,
+        )
+        _configured = True
+
+
+def get_logger(name: str, **bound: object) -> structlog.typing.FilteringBoundLogger:
+    """A logger for module ``name`` with ``bound`` key-values on every line."""
+    configure_logging()
+    return structlog.get_logger(name).bind(logger=name, **bound)

@@ -1,0 +1,1 @@
+"""Model resolution: HF repo ids, local directories and bundled models."""

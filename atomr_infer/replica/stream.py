@@ -1,0 +1,85 @@
+"""Per-request output streams between the step loop and the callers.
+
+A stream holds at most one pending ``Chunk``: if the consumer has not taken the last one when
+the next engine step delivers more, the two are merged (vLLM's ``RequestOutputCollector`` does
+the same). So memory per request is bounded by its own output, never by how far the consumer
+lags, and a caller receives at most one item per engine step. Streams are touched only from
+the actor's event loop thread; the step loop hands outputs over with one
+``call_soon_threadsafe`` per engine step, not one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from atomr_infer.replica.request import Chunk
+
+
+class RequestStream:
+    __slots__ = (
+        "request_id",
+        "prompt_tokens",
+        "completion_tokens",
+        "submitted_at",
+        "first_token_at",
+        "last_token_at",
+        "_pending",
+        "_error",
+        "_closed",
+        "_ready",
+    )
+
+    def __init__(self, request_id: str, prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.submitted_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self._pending: Chunk | None = None
+        self._error: BaseException | None = None
+        self._closed = False  # the final chunk or an error was put
+        self._ready = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self._closed
+
+    def put(self, chunk: Chunk) -> None:
+        """Deliver one engine step's output for this request (merged if one is pending)."""
+        if self._closed:
+            return
+        now = time.monotonic()
+        if chunk.token_ids:
+            self.completion_tokens += len(chunk.token_ids)
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
+        if self._pending is None:
+            self._pending = chunk
+        else:
+            self._pending.merge(chunk)
+        self._closed = chunk.finish_reason is not None
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error``; the consumer raises it after any pending output."""
+        if self._closed:
+            return
+        self._error, self._closed = error, True
+        self._ready.set()
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        while True:
+            if self._pending is None and self._error is None:
+                # Single-threaded (event loop only), so nothing can slip in between.
+                self._ready.clear()
+                await self._ready.wait()
+            chunk, self._pending = self._pending, None
+            if chunk is not None:
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+            elif self._error is not None:
+                raise self._error

@@ -1,0 +1,18 @@
+"""Deployment specs: the models, loading from YAML/dicts, and the canonical hash."""
+
+from atomr_infer.spec.deployment import Budget, Deployment, Serving, VllmConfig
+from atomr_infer.spec.hashing import FieldChange, normalized, spec_changes, spec_hash
+from atomr_infer.spec.loading import load_deployments, parse_deployment
+
+__all__ = [
+    "Budget",
+    "Deployment",
+    "FieldChange",
+    "Serving",
+    "VllmConfig",
+    "load_deployments",
+    "normalized",
+    "parse_deployment",
+    "spec_changes",
+    "spec_hash",
+]

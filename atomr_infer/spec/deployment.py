@@ -1,0 +1,184 @@
+"""The deployment spec: what a user writes in YAML and passes to ``manager.apply``.
+
+Strict on purpose: unknown keys are rejected, scalars are not coerced across types
+(``replicas: "3"`` is an error, not 3), and every number has a sane range. Unset
+``VllmConfig`` fields mean "vLLM's default": we never invent defaults for the engine.
+Field names follow the original atomr-infer so its users feel at home.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+
+from atomr_infer.models.registry import BUNDLED_MODELS, bundled_name
+
+_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# HF repo ids: "name" or "org/name"; letters, digits, "-", "_", "." (no "--" or ".." runs).
+_HF_ID_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+# A number: int or float, never a bool or a string (strict floats accept ints).
+Number = Annotated[float, Field(strict=True)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class VllmConfig(_Strict):
+    """Engine settings, passed to vLLM's ``EngineArgs``. ``None`` means vLLM's default."""
+
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] | None = Field(
+        None, description="Weight and activation dtype; 'auto' takes it from the model config."
+    )
+    tensor_parallel_size: Annotated[StrictInt, Field(ge=1, le=64)] | None = Field(
+        None, description="GPUs one replica shards the model over; must equal `gpus` when set."
+    )
+    gpu_memory_utilization: Annotated[Number, Field(gt=0, le=1)] | None = Field(
+        None, description="Fraction of each GPU's memory the engine may use (0 < x <= 1)."
+    )
+    max_model_len: Annotated[StrictInt, Field(ge=16, le=10_485_760)] | None = Field(
+        None, description="Context length (prompt + output tokens); defaults to the model's."
+    )
+    hf_cache_dir: StrictStr | None = Field(
+        None, description="Directory for downloaded weights; defaults to HF_HUB_CACHE / HF_HOME."
+    )
+    enforce_eager: StrictBool | None = Field(None, description="Disable CUDA graphs (less memory, slower).")
+    enable_prefix_caching: StrictBool | None = Field(None, description="Reuse KV cache across shared prefixes.")
+    enable_chunked_prefill: StrictBool | None = Field(None, description="Split long prefills across steps.")
+    max_num_seqs: Annotated[StrictInt, Field(ge=1, le=65_536)] | None = Field(
+        None, description="Most sequences the engine schedules in one step."
+    )
+    block_size: Literal[1, 8, 16, 32, 64, 128, 256] | None = Field(None, description="KV-cache block size in tokens.")
+    quantization: StrictStr | None = Field(None, description="Quantization method, e.g. 'awq', 'gptq', 'fp8'.")
+    limit_mm_per_prompt: dict[StrictStr, Annotated[StrictInt, Field(ge=0, le=1024)]] | None = Field(
+        None, description="Most multimodal items per prompt, by modality, e.g. {image: 1}."
+    )
+    cpu_offload_gb: Annotated[Number, Field(ge=0, le=4096)] | None = Field(
+        None, description="GiB of weights per GPU to keep in CPU memory."
+    )
+    cpu_kvcache_space_gb: Annotated[Number, Field(gt=0, le=4096)] | None = Field(
+        None,
+        description="KV-cache size in GiB for the CPU backend (device: cpu). Set it: vLLM's CPU "
+        "default asks for more memory than a small machine has.",
+    )
+    extra_engine_args: dict[StrictStr, Any] = Field(
+        default_factory=dict,
+        description="Any other vLLM EngineArgs field, passed through as is. Checked against "
+        "EngineArgs when the engine is built.",
+    )
+
+    @model_validator(mode="after")
+    def _no_shadowing(self) -> VllmConfig:
+        typed = set(type(self).model_fields) - {"extra_engine_args", "cpu_kvcache_space_gb"}
+        clash = sorted(typed & set(self.extra_engine_args))
+        if clash:
+            raise ValueError(
+                f"extra_engine_args sets {', '.join(map(repr, clash))}, which has its own field: "
+                f"set runtime_config.{clash[0]} instead"
+            )
+        return self
+
+
+class Serving(_Strict):
+    """Per-replica admission limits. Changing them never restarts a replica."""
+
+    max_concurrent: Annotated[StrictInt, Field(ge=1, le=65_536)] = Field(
+        32, description="Requests one replica runs at once; more wait or are rejected."
+    )
+    on_capacity_exhausted: Literal["queue", "reject"] = Field(
+        "queue", description="'queue' waits for a free slot; 'reject' fails at once (HTTP 429)."
+    )
+
+
+class Budget(_Strict):
+    """Spend limits, checked against the price of the GPUs the deployment reserves."""
+
+    max_spend_per_hour_usd: Annotated[Number, Field(gt=0, le=1_000_000)] | None = Field(
+        None, description="Most US dollars per hour the deployment's GPUs may cost."
+    )
+    max_spend_per_day_usd: Annotated[Number, Field(gt=0, le=24_000_000)] | None = Field(
+        None, description="Most US dollars per day (24 h of the hourly cost)."
+    )
+    on_exceeded: Literal["reject", "warn"] = Field(
+        "reject", description="'reject' refuses the apply; 'warn' logs and proceeds."
+    )
+
+
+class Deployment(_Strict):
+    """One named model served by ``replicas`` replicas of ``gpus`` GPUs each."""
+
+    name: StrictStr = Field(
+        description="DNS-label-like: 1-63 lowercase letters, digits and '-'; the OpenAI `model` field."
+    )
+    model: StrictStr = Field(
+        description="Hugging Face repo id (org/name), a local directory, or bundled:smollm2-135m-instruct."
+    )
+    runtime: Literal["vllm"] = Field("vllm", description="The inference engine.")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="'cuda' needs GPUs; 'cpu' runs vLLM's CPU backend; 'auto' picks by the host."
+    )
+    runtime_config: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")
+    gpus: Annotated[StrictInt, Field(ge=1, le=64)] = Field(
+        1, description="GPUs per replica (= tensor parallel size). Ignored reservation on device: cpu."
+    )
+    replicas: Annotated[StrictInt, Field(ge=0, le=1024)] = Field(
+        1, description="Number of replicas; 0 keeps the spec but serves nothing."
+    )
+    serving: Serving = Field(default_factory=Serving, description="Admission limits per replica.")
+    budget: Budget | None = Field(None, description="Spend limits; none means unlimited.")
+    idempotent: StrictBool = Field(
+        True, description="Re-applying an unchanged spec is a no-op. False forces a rolling restart on every apply."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(
+                f"{v!r} is not a valid name: use 1-63 lowercase letters, digits and '-', "
+                "starting and ending with a letter or digit"
+            )
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, v: str) -> str:
+        bundled = bundled_name(v)
+        if bundled is not None:
+            if bundled not in BUNDLED_MODELS:
+                raise ValueError(
+                    f"unknown bundled model {v!r}; bundled models: "
+                    + ", ".join(f"bundled:{n}" for n in BUNDLED_MODELS)
+                )
+            return v
+        if not v.strip():
+            raise ValueError("model is empty: give an HF repo id, a local directory or a bundled: model")
+        if v.startswith(("/", "./", "../", "~")) or _HF_ID_RE.match(v):
+            return v
+        raise ValueError(
+            f"{v!r} is neither an HF repo id (org/name), a local path (/…, ./…, ~/…) "
+            "nor a bundled: model"
+        )
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Deployment:
+        tp = self.runtime_config.tensor_parallel_size
+        if tp is not None and tp != self.gpus:
+            raise ValueError(
+                f"runtime_config.tensor_parallel_size is {tp} but gpus is {self.gpus}: "
+                "one replica shards over its GPUs, so set them equal (or leave tensor_parallel_size unset)"
+            )
+        hourly = self.budget.max_spend_per_hour_usd if self.budget else None
+        daily = self.budget.max_spend_per_day_usd if self.budget else None
+        if hourly and daily and daily < hourly:
+            raise ValueError(
+                f"budget.max_spend_per_day_usd ({daily:g}) is below budget.max_spend_per_hour_usd ({hourly:g})"
+            )
+        return self
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.gpus

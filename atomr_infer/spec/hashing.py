@@ -1,0 +1,57 @@
+"""Canonical hash and field-level diff of normalized specs.
+
+"Normalized" means every default filled in, so ``replicas: 1`` written out and ``replicas``
+left unset hash the same; keys are sorted, so YAML key order never matters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from atomr_infer.spec.deployment import Deployment
+
+
+def normalized(spec: Deployment) -> dict[str, Any]:
+    return spec.model_dump(mode="json")
+
+
+def spec_hash(spec: Deployment) -> str:
+    """SHA-256 of the normalized spec as canonical JSON (sorted keys, no whitespace)."""
+    blob = json.dumps(normalized(spec), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class FieldChange:
+    path: str  # dotted, e.g. "runtime_config.max_model_len"
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.path}: {_fmt(self.old)} → {_fmt(self.new)}"
+
+
+def spec_changes(old: Deployment, new: Deployment) -> list[FieldChange]:
+    """Every leaf field that differs between two specs, in a stable order."""
+    out: list[FieldChange] = []
+    _diff(normalized(old), normalized(new), "", out)
+    return out
+
+
+# Free-form mappings are compared whole: their keys are not spec fields.
+_OPAQUE = ("extra_engine_args", "limit_mm_per_prompt")
+
+
+def _diff(a: Any, b: Any, prefix: str, out: list[FieldChange]) -> None:
+    if isinstance(a, dict) and isinstance(b, dict) and not prefix.endswith(_OPAQUE):
+        for key in sorted(set(a) | set(b)):
+            _diff(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key, out)
+    elif a != b:
+        out.append(FieldChange(prefix, a, b))
+
+
+def _fmt(value: Any) -> str:
+    return "unset" if value is None else json.dumps(value, sort_keys=True)

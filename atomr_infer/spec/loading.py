@@ -1,0 +1,154 @@
+"""Turn YAML files, directories and dicts into validated ``Deployment`` objects.
+
+Every problem in every input is collected before anything is raised, so ``atomr validate``
+can print them all at once, one line each: ``<file>: <field path>: <message>``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from atomr_infer.errors import SpecError, SpecProblem
+from atomr_infer.spec.deployment import Deployment
+
+YAML_SUFFIXES = (".yaml", ".yml")
+Source = str | Path | Mapping[str, Any] | Deployment
+
+
+def parse_deployment(obj: Mapping[str, Any] | Deployment, source: str = "<dict>") -> Deployment:
+    """Validate one mapping (or pass a ``Deployment`` through). Raises ``SpecError``."""
+    if isinstance(obj, Deployment):
+        return obj
+    if not isinstance(obj, Mapping):
+        raise SpecError([SpecProblem(source, "", f"expected a mapping of deployment fields, got {_kind(obj)}")])
+    try:
+        return Deployment.model_validate(dict(obj))
+    except ValidationError as exc:
+        raise SpecError([_problem(source, err) for err in exc.errors()]) from None
+
+
+def load_deployments(*sources: Source) -> list[Deployment]:
+    """Load deployments from files, directories (their ``*.yaml``/``*.yml``), dicts or specs.
+
+    Raises ``SpecError`` listing every problem, including names used twice across the input.
+    """
+    found: list[tuple[str, Deployment]] = []
+    problems: list[SpecProblem] = []
+    for src in sources:
+        for where, doc in _documents(src, problems):
+            try:
+                found.append((where, parse_deployment(doc, where)))
+            except SpecError as exc:
+                problems.extend(exc.problems)
+    first_seen: dict[str, str] = {}
+    for where, dep in found:
+        if dep.name in first_seen:
+            problems.append(SpecProblem(where, "name", f"{dep.name!r} is already used by {first_seen[dep.name]}"))
+        else:
+            first_seen[dep.name] = where
+    if problems:
+        raise SpecError(problems)
+    return [dep for _, dep in found]
+
+
+def _documents(src: Source, problems: list[SpecProblem]) -> Iterable[tuple[str, Any]]:
+    if isinstance(src, (Mapping, Deployment)):
+        yield "<dict>", src
+        return
+    path = Path(src)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in YAML_SUFFIXES and p.is_file())
+        if not files:
+            problems.append(SpecProblem(str(path), "", "directory has no *.yaml or *.yml files"))
+        for f in files:
+            yield from _file_documents(f, problems)
+    else:
+        yield from _file_documents(path, problems)
+
+
+def _file_documents(path: Path, problems: list[SpecProblem]) -> Iterable[tuple[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        problems.append(SpecProblem(str(path), "", "no such file or directory"))
+        return
+    except (OSError, UnicodeDecodeError) as exc:
+        problems.append(SpecProblem(str(path), "", f"cannot read file: {exc}"))
+        return
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        problems.append(SpecProblem(str(path), "", f"invalid YAML{where}: {reason}"))
+        return
+    if not docs:
+        problems.append(SpecProblem(str(path), "", "file is empty: expected a deployment (name, model, ...)"))
+        return
+    for i, doc in enumerate(docs):
+        yield (f"{path}#{i + 1}" if len(docs) > 1 else str(path)), doc
+
+
+def _problem(source: str, err: Any) -> SpecProblem:
+    loc = tuple(err["loc"])
+    field = _path(loc)
+    kind, msg = err["type"], err["msg"]
+    if kind == "extra_forbidden":
+        key = str(loc[-1])
+        allowed = _allowed_keys(loc[:-1])
+        close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else f"; allowed keys: {', '.join(allowed)}"
+        return SpecProblem(source, field, f"unknown key {key!r}{hint}")
+    if kind == "missing":
+        return SpecProblem(source, field, "required field is missing")
+    if kind == "value_error":
+        return SpecProblem(source, field, msg.removeprefix("Value error, "))
+    text = msg[0].lower() + msg[1:]
+    return SpecProblem(source, field, f"{text}, got {_show(err.get('input'))}")
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the model found at ``loc`` inside ``Deployment``."""
+    model: type[BaseModel] = Deployment
+    for part in loc:
+        info = model.model_fields.get(str(part))
+        nested = _model_of(info.annotation) if info else None
+        if nested is None:
+            return []
+        model = nested
+    return list(model.model_fields)
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found:
+            return found
+    return None
+
+
+def _kind(obj: Any) -> str:
+    return {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
+        type(obj), type(obj).__name__
+    )
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
