@@ -9,6 +9,7 @@ HTTP status codes are attached only in the ingress (``serve/``), never here.
     ├── SpecError                   a deployment spec is invalid (one or many problems)
     ├── ModelError                  a model cannot be resolved or prepared
     ├── BudgetExceeded              GPUs, memory or spend over a limit; nothing was started
+    ├── DeviceUnavailable           the deployment's device (CUDA) is not usable on this host/cluster
     ├── RequestError                a request is bad; the replica keeps serving others
     │   └── InvalidRequest          names the offending field
     ├── RoutingError
@@ -91,6 +92,18 @@ class BudgetExceeded(AtomrError):
             f"deployment {self.deployment!r} over its {self.check} budget: "
             f"needs {self.requested:g} {self.unit}, {self.available:g} {self.unit} available"
         )
+        return msg + (f" (hint: {self.hint})" if self.hint else "")
+
+
+class DeviceUnavailable(AtomrError):
+    """The device a deployment asks for is not there (e.g. ``device: cuda`` with no GPU)."""
+
+    def __init__(self, deployment: str, reason: str, hint: str = "") -> None:
+        super().__init__(deployment, reason, hint)
+        self.deployment, self.reason, self.hint = deployment, reason, hint
+
+    def __str__(self) -> str:
+        msg = f"deployment {self.deployment!r} cannot run here: {self.reason}"
         return msg + (f" (hint: {self.hint})" if self.hint else "")
 
 
