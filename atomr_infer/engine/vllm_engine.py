@@ -1,0 +1,103 @@
+"""Build a vLLM ``LLMEngine`` from a ``Deployment``.
+
+``engine_args()`` is pure (no vLLM import) so it can be unit-tested and shown by
+``atomr deploy --dry-run``; ``build_vllm_engine()`` prepares the environment, resolves the
+model and constructs the engine. Unset ``VllmConfig`` fields are left out, so vLLM's own
+defaults apply.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable
+from typing import Any
+
+from atomr_infer.engine.device import Device, resolve_device
+from atomr_infer.errors import SpecError, SpecProblem
+from atomr_infer.log import get_logger
+from atomr_infer.spec import Deployment
+
+log = get_logger(__name__)
+
+# VllmConfig fields passed to EngineArgs under the same name.
+_PASS_THROUGH = (
+    "dtype",
+    "gpu_memory_utilization",
+    "max_model_len",
+    "enforce_eager",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "max_num_seqs",
+    "block_size",
+    "quantization",
+    "limit_mm_per_prompt",
+    "cpu_offload_gb",
+)
+GiB = 1 << 30
+
+
+def engine_args(deployment: Deployment, model_path: str, device: Device) -> dict[str, Any]:
+    """The keyword arguments for ``vllm.EngineArgs``."""
+    cfg = deployment.runtime_config
+    args: dict[str, Any] = {
+        "model": model_path,
+        "tensor_parallel_size": deployment.gpus,
+        # Stats on: the replica reports KV-cache use from them. vllm.LLM turns them off; the
+        # benchmark passes the same value to both sides.
+        "disable_log_stats": False,
+    }
+    for name in _PASS_THROUGH:
+        value = getattr(cfg, name)
+        if value is not None:
+            args[name] = value
+    if cfg.hf_cache_dir is not None:
+        args["download_dir"] = cfg.hf_cache_dir
+    if device == "cpu" and cfg.cpu_kvcache_space_gb is not None:
+        # The CPU backend's explicit KV-cache size (what VLLM_CPU_KVCACHE_SPACE sets).
+        args["kv_cache_memory_bytes"] = int(cfg.cpu_kvcache_space_gb * GiB)
+    args.update(cfg.extra_engine_args)
+    return args
+
+
+def check_extra_engine_args(deployment: Deployment, known: set[str]) -> None:
+    """Reject ``extra_engine_args`` keys that ``EngineArgs`` does not have."""
+    problems = []
+    for key in deployment.runtime_config.extra_engine_args:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            field = f"runtime_config.extra_engine_args.{key}"
+            problems.append(SpecProblem(deployment.name, field, f"not a vLLM EngineArgs field{hint}"))
+    if problems:
+        raise SpecError(problems)
+
+
+def prepare_environment(deployment: Deployment) -> None:
+    """Environment vLLM and huggingface_hub read at import time; call before importing vllm."""
+    if deployment.runtime_config.hf_cache_dir:
+        os.environ.setdefault("HF_HUB_CACHE", deployment.runtime_config.hf_cache_dir)
+    # Logs go through our structlog setup and Ray's log files; vLLM's own stay at WARNING.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("ATOMR_VLLM_LOG_LEVEL", "WARNING"))
+
+
+def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | None = None) -> Any:
+    """Resolve the model and construct a ``vllm.v1.engine.llm_engine.LLMEngine``."""
+    import dataclasses
+
+    from atomr_infer.models.resolve import resolve_model
+
+    say = progress or (lambda _msg: None)
+    prepare_environment(deployment)
+    device = resolve_device(deployment)
+    say(f"resolving model {deployment.model}")
+    resolved = resolve_model(deployment.model, cache_dir=deployment.runtime_config.hf_cache_dir, progress=say)
+
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    check_extra_engine_args(deployment, {f.name for f in dataclasses.fields(EngineArgs)})
+    args = engine_args(deployment, str(resolved.path), device)
+    log.info("engine_building", deployment=deployment.name, device=device, model=str(resolved.path))
+    say(f"starting vLLM engine on {device}")
+    return LLMEngine.from_engine_args(EngineArgs(**args))

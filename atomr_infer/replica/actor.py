@@ -1,0 +1,262 @@
+"""``VllmReplica``: a Ray actor that owns one engine and streams its output to many callers.
+
+Threads: Ray's event loop runs the actor methods; one ``StepLoop`` thread builds and drives
+the engine. Requests enter through the loop's inbox; each engine step's outputs come back
+with a single ``call_soon_threadsafe`` and are spread over the per-request streams. A stream
+is registered *before* its request is submitted, so no output can arrive for an unknown id.
+
+Cancellation: when the caller cancels the Ray generator (``ray.cancel``), Ray cancels the
+``generate`` coroutine; its ``finally`` aborts the request in the engine, which happens at
+the start of the next loop turn, i.e. within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from atomr_infer.engine.device import resolve_device
+from atomr_infer.engine.protocol import Engine
+from atomr_infer.errors import EngineError, InvalidRequest, ReplicaUnavailable
+from atomr_infer.log import get_logger
+from atomr_infer.replica.prompt import PromptBuilder
+from atomr_infer.replica.request import Chunk, GenerateRequest, Usage, parse_request
+from atomr_infer.replica.stats import ReplicaStats, StatsCollector
+from atomr_infer.replica.step_loop import StepLoop
+from atomr_infer.replica.stream import RequestStream
+from atomr_infer.spec import Deployment, parse_deployment
+
+EngineFactoryFor = Callable[[Deployment, Callable[[str], None]], Engine]
+
+# A step that has not returned after this long means the engine is wedged.
+STUCK_AFTER_S = 120.0
+
+
+def _default_engine_factory(deployment: Deployment, progress: Callable[[str], None]) -> Engine:
+    from atomr_infer.engine.vllm_engine import build_vllm_engine
+
+    return build_vllm_engine(deployment, progress)
+
+
+class VllmReplica:
+    """One replica of a deployment. Create it with ``VllmReplicaActor.options(...).remote(...)``."""
+
+    def __init__(
+        self,
+        deployment: Deployment | dict[str, Any],
+        replica_id: str,
+        engine_factory: EngineFactoryFor | None = None,
+    ) -> None:
+        self._deployment = parse_deployment(deployment)
+        self._replica_id = replica_id
+        self._device = resolve_device(self._deployment)
+        self._log = get_logger(__name__, deployment=self._deployment.name, replica=replica_id)
+        self._streams: dict[str, RequestStream] = {}
+        self._stats = StatsCollector()
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+        self._stopped = False
+        self._started_at = time.time()
+        self._phase = "starting"
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._prompts: PromptBuilder | None = None
+        self._max_model_len: int | None = None
+        self._engine: Engine | None = None
+        factory = engine_factory or _default_engine_factory
+        self._loop = StepLoop(
+            engine_factory=lambda: factory(self._deployment, self._progress),
+            on_ready=self._on_engine_ready,
+            on_outputs=self._on_outputs,
+            on_error=self._on_loop_error,
+            on_rejected=self._on_rejected,
+            name=f"atomr-step-loop-{replica_id}",
+        )
+        self._log.info("replica_starting", device=self._device, model=self._deployment.model)
+        self._loop.start()
+
+    def __repr__(self) -> str:
+        return f"atomr:{self._deployment.name}:{self._replica_id} ({self._device})"
+
+    # -- step-loop thread callbacks ---------------------------------------------------------
+
+    def _progress(self, message: str) -> None:
+        self._phase = message
+        self._log.info("replica_start_progress", step=message)
+
+    def _on_engine_ready(self, engine: Engine) -> None:
+        self._engine = engine
+        self._prompts = PromptBuilder(engine.get_tokenizer(), self._log)
+        model_config = getattr(engine, "model_config", None)
+        self._max_model_len = getattr(model_config, "max_model_len", None) or (
+            self._deployment.runtime_config.max_model_len
+        )
+        self._phase = "ready"
+        self._log.info("replica_ready", max_model_len=self._max_model_len, start_s=round(self._uptime(), 1))
+        self._ready.set()
+
+    def _on_outputs(self, outputs: list[Any]) -> None:
+        aloop = self._aloop
+        if aloop is not None and not aloop.is_closed():
+            aloop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _on_loop_error(self, exc: BaseException) -> None:
+        if not self._ready.is_set():
+            self._start_error = exc
+            self._phase = "failed"
+            self._log.error("replica_start_failed", error=repr(exc))
+            self._ready.set()
+            return
+        self._phase = "unhealthy"
+        self._log.error("engine_failed", error=repr(exc), open_streams=len(self._streams))
+        error = EngineError(f"engine failed on {self!r}: {type(exc).__name__}: {exc}")
+        aloop = self._aloop
+        if aloop is not None and not aloop.is_closed():
+            aloop.call_soon_threadsafe(self._fail_all, error)
+
+    def _on_rejected(self, request_id: str, exc: BaseException) -> None:
+        error: BaseException = InvalidRequest("prompt", str(exc)) if isinstance(exc, ValueError) else exc
+        aloop = self._aloop
+        if aloop is not None and not aloop.is_closed():
+            aloop.call_soon_threadsafe(self._fail_one, request_id, error)
+
+    # -- event-loop side --------------------------------------------------------------------
+
+    def _dispatch(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted meanwhile
+                continue
+            completion = out.outputs[0]
+            token_ids = list(completion.token_ids)
+            finish = (completion.finish_reason or "stop") if out.finished else None
+            usage = Usage(stream.prompt_tokens, stream.completion_tokens + len(token_ids)) if finish else None
+            stream.put(Chunk(completion.text, token_ids, finish, usage))
+            if finish:
+                self._stats.finished(stream)
+
+    def _fail_one(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.fail(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream.fail(error)
+
+    def _uptime(self) -> float:
+        return time.time() - self._started_at
+
+    async def _wait_ready(self, timeout: float | None) -> None:
+        self._aloop = self._aloop or asyncio.get_running_loop()
+        if not self._ready.is_set():
+            ok = await asyncio.to_thread(self._ready.wait, timeout)
+            if not ok:
+                raise EngineError(f"{self!r} did not start within {timeout:.0f}s (now: {self._phase})")
+        if self._start_error is not None:
+            err = self._start_error
+            raise EngineError(f"{self!r} failed to start: {type(err).__name__}: {err}")
+
+    # -- actor API --------------------------------------------------------------------------
+
+    async def ready(self, timeout: float | None = None) -> dict[str, Any]:
+        """Resolve once the engine has started; raise ``EngineError`` if it failed or timed out."""
+        await self._wait_ready(timeout)
+        return {"replica_id": self._replica_id, "device": self._device, "max_model_len": self._max_model_len}
+
+    async def generate(self, request: GenerateRequest | dict[str, Any]) -> AsyncIterator[Chunk]:
+        """Stream ``Chunk``s for one request. Call as a Ray streaming generator."""
+        req = parse_request(request)
+        if self._draining or self._stopped:
+            raise ReplicaUnavailable(f"{self!r} is {'stopped' if self._stopped else 'draining'}")
+        await self._wait_ready(None)
+        if self._loop.error is not None:
+            raise EngineError(f"{self!r} is unhealthy: {self._loop.error!r}")
+        assert self._prompts is not None  # set before the ready event
+        prompt_ids = self._prompts.token_ids(req)
+        params = self._prompts.sampling_params(req, len(prompt_ids), self._max_model_len)
+        request_id = req.request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise InvalidRequest("request_id", f"{request_id!r} is already in flight on this replica")
+        stream = RequestStream(request_id, len(prompt_ids))
+        self._streams[request_id] = stream  # registered before it can produce output
+        self._stats.started()
+        self._loop.submit(request_id, {"prompt_token_ids": prompt_ids}, params)
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            self._streams.pop(request_id, None)
+            if not stream.finished:
+                self._loop.abort([request_id])
+                self._stats.aborted()
+                self._log.info("request_aborted", request_id=request_id)
+
+    async def health(self) -> dict[str, Any]:
+        """Raise ``EngineError`` if the engine failed or a step is stuck; else report the phase."""
+        if self._start_error is not None:
+            raise EngineError(f"{self!r} failed to start: {self._start_error!r}")
+        if self._loop.error is not None:
+            raise EngineError(f"{self!r} engine failed: {self._loop.error!r}")
+        if self._ready.is_set() and not self._loop.alive and not self._stopped:
+            raise EngineError(f"{self!r} step loop is not running")
+        stuck = self._loop.stuck_for()
+        if stuck > STUCK_AFTER_S:
+            raise EngineError(f"{self!r} engine step has not returned for {stuck:.0f}s")
+        return {"phase": self._phase, "draining": self._draining}
+
+    async def stats(self) -> ReplicaStats:
+        waiting = sum(1 for s in self._streams.values() if s.first_token_at is None)
+        return self._stats.snapshot(
+            in_flight=len(self._streams),
+            waiting=waiting,
+            phase=self._phase,
+            uptime_s=self._uptime(),
+            kv_cache_usage=_kv_cache_usage(self._engine),
+            steps=self._loop.steps,
+        )
+
+    async def in_flight(self) -> int:
+        return len(self._streams)
+
+    async def drain(self, timeout: float = 30.0) -> int:
+        """Stop taking requests and wait up to ``timeout`` s for in-flight ones. Returns how many remain."""
+        self._draining = True
+        self._phase = "draining"
+        self._log.info("replica_draining", in_flight=len(self._streams))
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return len(self._streams)
+
+    async def shutdown(self) -> None:
+        """Fail what is still open, stop the step loop and free the engine."""
+        self._stopped, self._draining, self._phase = True, True, "stopped"
+        self._fail_all(ReplicaUnavailable(f"{self!r} was shut down"))
+        await asyncio.to_thread(self._loop.stop, 30.0)
+        self._log.info("replica_stopped")
+
+
+def _kv_cache_usage(engine: Engine | None) -> float | None:
+    """Fraction of KV-cache blocks in use, from vLLM's metrics when the engine keeps them."""
+    get_metrics = getattr(engine, "get_metrics", None)
+    if get_metrics is None:
+        return None
+    try:
+        for metric in get_metrics():
+            if metric.name == "vllm:kv_cache_usage_perc":
+                return float(metric.value)
+    except Exception:  # noqa: BLE001 - stats are best effort
+        return None
+    return None
+
+
+def replica_actor_class() -> Any:
+    """``VllmReplica`` as a Ray actor class (async, generous concurrency)."""
+    import ray
+
+    return ray.remote(max_concurrency=10_000, max_restarts=0)(VllmReplica)

@@ -1,0 +1,76 @@
+"""Latency and token counters a replica reports through ``stats()``."""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from dataclasses import dataclass
+
+from atomr_infer.replica.stream import RequestStream
+
+WINDOW = 1024  # summaries cover the most recent requests
+
+
+@dataclass(frozen=True)
+class Summary:
+    count: int
+    p50: float | None
+    p95: float | None
+
+    @classmethod
+    def of(cls, values: collections.deque[float]) -> Summary:
+        if not values:
+            return cls(0, None, None)
+        ordered = sorted(values)
+        p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+        return cls(len(ordered), statistics.median(ordered), p95)
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    phase: str
+    in_flight: int
+    waiting: int  # admitted but no token yet
+    requests_started: int
+    requests_finished: int
+    requests_aborted: int
+    tokens_generated: int
+    ttft_s: Summary
+    time_per_output_token_s: Summary
+    kv_cache_usage: float | None
+    uptime_s: float
+    steps: int
+
+
+class StatsCollector:
+    def __init__(self) -> None:
+        self.requests_started = self.requests_finished = self.requests_aborted = 0
+        self.tokens_generated = 0
+        self._ttft: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._tpot: collections.deque[float] = collections.deque(maxlen=WINDOW)
+
+    def started(self) -> None:
+        self.requests_started += 1
+
+    def aborted(self) -> None:
+        self.requests_aborted += 1
+
+    def finished(self, stream: RequestStream) -> None:
+        self.requests_finished += 1
+        self.tokens_generated += stream.completion_tokens
+        if stream.first_token_at is not None:
+            self._ttft.append(stream.first_token_at - stream.submitted_at)
+            if stream.last_token_at is not None and stream.completion_tokens > 1:
+                decode = stream.last_token_at - stream.first_token_at
+                self._tpot.append(decode / (stream.completion_tokens - 1))
+
+    def snapshot(self, **live: object) -> ReplicaStats:
+        return ReplicaStats(
+            requests_started=self.requests_started,
+            requests_finished=self.requests_finished,
+            requests_aborted=self.requests_aborted,
+            tokens_generated=self.tokens_generated,
+            ttft_s=Summary.of(self._ttft),
+            time_per_output_token_s=Summary.of(self._tpot),
+            **live,  # type: ignore[arg-type]
+        )

@@ -1,0 +1,127 @@
+"""The one thread that drives a replica's engine.
+
+The thread first builds the engine (``engine_factory``), so one thread creates and drives it.
+Each turn: take every queued submission and abort, call ``engine.step()`` once, and hand the
+outputs of that step to ``on_outputs`` in one call. When the engine has nothing to do the
+thread blocks on an event; it never spins or sleep-polls. If the engine raises, ``on_error``
+receives the exception once (also when building the engine failed) and the loop ends:
+the replica fails every open stream and reports itself unhealthy.
+
+Never call ``step()`` per request: one step advances every running request, so a
+per-request poller would drop the outputs of all the others.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from atomr_infer.engine.protocol import Engine
+
+EngineFactory = Callable[[], Engine]
+OnReady = Callable[[Engine], None]
+OnOutputs = Callable[[list[Any]], None]
+OnError = Callable[[BaseException], None]
+OnRejected = Callable[[str, BaseException], None]
+
+
+class StepLoop:
+    def __init__(
+        self,
+        engine_factory: EngineFactory,
+        on_ready: OnReady,
+        on_outputs: OnOutputs,
+        on_error: OnError,
+        on_rejected: OnRejected,
+        name: str = "atomr-step-loop",
+    ) -> None:
+        self._engine_factory, self._on_ready = engine_factory, on_ready
+        self._engine: Engine | None = None
+        self._on_outputs, self._on_error, self._on_rejected = on_outputs, on_error, on_rejected
+        # deque append/popleft are atomic; the event wakes the loop.
+        self._inbox: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.steps = 0
+        self.step_started_at: float | None = None  # set while inside engine.step()
+        self.last_step_at = time.monotonic()
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request_id: str, prompt: Any, params: Any) -> None:
+        self._inbox.append(("add", request_id, prompt, params))
+        self._wake.set()
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._inbox.append(("abort", list(request_ids)))
+        self._wake.set()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def stuck_for(self) -> float:
+        """Seconds the current ``engine.step()`` call has been running (0 when not in one)."""
+        started = self.step_started_at
+        return 0.0 if started is None else time.monotonic() - started
+
+    def _drain_inbox(self, engine: Engine) -> None:
+        while self._inbox:
+            item = self._inbox.popleft()
+            if item[0] == "add":
+                _, request_id, prompt, params = item
+                try:
+                    engine.add_request(request_id, prompt, params)
+                except Exception as exc:  # a bad request fails alone
+                    self._on_rejected(request_id, exc)
+            else:
+                engine.abort_request(item[1])
+
+    def _run(self) -> None:
+        try:
+            # Built here so one thread creates and drives the engine for its whole life.
+            engine = self._engine = self._engine_factory()
+            self._on_ready(engine)
+            while not self._stop:
+                # Clear before draining: a submit that lands after the drain sets it again,
+                # so the wait below returns at once instead of missing it.
+                self._wake.clear()
+                self._drain_inbox(engine)
+                if engine.has_unfinished_requests():
+                    self.step_started_at = time.monotonic()
+                    outputs = engine.step()
+                    self.step_started_at = None
+                    self.steps += 1
+                    self.last_step_at = time.monotonic()
+                    if outputs:
+                        self._on_outputs(outputs)
+                else:
+                    self._wake.wait()
+        except BaseException as exc:  # noqa: BLE001 - the loop must report every failure
+            self.step_started_at = None
+            self.error = exc
+            self._on_error(exc)
+        finally:
+            if self._engine is not None:
+                close_engine(self._engine)
+
+
+def close_engine(engine: Engine) -> None:
+    """Free the engine's processes and memory (vLLM: its engine-core client)."""
+    shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+    if shutdown is not None:
+        with contextlib.suppress(Exception):  # best effort on the way out
+            shutdown()

@@ -1,0 +1,179 @@
+"""The step loop with a scripted engine: one thread, one step per turn, no spinning."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from atomr_infer.replica.step_loop import StepLoop
+
+
+@dataclass
+class Out:
+    request_id: str
+    n: int
+
+
+@dataclass
+class ScriptedEngine:
+    """Each request produces `tokens` outputs, one per step, for every running request."""
+
+    tokens: int = 3
+    fail_on_step: int | None = None
+    running: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+    aborted: list[str] = field(default_factory=list)
+    threads: set[str] = field(default_factory=set)
+
+    def add_request(self, request_id, prompt, params):
+        self.threads.add(threading.current_thread().name)
+        if prompt == "bad":
+            raise ValueError("prompt too long")
+        self.running[request_id] = 0
+
+    def step(self):
+        self.threads.add(threading.current_thread().name)
+        self.steps += 1
+        if self.fail_on_step == self.steps:
+            raise RuntimeError("boom")
+        outs = []
+        for rid in list(self.running):
+            self.running[rid] += 1
+            outs.append(Out(rid, self.running[rid]))
+            if self.running[rid] >= self.tokens:
+                del self.running[rid]
+        return outs
+
+    def abort_request(self, ids):
+        self.aborted.extend(ids)
+        for rid in ids:
+            self.running.pop(rid, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def get_tokenizer(self):
+        return None
+
+
+class Recorder:
+    def __init__(self):
+        self.batches: list[list[Out]] = []
+        self.errors: list[BaseException] = []
+        self.rejected: list[tuple[str, BaseException]] = []
+        self.ready = threading.Event()
+        self.done = threading.Event()
+
+    def loop(self, engine) -> StepLoop:
+        return StepLoop(
+            engine_factory=lambda: engine,
+            on_ready=lambda e: self.ready.set(),
+            on_outputs=self.batches.append,
+            on_error=lambda exc: (self.errors.append(exc), self.done.set()),
+            on_rejected=lambda rid, exc: self.rejected.append((rid, exc)),
+            name="test-step-loop",
+        )
+
+
+def wait_until(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.005)
+
+
+def test_one_step_serves_every_running_request():
+    engine, rec = ScriptedEngine(tokens=3), Recorder()
+    loop = rec.loop(engine)
+    loop.start()
+    assert rec.ready.wait(5)
+    for rid in ("a", "b", "c"):
+        loop.submit(rid, "p", None)
+    wait_until(lambda: not engine.running and sum(len(b) for b in rec.batches) == 9)
+    # Each request got 3 outputs, each from a distinct step, in order.
+    for rid in ("a", "b", "c"):
+        assert [o.n for b in rec.batches for o in b if o.request_id == rid] == [1, 2, 3]
+    assert engine.threads == {"test-step-loop"}
+    loop.stop()
+    assert not loop.alive
+
+
+def test_idle_loop_blocks_instead_of_spinning():
+    engine, rec = ScriptedEngine(), Recorder()
+    loop = rec.loop(engine)
+    loop.start()
+    assert rec.ready.wait(5)
+    steps_before = engine.steps
+    time.sleep(0.3)
+    assert engine.steps == steps_before == 0
+    loop.submit("x", "p", None)
+    wait_until(lambda: engine.steps == 3)
+    time.sleep(0.2)
+    assert engine.steps == 3  # nothing to do again: no further steps
+    loop.stop()
+
+
+def test_abort_reaches_the_engine_within_one_step():
+    engine, rec = ScriptedEngine(tokens=10_000), Recorder()
+    loop = rec.loop(engine)
+    loop.start()
+    loop.submit("long", "p", None)
+    wait_until(lambda: engine.steps >= 2)
+    loop.abort(["long"])
+    wait_until(lambda: "long" in engine.aborted)
+    wait_until(lambda: not engine.has_unfinished_requests())
+    loop.stop()
+
+
+def test_a_rejected_request_fails_alone():
+    engine, rec = ScriptedEngine(tokens=2), Recorder()
+    loop = rec.loop(engine)
+    loop.start()
+    loop.submit("bad-one", "bad", None)
+    loop.submit("good", "p", None)
+    wait_until(lambda: sum(len(b) for b in rec.batches) == 2)
+    assert [rid for rid, _ in rec.rejected] == ["bad-one"]
+    assert isinstance(rec.rejected[0][1], ValueError)
+    assert not rec.errors
+    loop.stop()
+
+
+def test_engine_failure_is_reported_once_and_ends_the_loop():
+    engine, rec = ScriptedEngine(tokens=100, fail_on_step=2), Recorder()
+    loop = rec.loop(engine)
+    loop.start()
+    loop.submit("a", "p", None)
+    assert rec.done.wait(5)
+    assert len(rec.errors) == 1 and str(rec.errors[0]) == "boom"
+    wait_until(lambda: not loop.alive)
+    assert isinstance(loop.error, RuntimeError)
+
+
+def test_engine_build_failure_is_reported():
+    rec = Recorder()
+
+    def broken():
+        raise OSError("no weights")
+
+    loop = StepLoop(broken, lambda e: rec.ready.set(), rec.batches.append,
+                    lambda exc: (rec.errors.append(exc), rec.done.set()), lambda *a: None)
+    loop.start()
+    assert rec.done.wait(5)
+    assert not rec.ready.is_set()
+    assert isinstance(rec.errors[0], OSError)
+
+
+@pytest.mark.parametrize("n_requests", [1, 50])
+def test_stuck_for_is_zero_outside_a_step(n_requests):
+    engine, rec = ScriptedEngine(tokens=1), Recorder()
+    loop = rec.loop(engine)
+    loop.start()
+    for i in range(n_requests):
+        loop.submit(str(i), "p", None)
+    wait_until(lambda: not engine.running and engine.steps > 0)
+    assert loop.stuck_for() == 0.0
+    loop.stop()
