@@ -17,10 +17,23 @@ from atomr_infer.models.registry import BUNDLED_MODELS, bundled_name
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 # HF repo ids: "name" or "org/name"; letters, digits, "-", "_", "." (no "--" or ".." runs).
-_HF_ID_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+_HF_ID_RE = re.compile(r"^(?!.*(?:--|\.\.))(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+# EngineArgs keys the spec sets from other fields, and where to set them instead.
+_ENGINE_ARGS_OWNED = {"model": "model", "download_dir": "runtime_config.hf_cache_dir"}
 
 # A number: int or float, never a bool or a string (strict floats accept ints).
 Number = Annotated[float, Field(strict=True)]
+
+
+class FieldValueError(ValueError):
+    """A cross-field check that failed, naming the field (relative to the model) to report it on."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(field, message)
+        self.field, self.message = field, message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class _Strict(BaseModel):
@@ -73,11 +86,13 @@ class VllmConfig(_Strict):
     @model_validator(mode="after")
     def _no_shadowing(self) -> VllmConfig:
         typed = set(type(self).model_fields) - {"extra_engine_args", "cpu_kvcache_space_gb"}
-        clash = sorted(typed & set(self.extra_engine_args))
+        owned = {name: f"runtime_config.{name}" for name in typed} | _ENGINE_ARGS_OWNED
+        clash = sorted(set(owned) & set(self.extra_engine_args))
         if clash:
-            raise ValueError(
-                f"extra_engine_args sets {', '.join(map(repr, clash))}, which has its own field: "
-                f"set runtime_config.{clash[0]} instead"
+            raise FieldValueError(
+                "extra_engine_args",
+                f"sets {', '.join(map(repr, clash))}, which the spec sets from its own field: "
+                f"set {', '.join(owned[k] for k in clash)} instead",
             )
         return self
 
@@ -167,15 +182,16 @@ class Deployment(_Strict):
     def _check_consistency(self) -> Deployment:
         tp = self.runtime_config.tensor_parallel_size
         if tp is not None and tp != self.gpus:
-            raise ValueError(
-                f"runtime_config.tensor_parallel_size is {tp} but gpus is {self.gpus}: "
-                "one replica shards over its GPUs, so set them equal (or leave tensor_parallel_size unset)"
+            raise FieldValueError(
+                "runtime_config.tensor_parallel_size",
+                f"is {tp} but gpus is {self.gpus}: one replica shards over its GPUs, "
+                "so set them equal (or leave tensor_parallel_size unset)",
             )
         hourly = self.budget.max_spend_per_hour_usd if self.budget else None
         daily = self.budget.max_spend_per_day_usd if self.budget else None
         if hourly and daily and daily < hourly:
-            raise ValueError(
-                f"budget.max_spend_per_day_usd ({daily:g}) is below budget.max_spend_per_hour_usd ({hourly:g})"
+            raise FieldValueError(
+                "budget.max_spend_per_day_usd", f"{daily:g} is below budget.max_spend_per_hour_usd ({hourly:g})"
             )
         return self
 

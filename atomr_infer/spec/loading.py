@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from atomr_infer.errors import SpecError, SpecProblem
-from atomr_infer.spec.deployment import Deployment
+from atomr_infer.spec.deployment import Deployment, FieldValueError
 
 YAML_SUFFIXES = (".yaml", ".yml")
 Source = str | Path | Mapping[str, Any] | Deployment
@@ -109,6 +109,9 @@ def _problem(source: str, err: Any) -> SpecProblem:
     if kind == "missing":
         return SpecProblem(source, field, "required field is missing")
     if kind == "value_error":
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, FieldValueError):
+            field = f"{field}.{cause.field}" if field else cause.field
         return SpecProblem(source, field, msg.removeprefix("Value error, "))
     text = msg[0].lower() + msg[1:]
     return SpecProblem(source, field, f"{text}, got {_show(err.get('input'))}")
