@@ -41,7 +41,7 @@ def fail(exc: BaseException) -> NoReturn:
         traceback.print_exception(exc, file=sys.stderr)
     if isinstance(exc, SpecError):
         for problem in exc.problems:
-            err.print(f"[red]error:[/] {problem}", markup=True)
+            err.print(f"[red]error:[/] {_escape(str(problem))}", markup=True, emoji=False)
         raise typer.Exit(EXIT_INVALID)
     if isinstance(exc, KeyboardInterrupt):
         err.print("interrupted")
@@ -69,7 +69,7 @@ def validate(
     for d in deployments:
         size = f"{d.replicas} replica{'s' if d.replicas != 1 else ''}"
         where = "cpu" if d.device == "cpu" else f"{d.gpus} GPU{'s' if d.gpus != 1 else ''} each, device {d.device}"
-        out.print(f"valid: {d.name}  {d.model}  ({size}, {where})")
+        out.print(f"valid: {d.name}  {d.model}  ({size}, {where})", markup=False, emoji=False)
 
 
 def main() -> None:
