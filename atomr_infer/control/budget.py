@@ -1,0 +1,166 @@
+"""Budget checks that run before anything is created (DESIGN.md decision 7).
+
+Three checks, each with the numbers and a hint when it fails:
+- gpus:   GPUs requested by every deployment (gpus x replicas) vs GPUs in the cluster;
+- memory: weights + KV cache for one max_model_len sequence vs per-GPU memory x utilization;
+- spend:  GPU-hours x price vs ``budget.max_spend_per_hour_usd`` / ``max_spend_per_day_usd``.
+
+Pure functions over a ``ClusterView`` so they are unit-tested without Ray. Prices come from
+``DEFAULT_GPU_PRICES_USD`` (on-demand cloud list prices, rounded; override with the
+``ATOMR_GPU_PRICES`` environment variable, a JSON object of accelerator type → $/GPU-hour).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from atomr_infer.errors import BudgetExceeded, DeviceUnavailable
+from atomr_infer.log import get_logger
+from atomr_infer.spec import Deployment
+
+log = get_logger(__name__)
+
+DEFAULT_GPU_PRICES_USD: dict[str, float] = {
+    "H200": 5.00,
+    "H100": 4.00,
+    "A100": 2.50,
+    "L40S": 1.50,
+    "A10G": 1.20,
+    "L4": 0.80,
+    "T4": 0.50,
+    "default": 2.00,  # any accelerator type not listed
+}
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """What the checks need to know about the cluster."""
+
+    total_gpus: float
+    accelerator_type: str | None = None  # e.g. "H100", from Ray's accelerator_type resources
+    gpu_memory_bytes: int | None = None  # per GPU; None = unknown (memory check skipped)
+    prices_usd: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_GPU_PRICES_USD))
+
+    def price_per_gpu_hour(self) -> float:
+        key = self.accelerator_type or "default"
+        return self.prices_usd.get(key, self.prices_usd.get("default", DEFAULT_GPU_PRICES_USD["default"]))
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str  # "gpus" | "memory" | "spend"
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class BudgetVerdict:
+    checks: tuple[Check, ...]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def __str__(self) -> str:
+        parts = [f"{c.name}: {'ok' if c.ok else 'OVER'} ({c.detail})" for c in self.checks]
+        return "; ".join(parts + [f"warning: {w}" for w in self.warnings])
+
+
+def uses_gpus(spec: Deployment, cluster: ClusterView) -> bool:
+    """``cuda`` always reserves GPUs; ``auto`` does when the cluster has any."""
+    return spec.device == "cuda" or (spec.device == "auto" and cluster.total_gpus > 0)
+
+
+def gpus_needed(spec: Deployment, cluster: ClusterView, surge: int = 0) -> float:
+    return float(spec.gpus * (spec.replicas + surge)) if uses_gpus(spec, cluster) else 0.0
+
+
+def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: ClusterView, raise_on_fail: bool = True,
+                 weights_bytes: int | None = None, kv_bytes_per_token: int | None = None) -> BudgetVerdict:
+    """Run every check for ``spec`` given the other deployments' desired state.
+
+    Raises ``DeviceUnavailable`` / ``BudgetExceeded`` on the first failing check unless
+    ``raise_on_fail`` is False (``plan`` reports the verdict instead).
+    """
+    checks: list[Check] = []
+    warnings: list[str] = []
+    if spec.device == "cuda" and cluster.total_gpus == 0:
+        if raise_on_fail:
+            raise DeviceUnavailable(
+                spec.name,
+                "device is 'cuda' but the Ray cluster has no GPUs",
+                "use deployments/smollm2.yaml (device: cpu) on a host without a GPU, or add GPU nodes",
+            )
+        checks.append(Check("gpus", False, "device is 'cuda' but the cluster has no GPUs"))
+        return BudgetVerdict(tuple(checks))
+
+    # GPUs
+    others_need = sum(gpus_needed(o, cluster) for o in others if o.name != spec.name)
+    need = gpus_needed(spec, cluster)
+    ok = others_need + need <= cluster.total_gpus
+    checks.append(Check("gpus", ok, f"{others_need + need:g} of {cluster.total_gpus:g} GPUs"))
+    if not ok and raise_on_fail:
+        raise BudgetExceeded(
+            spec.name, "gpus", others_need + need, cluster.total_gpus, "GPUs",
+            f"this deployment needs {need:g} (gpus {spec.gpus} x replicas {spec.replicas}), others hold "
+            f"{others_need:g}; lower replicas or gpus, remove a deployment, or add GPU nodes",
+        )
+
+    # Memory fit, per GPU, when both the model size and the GPU memory are known.
+    if uses_gpus(spec, cluster) and cluster.gpu_memory_bytes and weights_bytes:
+        cfg = spec.runtime_config
+        util = cfg.gpu_memory_utilization if cfg.gpu_memory_utilization is not None else 0.9
+        offload = (cfg.cpu_offload_gb or 0) * GiB
+        kv = (kv_bytes_per_token or 0) * (cfg.max_model_len or 0)
+        per_gpu_need = max(0.0, weights_bytes - offload) / spec.gpus + kv / spec.gpus
+        per_gpu_have = cluster.gpu_memory_bytes * util
+        ok = per_gpu_need <= per_gpu_have
+        detail = f"{per_gpu_need / GiB:.1f} of {per_gpu_have / GiB:.1f} GiB per GPU"
+        checks.append(Check("memory", ok, detail))
+        if not ok and raise_on_fail:
+            raise BudgetExceeded(
+                spec.name, "memory", round(per_gpu_need / GiB, 2), round(per_gpu_have / GiB, 2), "GiB per GPU",
+                "use a smaller variant, a quantized model (runtime_config.quantization), more gpus per replica, "
+                "runtime_config.cpu_offload_gb, or a lower max_model_len",
+            )
+
+    # Spend
+    hourly = need * cluster.price_per_gpu_hour()
+    budget = spec.budget
+    if budget is not None:
+        limits = [("max_spend_per_hour_usd", budget.max_spend_per_hour_usd, hourly, "USD/hour"),
+                  ("max_spend_per_day_usd", budget.max_spend_per_day_usd, hourly * 24, "USD/day")]
+        for field_name, limit, cost, unit in limits:
+            if limit is None:
+                continue
+            ok = cost <= limit
+            checks.append(Check("spend", ok, f"{cost:.2f} of {limit:g} {unit} (budget.{field_name})"))
+            if ok:
+                continue
+            hint = (f"{need:g} GPUs x ${cluster.price_per_gpu_hour():.2f}/GPU-hour "
+                    f"({cluster.accelerator_type or 'default price'}); lower replicas or raise budget.{field_name}")
+            if budget.on_exceeded == "warn":
+                warnings.append(f"spend {cost:.2f} {unit} over budget.{field_name}={limit:g} (on_exceeded: warn)")
+                log.warning("budget_exceeded_warn", deployment=spec.name, cost=round(cost, 2), limit=limit, unit=unit)
+            elif raise_on_fail:
+                raise BudgetExceeded(spec.name, "spend", round(cost, 2), limit, unit, hint)
+    return BudgetVerdict(tuple(checks), tuple(warnings))
+
+
+def prices_from_env(environ: dict[str, str] | None = None) -> dict[str, float]:
+    env = os.environ if environ is None else environ
+    prices = dict(DEFAULT_GPU_PRICES_USD)
+    raw = env.get("ATOMR_GPU_PRICES")
+    if raw:
+        try:
+            parsed: Any = json.loads(raw)
+            prices.update({str(k): float(v) for k, v in parsed.items()})
+        except (ValueError, AttributeError, TypeError) as exc:
+            raise ValueError(f"ATOMR_GPU_PRICES: not a JSON object of type → $/GPU-hour: {raw!r} ({exc})") from None
+    return prices

@@ -1,0 +1,356 @@
+"""``DeploymentManager``: the control plane, a detached named Ray actor (``atomr-manager``).
+
+``apply`` validates, checks budgets and records the desired state; it does not start
+anything itself. A reconcile loop (every ``RECONCILE_PERIOD_S`` and at once after each
+change) converges actual replicas to desired, one non-blocking pass at a time, each
+deployment in its own try so one failure never stops the loop. Applies are serialized by a
+lock; the generation rises only when the normalized spec's hash changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from atomr_infer.cluster import MANAGER_NAME
+from atomr_infer.control.budget import BudgetVerdict, ClusterView, check_budget, prices_from_env, uses_gpus
+from atomr_infer.control.plan import Plan, plan_apply, plan_remove
+from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
+from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
+from atomr_infer.control.store import DeploymentRecord, StateStore
+from atomr_infer.log import get_logger
+from atomr_infer.replica.request import Chunk
+from atomr_infer.routing.router import Router
+from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
+from atomr_infer.spec import Deployment, normalized, parse_deployment, spec_hash
+
+log = get_logger(__name__)
+RECONCILE_PERIOD_S = 1.0
+_RESTART_IRRELEVANT = ("serving", "budget", "idempotent", "replicas")
+# Per-GPU memory by Ray accelerator type, GiB (Ray does not report GPU memory itself).
+GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48, "A10G": 24, "L4": 24, "T4": 16}
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    name: str
+    changed: bool
+    generation: int
+    actions: tuple[str, ...]
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    name: str
+    changed: bool
+    actions: tuple[str, ...]
+    budget_ok: bool
+    budget: str
+    error: str | None = None  # the error apply would raise, if any
+
+
+def runtime_key(spec: Deployment, nonce: int) -> str:
+    """Hash of what a running replica depends on; a change means "replace the replicas"."""
+    data = {k: v for k, v in normalized(spec).items() if k not in _RESTART_IRRELEVANT}
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{digest}:{nonce}"
+
+
+@dataclass
+class _Desired:
+    spec: Deployment
+    record: DeploymentRecord
+    reconciler: DeploymentReconciler = field(repr=False)
+
+
+class DeploymentManager:
+    """The control plane. Create through ``atomr_infer.manager()``; every method is idempotent."""
+
+    def __init__(
+        self,
+        launcher: ReplicaLauncher | None = None,
+        store: StateStore | None = None,
+        cluster: ClusterView | None = None,
+        reconcile_config: ReconcileConfig | None = None,
+        clock: Any = time.time,
+    ) -> None:
+        self._cluster_override = cluster
+        self._launcher = launcher or self._ray_launcher()
+        self._store = store or StateStore()
+        self._clock = clock
+        self._cfg = reconcile_config or ReconcileConfig()
+        self._desired: dict[str, _Desired] = {}
+        self._removing: dict[str, DeploymentReconciler] = {}
+        self._lock = asyncio.Lock()
+        self._kick = asyncio.Event()
+        self._table = RoutingTable(version=0)
+        self._table_changed = asyncio.Event()
+        self._router = Router(self._local_table)
+        self._loop_task: asyncio.Task[None] | None = None
+        self._recover()
+
+    def __repr__(self) -> str:
+        return MANAGER_NAME
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _ray_launcher(self) -> ReplicaLauncher:
+        from atomr_infer.control.ray_replicas import RayReplicaLauncher
+
+        return RayReplicaLauncher(lambda spec: uses_gpus(spec, self._cluster_view()))
+
+    def _cluster_view(self) -> ClusterView:
+        if self._cluster_override is not None:
+            return self._cluster_override
+        import ray
+
+        resources = ray.cluster_resources()
+        accel = next((k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")), None)
+        mem = GPU_MEMORY_GIB.get(accel or "")
+        return ClusterView(
+            total_gpus=float(resources.get("GPU", 0)),
+            accelerator_type=accel,
+            gpu_memory_bytes=mem * (1 << 30) if mem else None,
+            prices_usd=prices_from_env(),
+        )
+
+    def _new_reconciler(self, name: str, next_index: int = 0) -> DeploymentReconciler:
+        return DeploymentReconciler(name, self._launcher, self._clock, dataclasses.replace(self._cfg), next_index)
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    def _persist(self) -> None:
+        for d in self._desired.values():
+            d.record.next_index = d.reconciler._next_index
+            d.record.replicas = {
+                r.replica_id: {"runtime_key": r.runtime_key, "generation": r.generation, "started_at": r.started_at}
+                for r in d.reconciler.replicas
+                if r.live
+            }
+        self._store.save({name: d.record for name, d in self._desired.items()})
+
+    def _recover(self) -> None:
+        """Rebuild desired state from the store and re-adopt live replicas by name."""
+        try:
+            records = self._store.load()
+        except Exception as exc:  # noqa: BLE001 - a manager without state still serves applies
+            log.error("state_load_failed", error=repr(exc))
+            return
+        for name, rec in records.items():
+            spec = parse_deployment(rec.spec)
+            rec_ = self._new_reconciler(name, rec.next_index)
+            rec_.set_desired(spec, rec.generation, rec.runtime_key)
+            for replica_id, info in sorted(rec.replicas.items()):
+                handle = self._launcher.adopt(spec, replica_id)
+                if handle is None:
+                    continue
+                rec_.adopt(
+                    ReplicaRecord(
+                        replica_id, info["runtime_key"], info["generation"], handle,
+                        started_at=info.get("started_at", 0.0), state_since=self._clock(),
+                    )
+                )
+            self._desired[name] = _Desired(spec, rec, rec_)
+            log.info("deployment_recovered", deployment=name, generation=rec.generation, adopted=len(rec_.replicas))
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def _run_loop(self) -> None:
+        while True:
+            self.reconcile_once()
+            self._kick.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), RECONCILE_PERIOD_S)
+
+    def reconcile_once(self) -> None:
+        """One pass over every deployment; safe to call any number of times."""
+        started = time.perf_counter()
+        routes_changed = False
+        for name, rec in [(n, d.reconciler) for n, d in self._desired.items()] + list(self._removing.items()):
+            try:
+                routes_changed |= rec.update()
+            except Exception as exc:  # noqa: BLE001 - one deployment never stops the loop
+                log.error("reconcile_failed", deployment=name, error=repr(exc))
+        for name in [n for n, r in self._removing.items() if r.finished_removing]:
+            del self._removing[name]
+            routes_changed = True
+        reap = getattr(self._launcher, "reaper", None)
+        if reap is not None:
+            reap.reap()
+        if routes_changed:
+            self._publish()
+        try:
+            self._persist()
+        except Exception as exc:  # noqa: BLE001
+            log.error("state_save_failed", error=repr(exc))
+        self.last_reconcile_s = time.perf_counter() - started
+
+    def _publish(self) -> None:
+        deployments = {}
+        for name, d in self._desired.items():
+            ready = tuple(
+                ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor()) for r in d.reconciler.ready_replicas()
+            )
+            s = d.spec.serving
+            deployments[name] = DeploymentRoute(name, s.max_concurrent, s.on_capacity_exhausted, ready)
+        self._table = RoutingTable(self._table.version + 1, deployments)
+        self._table_changed.set()
+        self._table_changed = asyncio.Event()
+
+    async def _local_table(self, since_version: int) -> RoutingTable | None:
+        return self._table if self._table.version != since_version else None
+
+    # -- messages ----------------------------------------------------------------------------
+
+    async def apply(self, spec: Deployment | dict[str, Any]) -> ApplyResult:
+        """Record ``spec`` as desired (after validation and budget checks); idempotent."""
+        self._ensure_loop()
+        deployment = parse_deployment(spec)
+        async with self._lock:
+            current = self._desired.get(deployment.name)
+            plan = self._plan(deployment, current)
+            if not plan.changed:
+                assert current is not None
+                return ApplyResult(deployment.name, False, current.record.generation, ("unchanged",))
+            verdict = self._check(deployment, raise_on_fail=True)
+            self._check_engine_args(deployment)
+            self._record(deployment, current, plan)
+            generation = self._desired[deployment.name].record.generation
+        log.info("apply", deployment=deployment.name, generation=generation, actions=plan.summary)
+        self._kick.set()
+        return ApplyResult(deployment.name, True, generation, tuple(a.summary for a in plan.actions), verdict.warnings)
+
+    async def plan(self, spec: Deployment | dict[str, Any]) -> PlanResult:
+        """What ``apply`` would do, and the budget verdict; changes nothing."""
+        deployment = parse_deployment(spec)
+        plan = self._plan(deployment, self._desired.get(deployment.name))
+        error = None
+        try:
+            verdict = self._check(deployment, raise_on_fail=True) if plan.changed else BudgetVerdict(())
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            error = str(exc)
+            verdict = self._check(deployment, raise_on_fail=False)
+        actions = tuple(a.summary for a in plan.actions)
+        return PlanResult(deployment.name, plan.changed, actions, verdict.ok and error is None, str(verdict), error)
+
+    async def remove(self, name: str) -> ApplyResult:
+        """Drain and stop a deployment's replicas. Unknown names are a no-op that says so."""
+        self._ensure_loop()
+        async with self._lock:
+            current = self._desired.pop(name, None)
+            plan = plan_remove(current.spec if current else None, name)
+            if current is None:
+                return ApplyResult(name, False, 0, tuple(a.summary for a in plan.actions))
+            generation = current.record.generation + 1
+            current.reconciler.set_desired(None, generation, "")
+            self._removing[name] = current.reconciler
+            self._persist()
+            self._publish()  # stop routing to it at once
+        log.info("remove", deployment=name, actions=plan.summary)
+        self._kick.set()
+        return ApplyResult(name, True, generation, tuple(a.summary for a in plan.actions))
+
+    async def list(self) -> list[dict[str, Any]]:
+        self._ensure_loop()
+        return [self._status(n) for n in sorted(set(self._desired) | set(self._removing))]
+
+    async def status(self, name: str) -> dict[str, Any] | None:
+        self._ensure_loop()
+        return self._status(name) if name in self._desired or name in self._removing else None
+
+    async def routing_table(self, since_version: int = -1, timeout_s: float = 0.0) -> RoutingTable | None:
+        """The current table if newer than ``since_version``; waits up to ``timeout_s`` for one."""
+        self._ensure_loop()
+        if self._table.version == since_version and timeout_s > 0:
+            try:
+                await asyncio.wait_for(self._table_changed.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return None
+        return self._table if self._table.version != since_version else None
+
+    async def generate(self, name: str, request: dict[str, Any]) -> AsyncIterator[Chunk]:
+        """Route and stream, for scripts that hold only the manager handle."""
+        self._ensure_loop()
+        async for chunk in self._router.stream(name, request):
+            yield chunk
+
+    async def wait_ready(self, name: str, timeout_s: float = 600.0) -> dict[str, Any] | None:
+        """Wait until ``name`` has converged (observed = desired generation) or ``timeout_s`` passes."""
+        self._ensure_loop()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = self._status(name) if name in self._desired else None
+            if status is None or status["observed_generation"] == status["generation"]:
+                return status
+            await asyncio.sleep(0.2)
+        return self._status(name) if name in self._desired else None
+
+    async def ping(self) -> str:
+        self._ensure_loop()
+        return "ok"
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _plan(self, spec: Deployment, current: _Desired | None) -> Plan:
+        force = current is not None and not spec.idempotent
+        return plan_apply(current.spec if current else None, spec, force_restart=force)
+
+    def _check(self, spec: Deployment, raise_on_fail: bool) -> BudgetVerdict:
+        others = [d.spec for n, d in self._desired.items() if n != spec.name]
+        weights, kv = _size_estimates(spec)
+        return check_budget(spec, others, self._cluster_view(), raise_on_fail, weights, kv)
+
+    @staticmethod
+    def _check_engine_args(spec: Deployment) -> None:
+        if not spec.runtime_config.extra_engine_args:
+            return
+        from vllm import EngineArgs
+
+        from atomr_infer.engine.vllm_engine import check_extra_engine_args
+
+        check_extra_engine_args(spec, {f.name for f in dataclasses.fields(EngineArgs)})
+
+    def _record(self, spec: Deployment, current: _Desired | None, plan: Plan) -> None:
+        if current is None:
+            removing = self._removing.pop(spec.name, None)
+            reconciler = removing or self._new_reconciler(spec.name)
+            record = DeploymentRecord(normalized(spec), 1, runtime_key(spec, 0))
+            if removing is not None:  # re-created while the old replicas drain
+                record.generation = removing.generation + 1
+            self._desired[spec.name] = current = _Desired(spec, record, reconciler)
+        else:
+            rec = current.record
+            rec.nonce += 1 if plan.restart and not spec.idempotent else 0
+            rec.spec, rec.generation = normalized(spec), rec.generation + 1
+            rec.runtime_key = runtime_key(spec, rec.nonce)
+            current.spec = spec
+        current.reconciler.set_desired(spec, current.record.generation, current.record.runtime_key)
+        self._persist()
+        self._publish()  # serving limits take effect at once
+
+    def _status(self, name: str) -> dict[str, Any]:
+        d = self._desired.get(name)
+        status = (d.reconciler if d else self._removing[name]).status()
+        status["removing"] = d is None
+        status["spec_hash"] = spec_hash(d.spec) if d else None
+        return status
+
+
+def _size_estimates(spec: Deployment) -> tuple[int | None, int | None]:
+    """(weights bytes, KV-cache bytes per token) when knowable without downloading."""
+    try:
+        from atomr_infer.models.estimate import estimate_for_spec
+
+        return estimate_for_spec(spec)
+    except Exception:  # noqa: BLE001 - unknown size skips the memory check
+        return None, None

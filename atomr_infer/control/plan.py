@@ -1,0 +1,78 @@
+"""What an apply will do: classify the change between the recorded and the new spec.
+
+Pure: no Ray. ``plan_apply`` is used by ``manager.apply`` (to report actions) and by
+``manager.plan`` / ``atomr deploy --dry-run`` (to show them without changing anything).
+
+Change classes (DESIGN.md decision 5):
+- in place: ``serving``, ``budget``, ``idempotent`` — no replica restarts;
+- scale: ``replicas`` — start or stop only the difference;
+- restart: anything else (model, engine config, gpus, device) — rolling replacement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from atomr_infer.spec import Deployment, FieldChange, spec_changes, spec_hash
+
+IN_PLACE_PREFIXES = ("serving", "budget", "idempotent")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "create" | "unchanged" | "scale" | "roll" | "update_in_place" | "remove" | "noop"
+    summary: str  # one line for humans: "scale 2 → 4"
+    changes: tuple[str, ...] = ()  # "runtime_config.max_model_len: 2048 → 4096"
+
+    def __str__(self) -> str:
+        return self.summary
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    changed: bool
+    actions: tuple[Action, ...] = field(default_factory=tuple)
+    restart: bool = False  # replicas of the old spec must be replaced
+
+    @property
+    def summary(self) -> str:
+        return "; ".join(a.summary for a in self.actions)
+
+
+def _plural(n: int) -> str:
+    return f"{n} replica" + ("" if n == 1 else "s")
+
+
+def classify(changes: list[FieldChange]) -> tuple[list[FieldChange], list[FieldChange], list[FieldChange]]:
+    """Split changes into (in place, scale, restart)."""
+    in_place = [c for c in changes if c.path.startswith(IN_PLACE_PREFIXES)]
+    scale = [c for c in changes if c.path == "replicas"]
+    restart = [c for c in changes if c not in in_place and c not in scale]
+    return in_place, scale, restart
+
+
+def plan_apply(old: Deployment | None, new: Deployment, force_restart: bool = False) -> Plan:
+    """The actions that turn ``old`` (the recorded spec, or None) into ``new``."""
+    if old is None:
+        return Plan(new.name, True, (Action("create", f"create {_plural(new.replicas)}"),))
+    if spec_hash(old) == spec_hash(new) and not force_restart:
+        return Plan(new.name, False, (Action("unchanged", "unchanged"),))
+    in_place, scale, restart = classify(spec_changes(old, new))
+    actions: list[Action] = []
+    if restart or force_restart:
+        reason = tuple(str(c) for c in restart) or ("idempotent: false forces a restart",)
+        kept = min(old.replicas, new.replicas)
+        actions.append(Action("roll", f"roll {_plural(kept)} ({', '.join(reason)})", reason))
+    if scale:
+        actions.append(Action("scale", f"scale {old.replicas} → {new.replicas}", (str(scale[0]),)))
+    if in_place:
+        text = tuple(str(c) for c in in_place)
+        actions.append(Action("update_in_place", f"update in place ({', '.join(text)})", text))
+    return Plan(new.name, True, tuple(actions), restart=bool(restart) or force_restart)
+
+
+def plan_remove(old: Deployment | None, name: str) -> Plan:
+    if old is None:
+        return Plan(name, False, (Action("noop", f"no deployment named {name!r}; nothing to remove"),))
+    return Plan(name, True, (Action("remove", f"drain and remove {_plural(old.replicas)}"),))

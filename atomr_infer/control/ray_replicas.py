@@ -1,0 +1,175 @@
+"""The Ray side of the replica wrapper: create, poll, drain and stop ``VllmReplica`` actors.
+
+Every call returns at once. Object refs are turned into futures and checked with ``done()``,
+so the manager's reconcile pass never waits on a replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from atomr_infer.control.replicas import Poll
+from atomr_infer.errors import AtomrError
+from atomr_infer.log import get_logger
+from atomr_infer.replica import replica_actor_class
+from atomr_infer.spec import Deployment
+
+NAMESPACE = "atomr"
+log = get_logger(__name__)
+
+
+def actor_name(deployment: str, replica_id: str) -> str:
+    return f"atomr:{deployment}:{replica_id}"
+
+
+def error_reason(exc: BaseException) -> str:
+    """A one-line reason from whatever Ray raised (unwrapping task errors)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        exc = cause
+    text = str(exc).strip().splitlines()
+    if isinstance(exc, AtomrError) or not text:
+        return text[-1] if text else type(exc).__name__
+    return f"{type(exc).__name__}: {text[-1]}"
+
+
+def _poll(fut: Future[Any] | None) -> tuple[Poll, Any]:
+    if fut is None or not fut.done():
+        return Poll.pending(), None
+    try:
+        return Poll.success(), fut.result()
+    except Exception as exc:  # noqa: BLE001 - any failure is the replica's
+        return Poll.failed(error_reason(exc)), None
+
+
+class RayReplicaHandle:
+    def __init__(self, actor: Any, name: str, reaper: Reaper, pg: Any = None, adopted: bool = False) -> None:
+        self.actor_name = name
+        self._actor, self._pg, self._reaper = actor, pg, reaper
+        self._ready: Future[Any] | None = actor.ready.remote().future()
+        self._health: Future[Any] | None = None
+        self._drain: Future[Any] | None = None
+        self._info: dict[str, Any] = {}
+        self._in_flight = 0
+        self.adopted = adopted
+
+    def actor(self) -> Any:
+        return self._actor
+
+    def placement(self) -> dict[str, Any]:
+        return {
+            "actor_id": self._actor._actor_id.hex(),
+            "node_id": self._info.get("node_id"),
+            "gpu_ids": self._info.get("gpu_ids", []),
+            "device": self._info.get("device"),
+        }
+
+    def poll_ready(self) -> Poll:
+        poll, info = _poll(self._ready)
+        if poll.done and poll.ok:
+            self._info = info or {}
+        return poll
+
+    def poll_health(self) -> Poll:
+        if self._health is None:
+            self._health = self._actor.health.remote().future()
+            return Poll.pending()
+        poll, info = _poll(self._health)
+        if poll.done:
+            self._health = None
+            if poll.ok and info:
+                self._in_flight = int(info.get("in_flight", 0))
+        return poll
+
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def begin_drain(self, timeout_s: float) -> None:
+        self._drain = self._actor.drain.remote(timeout_s).future()
+
+    def poll_drained(self) -> Poll:
+        poll, _ = _poll(self._drain)
+        return poll
+
+    def stop(self) -> None:
+        # Graceful first: shutdown() frees the engine's processes; the reaper kills the actor
+        # once that returned, or after a grace period if it hangs.
+        try:
+            done: Future[Any] | None = self._actor.shutdown.remote().future()
+        except Exception:  # noqa: BLE001 - already dead is fine
+            done = None
+        self._reaper.schedule(self._actor, self._pg, done)
+
+
+class Reaper:
+    """Kills stopped replica actors (and frees their placement groups) without waiting on them."""
+
+    GRACE_S = 30.0
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[float, Any, Any, Future[Any] | None]] = []
+
+    def schedule(self, actor: Any, pg: Any, shutdown_done: Future[Any] | None) -> None:
+        self._pending.append((time.monotonic() + self.GRACE_S, actor, pg, shutdown_done))
+
+    def reap(self) -> None:
+        now = time.monotonic()
+        keep = []
+        for deadline, actor, pg, done in self._pending:
+            if done is not None and not done.done() and now < deadline:
+                keep.append((deadline, actor, pg, done))
+                continue
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(actor, no_restart=True)
+            if pg is not None:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(pg)
+        self._pending = keep
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+class RayReplicaLauncher:
+    def __init__(self, uses_gpus: Callable[[Deployment], bool]) -> None:
+        # uses_gpus(spec): decided from the cluster (device auto + GPUs present).
+        self._uses_gpus = uses_gpus
+        self.reaper = Reaper()
+
+    def start(self, deployment: Deployment, replica_id: str) -> RayReplicaHandle:
+        name = actor_name(deployment.name, replica_id)
+        options: dict[str, Any] = {
+            "name": name,
+            "namespace": NAMESPACE,
+            "lifetime": "detached",  # replicas outlive a manager restart and are re-adopted
+            "max_concurrency": 10_000,
+            "max_restarts": 0,  # the manager replaces failed replicas, with backoff
+        }
+        pg = None
+        if self._uses_gpus(deployment):
+            if deployment.gpus > 1:
+                # Tensor parallel inside one actor: keep its GPUs together on one node.
+                pg = placement_group([{"GPU": deployment.gpus, "CPU": 1}], strategy="STRICT_PACK", name=name)
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg)
+            options.update(num_gpus=deployment.gpus, num_cpus=1)
+        else:
+            options.update(num_gpus=0, num_cpus=1)
+        actor = replica_actor_class().options(**options).remote(deployment.model_dump(mode="json"), replica_id)
+        log.info("replica_actor_created", deployment=deployment.name, replica=replica_id, actor=name)
+        return RayReplicaHandle(actor, name, self.reaper, pg)
+
+    def adopt(self, deployment: Deployment, replica_id: str) -> RayReplicaHandle | None:
+        name = actor_name(deployment.name, replica_id)
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return None
+        return RayReplicaHandle(actor, name, self.reaper, adopted=True)

@@ -1,0 +1,239 @@
+"""Level-based reconciliation of one deployment: converge actual replicas to the desired spec.
+
+``DeploymentReconciler.update()`` compares desired and actual on every pass and does the next
+safe step; running it any number of times is harmless (Ray Serve's ``DeploymentState.update``).
+Nothing here blocks or touches Ray directly: replica calls go through ``ReplicaLauncher`` /
+``ReplicaHandle`` and time through an injected clock, so unit tests use fakes for both.
+
+Rolling replacement: replicas running an old ``runtime_key`` are replaced with at most
+``max_surge`` extra replicas at a time; an old replica is drained only once enough new ones
+are ready, so the deployment keeps serving. Scale-down stops the newest replicas first, so
+the original replicas survive a 1 → 3 → 1 round trip. A replica that fails to start or dies
+is replaced after an exponential backoff (1 s, 2 s, 4 s … 60 s), reset by the next success.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord, ReplicaState
+from atomr_infer.log import get_logger
+from atomr_infer.spec import Deployment
+
+log = get_logger(__name__)
+
+
+@dataclass
+class ReconcileConfig:
+    max_surge: int = 1
+    health_period_s: float = 2.0
+    drain_timeout_s: float = 30.0
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 60.0
+    linger_s: float = 30.0  # stopped/unhealthy records stay visible in status this long
+
+
+class DeploymentReconciler:
+    def __init__(
+        self,
+        name: str,
+        launcher: ReplicaLauncher,
+        clock: Callable[[], float],
+        config: ReconcileConfig | None = None,
+        next_index: int = 0,
+    ) -> None:
+        self.name = name
+        self.spec: Deployment | None = None  # None: being removed
+        self.generation = 0
+        self.runtime_key = ""
+        self.observed_generation = 0
+        self.replicas: list[ReplicaRecord] = []
+        self.failures = 0
+        self.next_start_at = 0.0
+        self.last_failure = ""
+        self._launcher, self._clock = launcher, clock
+        self._cfg = config or ReconcileConfig()
+        self._next_index = next_index
+        self._log = log.bind(deployment=name)
+
+    # -- desired state ---------------------------------------------------------------------
+
+    def set_desired(self, spec: Deployment | None, generation: int, runtime_key: str) -> None:
+        self.spec, self.generation, self.runtime_key = spec, generation, runtime_key
+
+    def adopt(self, record: ReplicaRecord) -> None:
+        """Take over a replica found alive after a manager restart."""
+        self.replicas.append(record)
+        index = int(record.replica_id.lstrip("r") or 0)
+        self._next_index = max(self._next_index, index + 1)
+
+    @property
+    def finished_removing(self) -> bool:
+        return self.spec is None and not any(r.state in ("starting", "ready", "draining") for r in self.replicas)
+
+    def ready_replicas(self) -> list[ReplicaRecord]:
+        return [r for r in self.replicas if r.state == "ready"]
+
+    # -- the pass --------------------------------------------------------------------------
+
+    def update(self) -> bool:
+        """One reconcile pass. Returns True if the set of ready replicas changed."""
+        before = {r.replica_id for r in self.ready_replicas()}
+        now = self._clock()
+        self._poll(now)
+        if self.spec is None:
+            for r in self.replicas:
+                if r.live:
+                    self._retire(r, now)
+        else:
+            self._converge(self.spec, now)
+        self._forget_old_records(now)
+        if self._converged():
+            self.observed_generation = self.generation
+        return before != {r.replica_id for r in self.ready_replicas()}
+
+    def _poll(self, now: float) -> None:
+        for r in self.replicas:
+            if r.state == "starting":
+                poll = r.handle.poll_ready()
+                if poll.done and poll.ok:
+                    self._set_state(r, "ready", now)
+                    r.last_health_at = now
+                    self.failures = 0
+                elif poll.done:
+                    self._fail(r, f"failed to start: {poll.reason}", now)
+            elif r.state == "ready" and now - r.last_health_at >= self._cfg.health_period_s:
+                poll = r.handle.poll_health()
+                if poll.done:
+                    r.last_health_at = now
+                    if not poll.ok:
+                        self._fail(r, poll.reason, now)
+            elif r.state == "draining":
+                poll = r.handle.poll_drained()
+                if poll.done or now >= r.drain_deadline:
+                    r.handle.stop()
+                    self._set_state(r, "stopped", now, "drained" if poll.done else "drain timed out")
+
+    def _converge(self, spec: Deployment, now: float) -> None:
+        want = spec.replicas
+        new = [r for r in self.replicas if r.live and r.runtime_key == self.runtime_key]
+        old = [r for r in self.replicas if r.live and r.runtime_key != self.runtime_key]
+
+        # Old replicas that are not serving yet go at once; they would only delay the roll.
+        for r in [r for r in old if r.state == "starting"]:
+            self._retire(r, now)
+            old.remove(r)
+
+        # Start what is missing, within the surge allowance and the failure backoff.
+        surge = self._cfg.max_surge if old else 0
+        room = want + surge - len(new) - len(old)
+        to_start = min(want - len(new), room)
+        if to_start > 0 and now >= self.next_start_at:
+            if self.failures:
+                to_start = 1  # after a failure, probe with one replica at a time
+            for _ in range(to_start):
+                if not self._start(spec, now):
+                    break
+            new = [r for r in self.replicas if r.live and r.runtime_key == self.runtime_key]
+
+        # No surge allowed (e.g. no spare GPU): replace one old replica at a time, stop-first.
+        starting_new = any(r.state == "starting" for r in new)
+        if room <= 0 and len(new) < want and not starting_new:
+            victims = sorted((r for r in old if r.state == "ready"), key=lambda r: r.started_at)
+            if victims:
+                self._retire(victims[0], now)
+                old.remove(victims[0])
+
+        # Old ready replicas leave only once the new ones can carry the load.
+        ready_new = sum(1 for r in new if r.state == "ready")
+        old_ready = sorted((r for r in old if r.state == "ready"), key=lambda r: r.started_at)
+        excess = ready_new + len(old_ready) - want
+        for r in old_ready[: max(0, excess)]:
+            self._retire(r, now)
+
+        # Plain scale-down: stop starting replicas first, then the newest ready ones.
+        if len(new) > want:
+            order = sorted(new, key=lambda r: (r.state != "starting", -r.started_at))
+            for r in order[: len(new) - want]:
+                self._retire(r, now)
+
+    def _start(self, spec: Deployment, now: float) -> bool:
+        replica_id = f"r{self._next_index}"
+        self._next_index += 1
+        try:
+            handle = self._launcher.start(spec, replica_id)
+        except Exception as exc:  # noqa: BLE001 - a failed start is a replica failure, not a crash
+            self._note_failure(f"{replica_id} could not be created: {exc}", now)
+            self._log.error("replica_create_failed", replica=replica_id, error=str(exc))
+            return False
+        record = ReplicaRecord(replica_id, self.runtime_key, self.generation, handle, started_at=now, state_since=now)
+        self.replicas.append(record)
+        self._log.info("replica_state", replica=replica_id, state="starting", generation=self.generation)
+        return True
+
+    def _retire(self, r: ReplicaRecord, now: float) -> None:
+        if r.state == "ready":
+            r.handle.begin_drain(self._cfg.drain_timeout_s)
+            r.drain_deadline = now + self._cfg.drain_timeout_s + 5.0
+            self._set_state(r, "draining", now)
+        elif r.state == "starting":
+            r.handle.stop()
+            self._set_state(r, "stopped", now, "no longer needed")
+
+    def _fail(self, r: ReplicaRecord, reason: str, now: float) -> None:
+        r.handle.stop()
+        self._set_state(r, "unhealthy", now, reason)
+        self._note_failure(f"{r.replica_id} {reason}", now)
+
+    def _note_failure(self, reason: str, now: float) -> None:
+        self.failures += 1
+        delay = min(self._cfg.backoff_max_s, self._cfg.backoff_base_s * 2 ** (self.failures - 1))
+        self.next_start_at = now + delay
+        self.last_failure = reason
+
+    def _set_state(self, r: ReplicaRecord, state: ReplicaState, now: float, reason: str = "") -> None:
+        r.state, r.reason, r.state_since = state, reason, now
+        level = "warning" if state == "unhealthy" else "info"
+        getattr(self._log, level)("replica_state", replica=r.replica_id, state=state, reason=reason or None)
+
+    def _forget_old_records(self, now: float) -> None:
+        linger = self._cfg.linger_s
+        self.replicas = [r for r in self.replicas if r.live or r.state == "draining" or now - r.state_since < linger]
+
+    def _converged(self) -> bool:
+        if self.spec is None:
+            return self.finished_removing
+        live = [r for r in self.replicas if r.live or r.state == "draining"]
+        return len(live) == self.spec.replicas and all(
+            r.state == "ready" and r.runtime_key == self.runtime_key for r in live
+        )
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        spec = self.spec
+        return {
+            "name": self.name,
+            "model": spec.model if spec else None,
+            "generation": self.generation,
+            "observed_generation": self.observed_generation,
+            "replicas_desired": spec.replicas if spec else 0,
+            "replicas_ready": len(self.ready_replicas()),
+            "last_failure": self.last_failure or None,
+            "next_start_in_s": max(0.0, self.next_start_at - self._clock()) if self.failures else 0.0,
+            "replicas": [
+                {
+                    "replica_id": r.replica_id,
+                    "actor_name": r.handle.actor_name,
+                    "state": r.state,
+                    "reason": r.reason or None,
+                    "generation": r.generation,
+                    "in_flight": r.handle.in_flight(),
+                    "started_at": r.started_at,
+                    **r.handle.placement(),
+                }
+                for r in sorted(self.replicas, key=lambda r: int(r.replica_id.lstrip("r") or 0))
+            ],
+        }

@@ -1,0 +1,89 @@
+"""Replica records and the small wrapper interface every Ray call goes through.
+
+The reconciler only talks to ``ReplicaLauncher`` / ``ReplicaHandle``; ``control/ray_replicas``
+implements them with Ray, and the unit tests with fakes, so the reconcile logic runs without
+Ray (Ray Serve's ``ActorReplicaWrapper`` / ``MockReplicaActorWrapper`` pattern). Every method
+returns at once: the reconciler polls, it never blocks on a slow replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from atomr_infer.spec import Deployment
+
+ReplicaState = Literal["starting", "ready", "draining", "unhealthy", "stopped"]
+
+
+@dataclass(frozen=True)
+class Poll:
+    """Outcome of a non-blocking check: still pending, ok, or failed with a reason."""
+
+    done: bool
+    ok: bool = True
+    reason: str = ""
+
+    @classmethod
+    def pending(cls) -> Poll:
+        return cls(False)
+
+    @classmethod
+    def success(cls) -> Poll:
+        return cls(True)
+
+    @classmethod
+    def failed(cls, reason: str) -> Poll:
+        return cls(True, False, reason)
+
+
+class ReplicaHandle(Protocol):
+    actor_name: str
+
+    def placement(self) -> dict[str, Any]:
+        """actor_id, node_id, gpu_ids — whatever is known so far."""
+
+    def poll_ready(self) -> Poll: ...
+
+    def poll_health(self) -> Poll:
+        """Start a health check if none is running; report the last finished one."""
+
+    def in_flight(self) -> int:
+        """Last known number of requests in flight (refreshed with health checks)."""
+
+    def begin_drain(self, timeout_s: float) -> None: ...
+
+    def poll_drained(self) -> Poll: ...
+
+    def stop(self) -> None:
+        """Shut down the engine and kill the actor (no wait)."""
+
+    def actor(self) -> Any:
+        """The object requests are sent to (a Ray actor handle)."""
+
+
+class ReplicaLauncher(Protocol):
+    def start(self, deployment: Deployment, replica_id: str) -> ReplicaHandle: ...
+
+    def adopt(self, deployment: Deployment, replica_id: str) -> ReplicaHandle | None:
+        """Re-attach to a live replica by name (after a manager restart); None if gone."""
+
+
+@dataclass
+class ReplicaRecord:
+    replica_id: str  # "r0", "r1", ... unique within the deployment
+    runtime_key: str  # which spec it runs; a different key means "replace me"
+    generation: int  # the deployment generation it was started for
+    handle: ReplicaHandle
+    state: ReplicaState = "starting"
+    reason: str = ""
+    started_at: float = 0.0
+    state_since: float = 0.0
+    last_health_at: float = 0.0
+    drain_deadline: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def live(self) -> bool:
+        """Counts toward the replica set (not on its way out)."""
+        return self.state in ("starting", "ready")

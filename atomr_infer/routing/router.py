@@ -1,0 +1,133 @@
+"""Route a request to a ready replica of the named deployment and stream its chunks back.
+
+A ``Router`` caches the manager's routing table (refreshing it at most once per
+``refresh_s`` and whenever a replica turns out dead), keeps its own in-flight count per
+replica, and picks by power-of-two choices. ``serving.max_concurrent`` is enforced per
+router: ``queue`` waits for a slot, ``reject`` raises ``CapacityExhausted`` at once.
+
+If a replica dies or is draining before the first chunk arrived, the request is retried
+once on another replica; after a chunk was sent it fails with ``EngineError`` (replaying
+would duplicate text). When the consumer stops early, the Ray generator is cancelled, which
+aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+from atomr_infer.errors import (
+    AtomrError,
+    CapacityExhausted,
+    DeploymentNotFound,
+    EngineError,
+    NoReadyReplica,
+    ReplicaUnavailable,
+)
+from atomr_infer.replica.request import Chunk
+from atomr_infer.routing.policy import pick_replica
+from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
+
+# fetch(since_version) -> a newer table, or None when ``since_version`` is current.
+TableSource = Callable[[int], Awaitable[RoutingTable | None]]
+_DEAD = (ActorDiedError, ActorUnavailableError, RayActorError)
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The atomr error a Ray task raised, without Ray's wrapper (and its remote traceback)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(exc, RayTaskError) and isinstance(cause, BaseException) else exc
+
+
+class Router:
+    def __init__(self, source: TableSource, wait_for_replica_s: float = 30.0, refresh_s: float = 1.0) -> None:
+        self._source = source
+        self._wait_s, self._refresh_s = wait_for_replica_s, refresh_s
+        self._table = RoutingTable(version=-1)
+        self._fetched_at = 0.0
+        self._in_flight: collections.Counter[str] = collections.Counter()
+        self._released = asyncio.Event()
+
+    @property
+    def table(self) -> RoutingTable:
+        return self._table
+
+    def in_flight(self, actor_name: str) -> int:
+        return self._in_flight[actor_name]
+
+    async def refresh(self, force: bool = False) -> RoutingTable:
+        if force or time.monotonic() - self._fetched_at >= self._refresh_s:
+            newer = await self._source(self._table.version)
+            self._fetched_at = time.monotonic()
+            if newer is not None:
+                self._table = newer
+        return self._table
+
+    async def _route(self, name: str) -> tuple[DeploymentRoute, ReplicaRoute]:
+        started = time.monotonic()
+        deadline = started + self._wait_s
+        table = await self.refresh()
+        if name not in table.deployments:
+            table = await self.refresh(force=True)
+        while True:
+            dep = table.deployments.get(name)
+            if dep is None:
+                raise DeploymentNotFound(name, sorted(table.deployments))
+            if dep.replicas:
+                choice = pick_replica(dep.replicas, self._in_flight, dep.max_concurrent)
+                if choice is not None:
+                    return dep, choice
+                if dep.on_capacity_exhausted == "reject":
+                    raise CapacityExhausted(name, dep.max_concurrent)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if dep.replicas:  # all full and queue timed out
+                    raise CapacityExhausted(name, dep.max_concurrent, retry_after_s=1.0)
+                raise NoReadyReplica(name, time.monotonic() - started)
+            # Wait for a slot to free up or for the table to change, whichever comes first.
+            self._released.clear()
+            try:
+                await asyncio.wait_for(self._released.wait(), timeout=min(remaining, 0.25))
+            except asyncio.TimeoutError:
+                table = await self.refresh(force=not dep.replicas)
+
+    async def stream(self, name: str, request: dict[str, Any]) -> AsyncIterator[Chunk]:
+        """Chunks of one request, routed by deployment name."""
+        for attempt in (1, 2):
+            dep, route = await self._route(name)
+            self._in_flight[route.actor_name] += 1
+            gen = route.actor.generate.remote(request)
+            sent = finished = False
+            try:
+                async for ref in gen:
+                    chunk = await ref
+                    sent = True
+                    yield chunk
+                finished = True
+                return
+            except _DEAD as exc:
+                finished = True
+                if sent or attempt == 2:
+                    raise EngineError(f"replica {route.actor_name} died mid-request: {exc}") from None
+            except RayTaskError as exc:
+                finished = True
+                cause = unwrap(exc)
+                if isinstance(cause, ReplicaUnavailable) and not sent and attempt == 1:
+                    pass  # draining or stopped: retry elsewhere
+                elif isinstance(cause, AtomrError):
+                    raise cause from None
+                else:
+                    raise EngineError(f"{route.actor_name}: {type(cause).__name__}: {cause}") from None
+            finally:
+                self._in_flight[route.actor_name] -= 1
+                self._released.set()
+                if not finished:  # consumer went away or was cancelled: abort in the engine
+                    ray.cancel(gen)
+            await self.refresh(force=True)
+        raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,199 @@
+"""Reconcile logic for every change class, with a fake launcher and a fake clock (no Ray)."""
+
+from __future__ import annotations
+
+from atomr_infer.control.manager import runtime_key
+from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
+from atomr_infer.control.replicas import Poll
+from atomr_infer.spec import Deployment
+
+from .fakes import FakeClock, FakeLauncher
+
+
+def spec(**kw) -> Deployment:
+    base = {"name": "demo", "model": "org/model", "device": "cpu"}
+    return Deployment.model_validate({**base, **kw})
+
+
+def setup(replicas=1, **kw):
+    clock, launcher = FakeClock(), FakeLauncher()
+    rec = DeploymentReconciler("demo", launcher, clock, ReconcileConfig(health_period_s=1.0, linger_s=5.0))
+    s = spec(replicas=replicas, **kw)
+    rec.set_desired(s, 1, runtime_key(s, 0))
+    return clock, launcher, rec
+
+
+def converge(clock, launcher, rec, passes=10):
+    for _ in range(passes):
+        rec.update()
+        launcher.make_ready()
+        for h in launcher.started:
+            if h.draining:
+                h.drained = Poll.success()
+        clock.advance(1.0)
+    rec.update()
+
+
+def ids(rec, state="ready"):
+    return sorted(r.replica_id for r in rec.replicas if r.state == state)
+
+
+def test_create_starts_all_replicas_and_observes_generation():
+    clock, launcher, rec = setup(replicas=3)
+    rec.update()
+    assert len(launcher.started) == 3
+    assert rec.observed_generation == 0  # not ready yet
+    converge(clock, launcher, rec)
+    assert ids(rec) == ["r0", "r1", "r2"]
+    assert rec.observed_generation == 1
+
+
+def test_update_is_idempotent_once_converged():
+    clock, launcher, rec = setup(replicas=2)
+    converge(clock, launcher, rec)
+    for _ in range(5):
+        rec.update()
+    assert len(launcher.started) == 2
+
+
+def test_scale_up_and_down_keeps_the_original_replica():
+    clock, launcher, rec = setup(replicas=1)
+    converge(clock, launcher, rec)
+    s3 = spec(replicas=3)
+    rec.set_desired(s3, 2, runtime_key(s3, 0))
+    converge(clock, launcher, rec)
+    assert ids(rec) == ["r0", "r1", "r2"]
+    s1 = spec(replicas=1)
+    rec.set_desired(s1, 3, runtime_key(s1, 0))
+    converge(clock, launcher, rec)
+    assert ids(rec) == ["r0"]
+    assert not launcher.started[0].stopped
+    assert launcher.started[1].stopped and launcher.started[2].stopped
+    assert rec.observed_generation == 3
+
+
+def test_in_place_change_restarts_nothing():
+    clock, launcher, rec = setup(replicas=2)
+    converge(clock, launcher, rec)
+    s = spec(replicas=2, serving={"max_concurrent": 64})
+    rec.set_desired(s, 2, runtime_key(s, 0))  # same runtime key: serving is not a restart field
+    converge(clock, launcher, rec)
+    assert len(launcher.started) == 2 and not any(h.stopped for h in launcher.started)
+    assert rec.observed_generation == 2
+
+
+def test_rolling_replacement_keeps_serving():
+    clock, launcher, rec = setup(replicas=2)
+    converge(clock, launcher, rec)
+    s = spec(replicas=2, runtime_config={"max_model_len": 4096})
+    rec.set_desired(s, 2, runtime_key(s, 0))
+    ready_counts = []
+    for _ in range(12):
+        rec.update()
+        ready_counts.append(len(rec.ready_replicas()))
+        live = [r for r in rec.replicas if r.live]
+        assert len(live) <= 3  # never more than replicas + max_surge
+        launcher.make_ready()
+        for h in launcher.started:
+            if h.draining:
+                h.drained = Poll.success()
+        clock.advance(1.0)
+    assert min(ready_counts) >= 2  # an old replica leaves only after a new one is ready
+    assert ids(rec) == ["r2", "r3"]
+    assert rec.observed_generation == 2
+
+
+def test_roll_without_surge_replaces_one_at_a_time():
+    clock, launcher = FakeClock(), FakeLauncher()
+    rec = DeploymentReconciler("demo", launcher, clock, ReconcileConfig(max_surge=0))
+    s = spec(replicas=2)
+    rec.set_desired(s, 1, runtime_key(s, 0))
+    converge(clock, launcher, rec)
+    s2 = spec(replicas=2, model="org/other")
+    rec.set_desired(s2, 2, runtime_key(s2, 0))
+    for _ in range(15):
+        rec.update()
+        assert len([r for r in rec.replicas if r.live]) <= 2
+        launcher.make_ready()
+        for h in launcher.started:
+            if h.draining:
+                h.drained = Poll.success()
+        clock.advance(1.0)
+    assert ids(rec) == ["r2", "r3"]
+
+
+def test_dead_replica_is_replaced_with_backoff():
+    clock, launcher, rec = setup(replicas=1)
+    converge(clock, launcher, rec)
+    launcher.started[0].health = Poll.failed("ActorDiedError: the actor died")
+    clock.advance(1.0)  # the next health check is due
+    rec.update()
+    assert rec.replicas[0].state == "unhealthy"
+    assert "died" in rec.replicas[0].reason and launcher.started[0].stopped
+    rec.update()  # inside the backoff window: nothing new yet
+    assert len(launcher.started) == 1
+    clock.advance(1.1)
+    rec.update()
+    assert len(launcher.started) == 2
+    # The new one fails to start too: the backoff doubles.
+    launcher.started[1].ready = Poll.failed("engine failed to start")
+    rec.update()
+    assert rec.failures == 2
+    clock.advance(1.5)
+    rec.update()
+    assert len(launcher.started) == 2  # 2 s backoff not over
+    clock.advance(1.0)
+    rec.update()
+    assert len(launcher.started) == 3
+    launcher.make_ready()
+    rec.update()
+    assert rec.failures == 0 and ids(rec) == ["r2"]
+    assert "engine failed to start" in rec.last_failure
+
+
+def test_create_failure_counts_as_failure():
+    clock, launcher, rec = setup(replicas=1)
+    launcher.fail_next = 1
+    rec.update()
+    assert rec.failures == 1 and "no resources" in rec.last_failure
+    clock.advance(1.0)
+    rec.update()
+    assert len(launcher.started) == 1
+
+
+def test_remove_drains_then_finishes():
+    clock, launcher, rec = setup(replicas=2)
+    converge(clock, launcher, rec)
+    rec.set_desired(None, 2, "")
+    rec.update()
+    assert all(h.draining for h in launcher.started)
+    assert not rec.finished_removing
+    for h in launcher.started:
+        h.drained = Poll.success()
+    rec.update()
+    assert rec.finished_removing and all(h.stopped for h in launcher.started)
+
+
+def test_drain_timeout_stops_anyway():
+    clock, launcher, rec = setup(replicas=1)
+    converge(clock, launcher, rec)
+    rec.set_desired(None, 2, "")
+    rec.update()
+    clock.advance(60)
+    rec.update()
+    assert launcher.started[0].stopped
+    assert rec.replicas[0].reason == "drain timed out"
+
+
+def test_adopted_replicas_are_not_restarted():
+    clock, launcher, rec = setup(replicas=2)
+    converge(clock, launcher, rec)
+    # A new reconciler (manager restart) adopts the same handles.
+    rec2 = DeploymentReconciler("demo", launcher, clock)
+    rec2.set_desired(rec.spec, rec.generation, rec.runtime_key)
+    for r in rec.replicas:
+        r.state = "starting"
+        rec2.adopt(r)
+    converge(clock, launcher, rec2)
+    assert len(launcher.started) == 2
+    assert ids(rec2) == ["r0", "r1"]
