@@ -72,6 +72,9 @@ def validate(
         out.print(f"valid: {d.name}  {d.model}  ({size}, {where})", markup=False, emoji=False)
 
 
+from atomr_infer.cli import probe as _probe  # noqa: E402,F401  (registers `atomr probe`)
+
+
 def main() -> None:
     try:
         app()
