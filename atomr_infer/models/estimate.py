@@ -1,0 +1,211 @@
+"""Size estimates for budget checks, from files on disk or a config alone, without loading tensors.
+
+``weights_bytes`` reads safetensors headers (8-byte little-endian length, then a JSON header
+with each tensor's dtype and shape) when the weights are local, and falls back to
+``config.json`` (a declared parameter count, else an estimate from the layer sizes of a
+decoder-only transformer). ``kv_cache_bytes_per_token`` is the KV-cache cost of one token
+across all layers. Multimodal configs (Gemma 3 and the like) keep the language model under
+``text_config``; it is used where the top level lacks the fields. Estimates from a config cover
+the language model only (no vision tower), so they are a lower bound for multimodal models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+# Bits per element of each safetensors dtype.
+SAFETENSORS_DTYPE_BITS = {
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+    "F32": 32,
+    "I32": 32,
+    "U32": 32,
+    "F16": 16,
+    "BF16": 16,
+    "I16": 16,
+    "U16": 16,
+    "F8_E4M3": 8,
+    "F8_E5M2": 8,
+    "F8_E8M0": 8,
+    "I8": 8,
+    "U8": 8,
+    "BOOL": 8,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "F4": 4,
+}
+
+# Bytes per element of the dtype names used in config.json (``torch_dtype`` / ``dtype``).
+CONFIG_DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+}
+
+_PARAM_COUNT_KEYS = ("num_parameters", "num_params", "n_params", "parameters")
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+
+
+def weights_bytes(path_or_config: str | os.PathLike[str] | dict[str, Any]) -> int | None:
+    """Bytes of the model's weights, or ``None`` when nothing here tells.
+
+    ``path_or_config`` is a model directory (safetensors headers, else its ``config.json``), a
+    ``.safetensors`` file, a ``config.json`` file, or a config dict.
+    """
+    if isinstance(path_or_config, dict):
+        return _weights_bytes_from_config(path_or_config)
+    path = Path(path_or_config)
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            return safetensors_bytes(path)
+        return _weights_bytes_from_config(_read_json(path))
+    if not path.is_dir():
+        return None
+    from_files = _weights_bytes_from_dir(path)
+    if from_files is not None:
+        return from_files
+    config_path = path / "config.json"
+    return _weights_bytes_from_config(_read_json(config_path)) if config_path.is_file() else None
+
+
+def safetensors_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes of all tensors in one safetensors file, from its header only."""
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if header_len > _MAX_HEADER_BYTES:
+            raise ValueError(f"{path}: not a safetensors file (header length {header_len})")
+        header = json.loads(f.read(header_len))
+    bits = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = info["dtype"]
+        if dtype not in SAFETENSORS_DTYPE_BITS:
+            raise ValueError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+        bits += math.prod(info["shape"]) * SAFETENSORS_DTYPE_BITS[dtype]
+    return (bits + 7) // 8
+
+
+def kv_cache_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
+    """KV-cache bytes one token takes across all layers:
+    ``2 (K and V) x num_hidden_layers x num_key_value_heads x head_dim x dtype_bytes``.
+
+    Sliding-window layers are counted as full attention, so this is an upper bound for models
+    that mix the two.
+    """
+    text = _text_config(config)
+    layers = _first(text, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(text, "num_attention_heads", "n_head")
+    kv_heads = _first(text, "num_key_value_heads", "num_kv_heads") or heads
+    head_dim = _head_dim(text, heads)
+    if not layers or not kv_heads or not head_dim:
+        raise ValueError(
+            "config lacks the fields for a KV-cache estimate: "
+            f"num_hidden_layers={layers}, num_key_value_heads={kv_heads}, head_dim={head_dim}"
+        )
+    return 2 * int(layers) * int(kv_heads) * int(head_dim) * dtype_bytes
+
+
+def config_dtype_bytes(config: dict[str, Any], default: int = 2) -> int:
+    """Bytes per parameter from ``torch_dtype``/``dtype`` (top level, then ``text_config``)."""
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("torch_dtype", "dtype"):
+            value = cfg.get(key)
+            if isinstance(value, str):
+                return CONFIG_DTYPE_BYTES.get(value.removeprefix("torch."), default)
+    return default
+
+
+def estimate_parameters(config: dict[str, Any]) -> int | None:
+    """Parameter count of a decoder-only transformer from its config; ``None`` if sizes are missing.
+
+    Counts embeddings, the LM head unless tied, attention (q, k, v, o), a gated MLP (three
+    matrices, times the number of experts for MoE) and the norms. Biases are ignored.
+    """
+    for key in _PARAM_COUNT_KEYS:
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return int(config[key])
+    text = _text_config(config)
+    vocab = _first(text, "vocab_size")
+    hidden = _first(text, "hidden_size", "n_embd", "d_model")
+    layers = _first(text, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(text, "num_attention_heads", "n_head")
+    if not (vocab and hidden and layers and heads):
+        return None
+    kv_heads = _first(text, "num_key_value_heads", "num_kv_heads") or heads
+    head_dim = _head_dim(text, heads) or hidden // heads
+    intermediate = _first(text, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
+    experts = _first(text, "num_local_experts", "num_experts", "n_routed_experts") or 1
+    expert_intermediate = (_first(text, "moe_intermediate_size") or intermediate) if experts > 1 else intermediate
+
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    mlp = 3 * hidden * expert_intermediate * experts
+    per_layer = attention + mlp + 2 * hidden
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    embeddings = vocab * hidden * (1 if tied else 2)
+    return int(embeddings + layers * per_layer + hidden)
+
+
+def _weights_bytes_from_dir(path: Path) -> int | None:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        data = _read_json(index)
+        shards = sorted(set(data.get("weight_map", {}).values()))
+        if shards and all((path / s).is_file() for s in shards):
+            return sum(safetensors_bytes(path / s) for s in shards)
+        total = data.get("metadata", {}).get("total_size")
+        if isinstance(total, int):
+            return total
+    files = sorted(path.glob("*.safetensors"))
+    return sum(safetensors_bytes(f) for f in files) if files else None
+
+
+def _weights_bytes_from_config(config: dict[str, Any]) -> int | None:
+    params = estimate_parameters(config)
+    return None if params is None else params * config_dtype_bytes(config)
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: ``text_config`` for multimodal configs, else the config itself."""
+    text = config.get("text_config")
+    if isinstance(text, dict) and "num_hidden_layers" not in config:
+        return {**{k: v for k, v in config.items() if k != "text_config"}, **text}
+    return config
+
+
+def _head_dim(config: dict[str, Any], heads: int | None) -> int | None:
+    head_dim = config.get("head_dim")
+    if head_dim:
+        return int(head_dim)
+    hidden = _first(config, "hidden_size", "n_embd", "d_model")
+    return hidden // heads if hidden and heads else None
+
+
+def _first(config: dict[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data

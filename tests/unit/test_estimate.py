@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from atomr_infer.models import kv_cache_bytes_per_token, weights_bytes
+from atomr_infer.models.estimate import estimate_parameters
+
+# SmolLM2-135M's config.json (the sizes that matter).
+SMOLLM2 = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_hidden_layers": 30,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_kv_cache_with_head_dim() -> None:
+    assert kv_cache_bytes_per_token(SMOLLM2) == 2 * 30 * 3 * 64 * 2
+
+
+def test_kv_cache_head_dim_from_hidden_size() -> None:
+    config = {k: v for k, v in SMOLLM2.items() if k != "head_dim"}
+    assert kv_cache_bytes_per_token(config) == 2 * 30 * 3 * (576 // 9) * 2
+    assert kv_cache_bytes_per_token(config, dtype_bytes=1) == 2 * 30 * 3 * 64
+
+
+def test_kv_cache_without_kv_heads_is_multi_head_attention() -> None:
+    config = {"hidden_size": 512, "num_attention_heads": 8, "num_hidden_layers": 4}
+    assert kv_cache_bytes_per_token(config) == 2 * 4 * 8 * 64 * 2
+
+
+def test_kv_cache_reads_text_config_of_multimodal_configs() -> None:
+    gemma_like = {
+        "model_type": "gemma3",
+        "vision_config": {"hidden_size": 1152, "num_hidden_layers": 27},
+        "text_config": {
+            "hidden_size": 2560,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "num_hidden_layers": 34,
+        },
+    }
+    assert kv_cache_bytes_per_token(gemma_like) == 2 * 34 * 4 * 256 * 2
+
+
+def test_kv_cache_names_missing_fields() -> None:
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        kv_cache_bytes_per_token({"hidden_size": 64})
+
+
+def test_parameters_from_config_match_smollm2() -> None:
+    assert estimate_parameters(SMOLLM2) == 134_515_008  # the real count of SmolLM2-135M
+    assert weights_bytes(SMOLLM2) == 134_515_008 * 2
+    untied = {**SMOLLM2, "tie_word_embeddings": False}
+    assert estimate_parameters(untied) == 134_515_008 + 49152 * 576
+    assert weights_bytes({**SMOLLM2, "torch_dtype": "float32"}) == 134_515_008 * 4
+
+
+def test_declared_parameter_count_wins() -> None:
+    assert weights_bytes({"num_parameters": 1000, "torch_dtype": "float16"}) == 2000
+
+
+def test_config_without_sizes_gives_none() -> None:
+    assert weights_bytes({"model_type": "mystery"}) is None
+
+
+def test_weights_from_safetensors_headers(tmp_path: Path) -> None:
+    save_file(
+        {"a": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(10, dtype=torch.float32)},
+        str(tmp_path / "model.safetensors"),
+    )
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))  # the files win over the config
+    assert weights_bytes(tmp_path) == 3 * 4 * 2 + 10 * 4
+    assert weights_bytes(tmp_path / "model.safetensors") == 64
+
+
+def test_weights_from_sharded_safetensors(tmp_path: Path) -> None:
+    save_file({"x": torch.zeros(8, dtype=torch.float16)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"y": torch.zeros(2, 2, dtype=torch.int8)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    index = {"metadata": {"total_size": 999}, "weight_map": {"x": "model-00001-of-00002.safetensors"}}
+    index["weight_map"]["y"] = "model-00002-of-00002.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert weights_bytes(tmp_path) == 16 + 4
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()  # not all shards here: trust the index
+    assert weights_bytes(tmp_path) == 999
+
+
+def test_weights_from_a_handwritten_header(tmp_path: Path) -> None:
+    header = json.dumps(
+        {"__metadata__": {"format": "pt"}, "w": {"dtype": "F8_E4M3", "shape": [4, 4], "data_offsets": [0, 16]}}
+    ).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    assert weights_bytes(tmp_path) == 16
+
+
+def test_weights_fall_back_to_config_json(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    assert weights_bytes(tmp_path) == 134_515_008 * 2
+    assert weights_bytes(tmp_path / "config.json") == 134_515_008 * 2
+    assert weights_bytes(tmp_path / "missing") is None
