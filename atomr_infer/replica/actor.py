@@ -166,7 +166,12 @@ class VllmReplica:
     async def ready(self, timeout: float | None = None) -> dict[str, Any]:
         """Resolve once the engine has started; raise ``EngineError`` if it failed or timed out."""
         await self._wait_ready(timeout)
-        return {"replica_id": self._replica_id, "device": self._device, "max_model_len": self._max_model_len}
+        return {
+            "replica_id": self._replica_id,
+            "device": self._device,
+            "max_model_len": self._max_model_len,
+            **_placement(),
+        }
 
     async def generate(self, request: GenerateRequest | dict[str, Any]) -> AsyncIterator[Chunk]:
         """Stream ``Chunk``s for one request. Call as a Ray streaming generator."""
@@ -207,7 +212,7 @@ class VllmReplica:
         stuck = self._loop.stuck_for()
         if stuck > STUCK_AFTER_S:
             raise EngineError(f"{self!r} engine step has not returned for {stuck:.0f}s")
-        return {"phase": self._phase, "draining": self._draining}
+        return {"phase": self._phase, "draining": self._draining, "in_flight": len(self._streams)}
 
     async def stats(self) -> ReplicaStats:
         waiting = sum(1 for s in self._streams.values() if s.first_token_at is None)
@@ -218,6 +223,7 @@ class VllmReplica:
             uptime_s=self._uptime(),
             kv_cache_usage=_kv_cache_usage(self._engine),
             steps=self._loop.steps,
+            engine_unfinished=_engine_unfinished(self._engine),
         )
 
     async def in_flight(self) -> int:
@@ -239,6 +245,26 @@ class VllmReplica:
         self._fail_all(ReplicaUnavailable(f"{self!r} was shut down"))
         await asyncio.to_thread(self._loop.stop, 30.0)
         self._log.info("replica_stopped")
+
+
+def _placement() -> dict[str, Any]:
+    """Node and GPU ids as Ray sees them (empty outside a Ray worker)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return {}
+        return {"node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+    except Exception:  # noqa: BLE001 - placement is informational
+        return {}
+
+
+def _engine_unfinished(engine: Engine | None) -> int | None:
+    count = getattr(engine, "get_num_unfinished_requests", None)
+    try:
+        return int(count()) if count is not None else None
+    except Exception:  # noqa: BLE001 - informational
+        return None
 
 
 def _kv_cache_usage(engine: Engine | None) -> float | None:

@@ -40,6 +40,7 @@ class ReplicaStats:
     kv_cache_usage: float | None
     uptime_s: float
     steps: int
+    engine_unfinished: int | None  # requests the engine itself still holds
 
 
 class StatsCollector:
