@@ -1,0 +1,61 @@
+"""A test engine with the real tokenizer whose ``step`` raises after a few steps.
+
+Shipped to the Ray worker by value (cloudpickle), so the worker needs no access to tests/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Output:
+    request_id: str
+    outputs: list[_Completion]
+    finished: bool = False
+
+
+@dataclass
+class BrokenEngine:
+    model_dir: str
+    fail_after_steps: int = 3
+    running: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+    _tokenizer: object = None
+
+    def add_request(self, request_id, prompt, params):
+        self.running[request_id] = 0
+
+    def step(self):
+        self.steps += 1
+        if self.steps > self.fail_after_steps:
+            raise RuntimeError("simulated engine crash")
+        return [_Output(rid, [_Completion("x", [42])]) for rid in self.running]
+
+    def abort_request(self, ids):
+        for rid in ids:
+            self.running.pop(rid, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def get_tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return self._tokenizer
+
+
+def broken_engine_factory(model_dir: str, fail_after_steps: int = 3):
+    def factory(deployment, progress):
+        return BrokenEngine(model_dir, fail_after_steps)
+
+    return factory

@@ -1,0 +1,164 @@
+"""VllmReplica on real Ray and real vLLM (CPU backend) with the bundled SmolLM2."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+import ray
+from transformers import AutoTokenizer
+
+from atomr_infer.errors import EngineError, InvalidRequest
+from atomr_infer.routing.router import unwrap
+
+pytestmark = pytest.mark.integration
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def run(replica, request: dict) -> tuple[str, list]:
+    """Send one request to the replica actor; return its text and chunks."""
+    chunks = [ray.get(ref) for ref in replica.generate.remote(request)]
+    return "".join(c.text_delta for c in chunks), chunks
+
+
+def raises_typed(replica, request: dict) -> BaseException:
+    with pytest.raises(Exception) as info:
+        run(replica, request)
+    return unwrap(info.value)
+
+
+def wait_for(pred, timeout=30.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout:.0f}s")
+
+
+def test_chat_round_trip_mentions_paris(smollm2_replica):
+    text, chunks = run(smollm2_replica, {"messages": CAPITAL, "temperature": 0, "max_tokens": 32})
+    assert "Paris" in text
+    assert chunks[-1].finish_reason == "stop"
+    assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_completion_round_trip(smollm2_replica):
+    text, chunks = run(smollm2_replica, {"prompt": "The capital of France is", "temperature": 0, "max_tokens": 8})
+    assert text.strip()
+    assert chunks[-1].usage.completion_tokens == sum(len(c.token_ids) for c in chunks) <= 8
+
+
+def test_usage_counts_match_the_tokenizer(smollm2_replica, bundled_model_dir):
+    tok = AutoTokenizer.from_pretrained(bundled_model_dir)
+    rendered = tok.apply_chat_template(CAPITAL, tokenize=False, add_generation_prompt=True)
+    expected_prompt = len(tok.encode(rendered, add_special_tokens=False))
+    _, chunks = run(smollm2_replica, {"messages": CAPITAL, "temperature": 0, "max_tokens": 16})
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == expected_prompt
+    token_ids = [t for c in chunks for t in c.token_ids]
+    assert usage.completion_tokens == len(token_ids)
+
+
+def test_max_tokens_gives_length_and_stop_string_gives_stop(smollm2_replica):
+    _, chunks = run(smollm2_replica, {"messages": CAPITAL, "temperature": 0, "max_tokens": 3})
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 3
+    text, chunks = run(smollm2_replica, {"messages": CAPITAL, "temperature": 0, "max_tokens": 32, "stop": ["Paris"]})
+    assert chunks[-1].finish_reason == "stop"
+    assert "Paris" not in text and "capital" in text.lower()
+
+
+def test_32_concurrent_streams_each_get_their_own_text(smollm2_replica):
+    prompts = [f"Write the number {i} in words, then count up from {i}." for i in range(32)]
+
+    def request(p):
+        return {"prompt": p, "temperature": 0, "max_tokens": 12}
+
+    alone = [run(smollm2_replica, request(p))[0] for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(lambda p: run(smollm2_replica, request(p))[0], prompts))
+    assert len(set(alone)) > 16  # the prompts really produce different texts
+    mismatched = [i for i, (a, b) in enumerate(zip(alone, together, strict=True)) if a != b]
+    assert not mismatched, [(alone[i], together[i]) for i in mismatched]
+
+
+def test_cancel_aborts_the_request_in_the_engine(smollm2_replica):
+    gen = smollm2_replica.generate.remote(
+        {"messages": CAPITAL, "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    )
+    for _ in range(3):
+        ray.get(next(gen))
+    before = ray.get(smollm2_replica.stats.remote())
+    assert before.in_flight >= 1 and before.engine_unfinished >= 1
+    ray.cancel(gen)
+    after = wait_for(lambda: (s := ray.get(smollm2_replica.stats.remote())).engine_unfinished == 0 and s, timeout=10)
+    assert after.in_flight == 0
+    assert after.requests_aborted == before.requests_aborted + 1
+
+
+@pytest.mark.parametrize(
+    "request_, field",
+    [
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "messages": CAPITAL}, "prompt"),
+        ({}, "prompt"),
+        ({"prompt": "word " * 3000, "max_tokens": 4}, "prompt"),
+        ({"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
+        ({"prompt": "hi", "logprobs": 3}, "logprobs"),
+    ],
+)
+def test_bad_request_fails_alone_with_the_field_named(smollm2_replica, request_, field):
+    ok = smollm2_replica.generate.remote({"messages": CAPITAL, "temperature": 0, "max_tokens": 24})
+    err = raises_typed(smollm2_replica, request_)
+    assert isinstance(err, InvalidRequest), repr(err)
+    assert err.field == field
+    assert "Paris" in "".join(ray.get(ref).text_delta for ref in ok)  # the other request is unaffected
+
+
+def test_over_long_prompt_names_the_limit(smollm2_replica):
+    err = raises_typed(smollm2_replica, {"prompt": "hi", "max_tokens": 5000})
+    assert "2048" in str(err) and "5000" in str(err)
+
+
+def test_broken_engine_errors_every_stream_and_fails_health(ray_cluster, bundled_model_dir):
+    import cloudpickle
+
+    from atomr_infer.replica import replica_actor_class
+    from tests.integration import broken_engine
+
+    from .conftest import smollm2_spec
+
+    cloudpickle.register_pickle_by_value(broken_engine)
+    factory = broken_engine.broken_engine_factory(str(bundled_model_dir), fail_after_steps=3)
+    actor = replica_actor_class().options(num_cpus=0).remote(smollm2_spec(name="broken"), "r0", factory)
+    try:
+        ray.get(actor.ready.remote(120))
+        assert ray.get(actor.health.remote())["phase"] == "ready"
+        gens = [actor.generate.remote({"prompt": f"p{i}", "max_tokens": 100}) for i in range(3)]
+        for gen in gens:
+            with pytest.raises(Exception) as info:
+                for ref in gen:
+                    ray.get(ref)
+            err = unwrap(info.value)
+            assert isinstance(err, EngineError) and "simulated engine crash" in str(err)
+        with pytest.raises(Exception) as info:
+            ray.get(actor.health.remote())
+        assert isinstance(unwrap(info.value), EngineError)
+        # New requests are refused rather than left hanging.
+        err = raises_typed(actor, {"prompt": "again", "max_tokens": 5})
+        assert isinstance(err, EngineError) and "unhealthy" in str(err)
+    finally:
+        ray.kill(actor)
+
+
+def test_dashboard_shows_name_and_readable_repr(smollm2_replica, dashboard_url):
+    from ray.util.state import get_actor
+
+    state = get_actor(smollm2_replica._actor_id.hex(), address=dashboard_url)
+    assert state.name == "atomr:smollm2:r0"
+    assert state.repr_name == "atomr:smollm2:r0 (cpu)"
+    info = ray.get(smollm2_replica.ready.remote())
+    assert info["device"] == "cpu" and info["replica_id"] == "r0"
