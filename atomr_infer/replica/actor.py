@@ -16,6 +16,7 @@ import asyncio
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -23,6 +24,7 @@ from atomr_infer.engine.device import resolve_device
 from atomr_infer.engine.protocol import Engine
 from atomr_infer.errors import EngineError, InvalidRequest, ReplicaUnavailable
 from atomr_infer.log import get_logger
+from atomr_infer.metrics import GAUGE_PERIOD_S, REPLICA_STATES, ReplicaMetrics, failure_reason
 from atomr_infer.replica.prompt import PromptBuilder
 from atomr_infer.replica.request import Chunk, GenerateRequest, Usage, parse_request
 from atomr_infer.replica.stats import ReplicaStats, StatsCollector
@@ -57,6 +59,8 @@ class VllmReplica:
         self._log = get_logger(__name__, deployment=self._deployment.name, replica=replica_id)
         self._streams: dict[str, RequestStream] = {}
         self._stats = StatsCollector()
+        self._metrics = ReplicaMetrics(self._deployment.name, replica_id)
+        self._gauge_task: asyncio.Task[None] | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._draining = False
         self._stopped = False
@@ -75,6 +79,7 @@ class VllmReplica:
             on_error=self._on_loop_error,
             on_rejected=self._on_rejected,
             name=f"atomr-step-loop-{replica_id}",
+            on_step=self._metrics.engine_step if self._metrics.enabled else None,
         )
         self._log.info("replica_starting", device=self._device, model=self._deployment.model)
         self._loop.start()
@@ -138,21 +143,48 @@ class VllmReplica:
             stream.put(Chunk(completion.text, token_ids, finish, usage))
             if finish:
                 self._stats.finished(stream)
+                self._request_finished(stream, finish)
+
+    def _request_finished(self, s: RequestStream, finish: str) -> None:
+        self._metrics.request_finished(
+            finish, s.prompt_tokens, s.completion_tokens, s.submitted_at, s.first_token_at, s.last_token_at
+        )
+        self._log.debug(
+            "request_finished",
+            request_id=s.request_id,
+            finish_reason=finish,
+            prompt_tokens=s.prompt_tokens,
+            completion_tokens=s.completion_tokens,
+            ttft_s=None if s.first_token_at is None else round(s.first_token_at - s.submitted_at, 4),
+            e2e_s=round(time.monotonic() - s.submitted_at, 4),
+        )
 
     def _fail_one(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:
+        if stream is not None and not stream.finished:
             stream.fail(error)
+            self._metrics.request_failed(failure_reason(error))
+            self._log.debug("request_failed", request_id=request_id, error=str(error))
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):
-            stream.fail(error)
+            if not stream.finished:
+                stream.fail(error)
+                self._metrics.request_failed(failure_reason(error))
 
     def _uptime(self) -> float:
         return time.time() - self._started_at
 
+    def _publish_gauges(self) -> None:
+        waiting = sum(1 for s in self._streams.values() if s.first_token_at is None)
+        self._metrics.set_load(len(self._streams), waiting, _kv_cache_usage(self._engine))
+        phase = "unhealthy" if self._phase == "failed" else self._phase
+        self._metrics.set_state(phase if phase in REPLICA_STATES else "starting")
+
     async def _wait_ready(self, timeout: float | None) -> None:
         self._aloop = self._aloop or asyncio.get_running_loop()
+        if self._gauge_task is None and self._metrics.enabled:
+            self._gauge_task = self._aloop.create_task(_publish_gauges_every(weakref.ref(self), GAUGE_PERIOD_S))
         if not self._ready.is_set():
             ok = await asyncio.to_thread(self._ready.wait, timeout)
             if not ok:
@@ -175,21 +207,29 @@ class VllmReplica:
 
     async def generate(self, request: GenerateRequest | dict[str, Any]) -> AsyncIterator[Chunk]:
         """Stream ``Chunk``s for one request. Call as a Ray streaming generator."""
-        req = parse_request(request)
-        if self._draining or self._stopped:
-            raise ReplicaUnavailable(f"{self!r} is {'stopped' if self._stopped else 'draining'}")
-        await self._wait_ready(None)
-        if self._loop.error is not None:
-            raise EngineError(f"{self!r} is unhealthy: {self._loop.error!r}")
-        assert self._prompts is not None  # set before the ready event
-        prompt_ids = self._prompts.token_ids(req)
-        params = self._prompts.sampling_params(req, len(prompt_ids), self._max_model_len)
-        request_id = req.request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise InvalidRequest("request_id", f"{request_id!r} is already in flight on this replica")
+        req: GenerateRequest | None = None
+        try:
+            req = parse_request(request)
+            if self._draining or self._stopped:
+                raise ReplicaUnavailable(f"{self!r} is {'stopped' if self._stopped else 'draining'}")
+            await self._wait_ready(None)
+            if self._loop.error is not None:
+                raise EngineError(f"{self!r} is unhealthy: {self._loop.error!r}")
+            assert self._prompts is not None  # set before the ready event
+            prompt_ids = self._prompts.token_ids(req)
+            params = self._prompts.sampling_params(req, len(prompt_ids), self._max_model_len)
+            request_id = req.request_id or uuid.uuid4().hex
+            if request_id in self._streams:
+                raise InvalidRequest("request_id", f"{request_id!r} is already in flight on this replica")
+        except Exception as exc:
+            self._metrics.request_failed(failure_reason(exc))
+            self._log.debug("request_rejected", request_id=req and req.request_id, error=str(exc))
+            raise
         stream = RequestStream(request_id, len(prompt_ids))
         self._streams[request_id] = stream  # registered before it can produce output
         self._stats.started()
+        self._metrics.request_started()
+        self._log.debug("request_started", request_id=request_id, prompt_tokens=len(prompt_ids))
         self._loop.submit(request_id, {"prompt_token_ids": prompt_ids}, params)
         try:
             async for chunk in stream:
@@ -199,6 +239,7 @@ class VllmReplica:
             if not stream.finished:
                 self._loop.abort([request_id])
                 self._stats.aborted()
+                self._metrics.request_failed("aborted")
                 self._log.info("request_aborted", request_id=request_id)
 
     async def health(self) -> dict[str, Any]:
@@ -244,7 +285,23 @@ class VllmReplica:
         self._stopped, self._draining, self._phase = True, True, "stopped"
         self._fail_all(ReplicaUnavailable(f"{self!r} was shut down"))
         await asyncio.to_thread(self._loop.stop, 30.0)
+        if self._metrics.enabled:
+            self._publish_gauges()
         self._log.info("replica_stopped")
+
+
+async def _publish_gauges_every(replica_ref: weakref.ref[VllmReplica], period_s: float) -> None:
+    """Refresh a replica's gauges until it stops; holds only a weak reference to it."""
+    while True:
+        replica = replica_ref()
+        if replica is None or replica._stopped:
+            return
+        try:
+            replica._publish_gauges()
+        except Exception as exc:  # noqa: BLE001 - metrics never take a replica down
+            replica._log.warning("metrics_refresh_failed", error=repr(exc))
+        del replica
+        await asyncio.sleep(period_s)
 
 
 def _placement() -> dict[str, Any]:

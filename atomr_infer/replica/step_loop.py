@@ -27,6 +27,7 @@ OnReady = Callable[[Engine], None]
 OnOutputs = Callable[[list[Any]], None]
 OnError = Callable[[BaseException], None]
 OnRejected = Callable[[str, BaseException], None]
+OnStep = Callable[[float], None]
 
 
 class StepLoop:
@@ -38,8 +39,10 @@ class StepLoop:
         on_error: OnError,
         on_rejected: OnRejected,
         name: str = "atomr-step-loop",
+        on_step: OnStep | None = None,
     ) -> None:
         self._engine_factory, self._on_ready = engine_factory, on_ready
+        self._on_step = on_step  # receives each step's duration in seconds (metrics)
         self._engine: Engine | None = None
         self._on_outputs, self._on_error, self._on_rejected = on_outputs, on_error, on_rejected
         # deque append/popleft are atomic; the event wakes the loop.
@@ -101,11 +104,13 @@ class StepLoop:
                 self._wake.clear()
                 self._drain_inbox(engine)
                 if engine.has_unfinished_requests():
-                    self.step_started_at = time.monotonic()
+                    started = self.step_started_at = time.monotonic()
                     outputs = engine.step()
                     self.step_started_at = None
                     self.steps += 1
                     self.last_step_at = time.monotonic()
+                    if self._on_step is not None:
+                        self._on_step(self.last_step_at - started)
                     if outputs:
                         self._on_outputs(outputs)
                 else:

@@ -1,0 +1,214 @@
+"""A replica's logs and metrics, in-process with a scripted engine (no Ray, no vLLM).
+
+The replica runs here exactly as in its actor: its step-loop thread drives the engine and the
+test's event loop plays Ray's. Log lines go through the real structlog JSON pipeline; metrics
+go to recorders in place of ``ray.util.metrics`` (which needs a Ray worker; the integration
+test scrapes the real ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import structlog
+
+from atomr_infer.errors import InvalidRequest
+from atomr_infer.log import configure_logging
+from atomr_infer.metrics import ManagerMetrics, ReplicaMetrics, failure_reason
+from atomr_infer.replica import actor as actor_module
+from atomr_infer.replica.actor import VllmReplica
+from atomr_infer.replica.prompt import PromptBuilder
+
+
+class CharTokenizer:
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+
+@dataclass
+class ScriptedEngine:
+    """One token per step for every running request; finishes at ``max_tokens`` ("length")."""
+
+    running: dict[str, list[int]] = field(default_factory=dict)  # id -> [emitted, max_tokens]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add_request(self, request_id, prompt, params):
+        self.running[request_id] = [0, params.max_tokens]
+
+    def step(self):
+        time.sleep(0.002)
+        outs = []
+        for rid, state in list(self.running.items()):
+            state[0] += 1
+            done = state[0] >= state[1]
+            completion = SimpleNamespace(text="x", token_ids=[120], finish_reason="length" if done else None)
+            outs.append(SimpleNamespace(request_id=rid, outputs=[completion], finished=done))
+            if done:
+                del self.running[rid]
+        return outs
+
+    def abort_request(self, request_ids):
+        for rid in request_ids:
+            self.running.pop(rid, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def get_tokenizer(self):
+        return CharTokenizer()
+
+
+class NoVllmPromptBuilder(PromptBuilder):
+    """The real tokenizing path; sampling params without importing vLLM (seconds to import)."""
+
+    def sampling_params(self, req, prompt_len, max_model_len):
+        return SimpleNamespace(max_tokens=req.max_tokens or 4)
+
+
+class Recorder:
+    def __init__(self, name, sink):
+        self.name, self.sink = name, sink
+
+    def record(self, value, tags=None):
+        self.sink.append((self.name, value, dict(tags or {})))
+
+
+class RecordingReplicaMetrics(ReplicaMetrics):
+    """ReplicaMetrics with every metric replaced by a recorder (what Ray would receive)."""
+
+    records: list[tuple[str, float, dict]] = []
+
+    def __init__(self, deployment, replica, enabled=None):
+        super().__init__(deployment, replica, enabled=False)
+        self._m = {name: Recorder(name, RecordingReplicaMetrics.records) for name in self._m}
+        self.enabled = True
+
+
+@pytest.fixture
+def replica(monkeypatch):
+    RecordingReplicaMetrics.records = []
+    monkeypatch.setattr(actor_module, "PromptBuilder", NoVllmPromptBuilder)
+    monkeypatch.setattr(actor_module, "ReplicaMetrics", RecordingReplicaMetrics)
+    spec = {"name": "unitdep", "model": "bundled:smollm2-135m-instruct", "device": "cpu"}
+    rep = VllmReplica(spec, "r7", engine_factory=lambda deployment, progress: ScriptedEngine())
+    yield rep
+    rep._stopped = True
+    rep._loop.stop(5.0)
+
+
+@pytest.fixture
+def json_logs():
+    """The real JSON pipeline at DEBUG, printing into a buffer; the previous config is restored after."""
+    saved = structlog.get_config()
+    buffer = io.StringIO()
+    configure_logging(level="DEBUG", fmt="json", force=True)
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=buffer))
+
+    def lines() -> list[dict]:
+        return [json.loads(line) for line in buffer.getvalue().splitlines()]
+
+    yield lines
+    structlog.configure(**saved)
+
+
+async def collect(rep: VllmReplica, request: dict) -> list:
+    return [chunk async for chunk in rep.generate(request)]
+
+
+def test_every_request_line_carries_its_request_id(json_logs, monkeypatch):
+    # The replica binds its logger at construction, so build it after logging is configured.
+    monkeypatch.setattr(actor_module, "PromptBuilder", NoVllmPromptBuilder)
+    monkeypatch.setattr(actor_module, "ReplicaMetrics", lambda d, r: ReplicaMetrics(d, r, enabled=False))
+    rep = VllmReplica(
+        {"name": "unitdep", "model": "bundled:smollm2-135m-instruct", "device": "cpu"},
+        "r7",
+        engine_factory=lambda deployment, progress: ScriptedEngine(),
+    )
+
+    async def main():
+        chunks = await collect(rep, {"prompt": "hello", "max_tokens": 3, "request_id": "req-abc-123"})
+        await rep.shutdown()
+        return chunks
+
+    chunks = asyncio.run(main())
+    assert chunks[-1].finish_reason == "length"
+    lines = json_logs()
+    mine = [line for line in lines if line.get("request_id") == "req-abc-123"]
+    events = [line["event"] for line in mine]
+    assert "request_started" in events and "request_finished" in events, lines
+    for line in mine:
+        assert line["deployment"] == "unitdep" and line["replica"] == "r7"
+    finished = next(line for line in mine if line["event"] == "request_finished")
+    assert finished["completion_tokens"] == 3 and finished["finish_reason"] == "length"
+    # Lifecycle lines are INFO and carry deployment and replica.
+    states = {line["event"]: line for line in lines if line["event"] in ("replica_starting", "replica_ready")}
+    assert set(states) == {"replica_starting", "replica_ready"}
+    assert all(line["level"] == "info" and line["replica"] == "r7" for line in states.values())
+
+
+def test_metrics_count_tokens_finish_reasons_and_failures(replica):
+    async def main():
+        done = await collect(replica, {"prompt": "hi", "max_tokens": 5})
+        with pytest.raises(InvalidRequest):
+            await collect(replica, {"prompt": "hi", "temperature": -1})
+        agen = replica.generate({"prompt": "hello", "max_tokens": 1000, "request_id": "walks-away"})
+        await agen.__anext__()
+        await agen.aclose()  # the caller leaves: the request is aborted
+        replica._publish_gauges()
+        return done
+
+    done = asyncio.run(main())
+    records = RecordingReplicaMetrics.records
+
+    def values(name, **tags):
+        return [v for n, v, t in records if n == name and all(t.get(k) == x for k, x in tags.items())]
+
+    assert sum(values("atomr_requests_started_total")) == 2  # the invalid one never started
+    assert values("atomr_requests_finished_total", finish_reason="length") == [1]
+    assert sum(values("atomr_generation_tokens_total")) == done[-1].usage.completion_tokens == 5
+    assert sum(values("atomr_prompt_tokens_total")) == done[-1].usage.prompt_tokens == 2
+    assert values("atomr_requests_failed_total", reason="invalid") == [1]
+    assert values("atomr_requests_failed_total", reason="aborted") == [1]
+    (ttft,) = values("atomr_time_to_first_token_seconds")
+    (e2e,) = values("atomr_e2e_request_latency_seconds")
+    (tpot,) = values("atomr_time_per_output_token_seconds")
+    assert 0 < ttft <= e2e and 0 < tpot <= e2e
+    assert len(values("atomr_engine_step_duration_seconds")) >= 5
+    assert all(0.001 < v < 5 for v in values("atomr_engine_step_duration_seconds"))
+    assert values("atomr_replica_state", state="ready")[-1] == 1.0
+    assert values("atomr_replica_state", state="starting")[-1] == 0.0
+    assert values("atomr_requests_in_flight")[-1] == 0
+
+
+def test_failure_reasons():
+    from atomr_infer.errors import EngineError, ReplicaUnavailable
+
+    assert failure_reason(InvalidRequest("prompt", "too long")) == "invalid"
+    assert failure_reason(ReplicaUnavailable("draining")) == "unavailable"
+    assert failure_reason(EngineError("boom")) == "engine"
+
+
+def test_metrics_are_noops_without_ray():
+    metrics = ReplicaMetrics("d", "r0", enabled=False)
+    assert not metrics.enabled
+    metrics.request_started()
+    metrics.request_finished("stop", 3, 0, 1.0, None, None)  # zero tokens: a counter would reject 0
+    metrics.set_load(0, 0, None)
+    metrics.set_state("ready")
+    ManagerMetrics(enabled=False).applied("d", "changed")
+
+
+def test_metrics_off_when_ray_is_not_initialized():
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("a Ray session is running in this process")
+    assert not ReplicaMetrics("d", "r0").enabled
