@@ -26,6 +26,7 @@ from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
 from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
 from atomr_infer.control.store import DeploymentRecord, StateStore
 from atomr_infer.log import get_logger
+from atomr_infer.metrics import ManagerMetrics
 from atomr_infer.replica.request import Chunk
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
@@ -95,6 +96,7 @@ class DeploymentManager:
         self._table_changed = asyncio.Event()
         self._router = Router(self._local_table)
         self._loop_task: asyncio.Task[None] | None = None
+        self._metrics = ManagerMetrics()
         self._recover()
 
     def __repr__(self) -> str:
@@ -194,6 +196,7 @@ class DeploymentManager:
         except Exception as exc:  # noqa: BLE001
             log.error("state_save_failed", error=repr(exc))
         self.last_reconcile_s = time.perf_counter() - started
+        self._metrics.reconcile_pass(self.last_reconcile_s)
 
     def _publish(self) -> None:
         deployments = {}
@@ -215,16 +218,27 @@ class DeploymentManager:
     async def apply(self, spec: Deployment | dict[str, Any]) -> ApplyResult:
         """Record ``spec`` as desired (after validation and budget checks); idempotent."""
         self._ensure_loop()
-        deployment = parse_deployment(spec)
+        try:
+            deployment = parse_deployment(spec)
+        except Exception:
+            self._metrics.applied(str(spec.get("name", "")) if isinstance(spec, dict) else "", "rejected")
+            raise
         async with self._lock:
             current = self._desired.get(deployment.name)
             plan = self._plan(deployment, current)
             if not plan.changed:
                 assert current is not None
+                self._metrics.applied(deployment.name, "unchanged")
                 return ApplyResult(deployment.name, False, current.record.generation, ("unchanged",))
-            verdict = self._check(deployment, raise_on_fail=True)
-            self._check_engine_args(deployment)
+            try:
+                verdict = self._check(deployment, raise_on_fail=True)
+                self._check_engine_args(deployment)
+            except Exception as exc:
+                self._metrics.applied(deployment.name, "rejected")
+                log.info("apply_rejected", deployment=deployment.name, error=str(exc))
+                raise
             self._record(deployment, current, plan)
+            self._metrics.applied(deployment.name, "changed")
             generation = self._desired[deployment.name].record.generation
         log.info("apply", deployment=deployment.name, generation=generation, actions=plan.summary)
         self._kick.set()
