@@ -92,12 +92,15 @@ class DeploymentManager:
         self._removing: dict[str, DeploymentReconciler] = {}
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
-        self._table = RoutingTable(version=0)
+        # Versions start from the clock so a restarted manager never reuses a version number
+        # that routers may have cached with different contents.
+        self._table = RoutingTable(version=time.time_ns() // 1_000_000)
         self._table_changed = asyncio.Event()
         self._router = Router(self._local_table)
         self._loop_task: asyncio.Task[None] | None = None
         self._metrics = ManagerMetrics()
         self._recover()
+        self._start_loop_soon()
 
     def __repr__(self) -> str:
         return MANAGER_NAME
@@ -126,6 +129,20 @@ class DeploymentManager:
 
     def _new_reconciler(self, name: str, next_index: int = 0) -> DeploymentReconciler:
         return DeploymentReconciler(name, self._launcher, self._clock, dataclasses.replace(self._cfg), next_index)
+
+    @staticmethod
+    def _start_loop_soon() -> None:
+        """Inside Ray, call ourselves once so the reconcile loop starts without waiting for a
+        client: a restarted manager must replace dead replicas even if nobody calls it.
+        (``__init__`` runs before the actor's event loop, so the task cannot start here.)"""
+        try:
+            import ray
+
+            if ray.is_initialized():
+                current = ray.get_runtime_context().current_actor
+                current.ping.remote()
+        except Exception:  # noqa: BLE001 - outside an actor: the first call starts the loop
+            pass
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():

@@ -1,0 +1,110 @@
+"""Plans for every change class, and the budget arithmetic (no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from atomr_infer.control.budget import ClusterView, check_budget, prices_from_env
+from atomr_infer.control.manager import runtime_key
+from atomr_infer.control.plan import plan_apply, plan_remove
+from atomr_infer.errors import BudgetExceeded, DeviceUnavailable
+from atomr_infer.spec import Deployment
+
+GiB = 1 << 30
+
+
+def spec(**kw) -> Deployment:
+    return Deployment.model_validate({"name": "d", "model": "org/m", **kw})
+
+
+def test_create_unchanged_and_each_change_class():
+    base = spec(replicas=2, runtime_config={"max_model_len": 2048})
+    assert plan_apply(None, base).summary == "create 2 replicas"
+    same = plan_apply(base, spec(replicas=2, runtime_config={"max_model_len": 2048}))
+    assert not same.changed and same.summary == "unchanged"
+    assert plan_apply(base, spec(replicas=4, runtime_config={"max_model_len": 2048})).summary == "scale 2 → 4"
+    roll = plan_apply(base, spec(replicas=2, runtime_config={"max_model_len": 4096}))
+    assert roll.restart and roll.summary == "roll 2 replicas (runtime_config.max_model_len: 2048 → 4096)"
+    inplace = plan_apply(base, spec(replicas=2, runtime_config={"max_model_len": 2048}, serving={"max_concurrent": 64}))
+    assert not inplace.restart and inplace.summary == "update in place (serving.max_concurrent: 32 → 64)"
+
+
+def test_combined_changes_list_every_action():
+    base = spec(replicas=2)
+    plan = plan_apply(base, spec(replicas=3, model="org/other", budget={"max_spend_per_hour_usd": 9}))
+    kinds = [a.kind for a in plan.actions]
+    assert kinds == ["roll", "scale", "update_in_place"]
+
+
+def test_idempotent_false_forces_a_roll():
+    base = spec(idempotent=False)
+    plan = plan_apply(base, spec(idempotent=False), force_restart=True)
+    assert plan.changed and plan.restart and "idempotent: false" in plan.summary
+
+
+def test_runtime_key_ignores_in_place_and_scale_fields():
+    base = spec()
+    assert runtime_key(base, 0) == runtime_key(spec(replicas=5, serving={"max_concurrent": 3}), 0)
+    assert runtime_key(base, 0) != runtime_key(spec(gpus=2), 0)
+    assert runtime_key(base, 0) != runtime_key(base, 1)
+
+
+def test_remove_plans():
+    assert not plan_remove(None, "x").changed
+    assert plan_remove(spec(replicas=3), "d").summary == "drain and remove 3 replicas"
+
+
+def test_gpu_check_counts_every_deployment():
+    cluster = ClusterView(total_gpus=4)
+    others = [spec(name="a", device="cuda", gpus=2)]
+    check_budget(spec(device="cuda", gpus=2), others, cluster)
+    with pytest.raises(BudgetExceeded) as info:
+        check_budget(spec(device="cuda", gpus=2, replicas=2), others, cluster)
+    err = info.value
+    assert (err.check, err.requested, err.available) == ("gpus", 6, 4)
+    assert "others hold 2" in err.hint
+
+
+def test_cpu_and_auto_on_gpu_less_cluster_need_no_gpus():
+    cluster = ClusterView(total_gpus=0)
+    assert check_budget(spec(device="cpu", replicas=3), [], cluster).ok
+    assert check_budget(spec(device="auto"), [], cluster).ok
+    with pytest.raises(DeviceUnavailable, match="no GPUs"):
+        check_budget(spec(device="cuda"), [], cluster)
+
+
+def test_memory_fit_with_offload_and_hint():
+    cluster = ClusterView(total_gpus=1, gpu_memory_bytes=16 * GiB)
+    d = spec(device="cuda", runtime_config={"gpu_memory_utilization": 0.5, "max_model_len": 4096})
+    with pytest.raises(BudgetExceeded) as info:
+        check_budget(d, [], cluster, weights_bytes=10 * GiB, kv_bytes_per_token=64 * 1024)
+    assert info.value.check == "memory" and info.value.available == 8.0
+    assert "cpu_offload_gb" in info.value.hint and "quantiz" in info.value.hint
+    offloaded = spec(device="cuda", runtime_config={"gpu_memory_utilization": 0.5, "cpu_offload_gb": 4})
+    assert check_budget(offloaded, [], cluster, weights_bytes=10 * GiB, kv_bytes_per_token=0).ok
+
+
+def test_spend_hourly_daily_and_warn():
+    cluster = ClusterView(total_gpus=8, accelerator_type="H100")
+    d = spec(device="cuda", replicas=2, budget={"max_spend_per_hour_usd": 7.5})
+    with pytest.raises(BudgetExceeded) as info:
+        check_budget(d, [], cluster)
+    assert (info.value.check, info.value.requested, info.value.unit) == ("spend", 8.0, "USD/hour")
+    daily = spec(device="cuda", budget={"max_spend_per_day_usd": 90})
+    with pytest.raises(BudgetExceeded, match="96"):
+        check_budget(daily, [], cluster)
+    warn = spec(device="cuda", replicas=2, budget={"max_spend_per_hour_usd": 7.5, "on_exceeded": "warn"})
+    verdict = check_budget(warn, [], cluster)
+    assert verdict.warnings and "on_exceeded: warn" in verdict.warnings[0]
+
+
+def test_verdict_without_raising_for_plans():
+    verdict = check_budget(spec(device="cuda", gpus=8), [], ClusterView(total_gpus=4), raise_on_fail=False)
+    assert not verdict.ok and "8 of 4 GPUs" in str(verdict)
+
+
+def test_price_table_override():
+    prices = prices_from_env({"ATOMR_GPU_PRICES": '{"H100": 3.5, "MI300X": 4}'})
+    assert prices["H100"] == 3.5 and prices["MI300X"] == 4.0 and prices["T4"] == 0.5
+    with pytest.raises(ValueError, match="ATOMR_GPU_PRICES"):
+        prices_from_env({"ATOMR_GPU_PRICES": "[1, 2]"})
