@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import structlog
 
+from atomr_infer import log as log_module
 from atomr_infer.errors import InvalidRequest
 from atomr_infer.log import configure_logging
 from atomr_infer.metrics import ManagerMetrics, ReplicaMetrics, failure_reason
@@ -106,9 +107,11 @@ def replica(monkeypatch):
 
 
 @pytest.fixture
-def json_logs():
+def json_logs(monkeypatch):
     """The real JSON pipeline at DEBUG, printing into a buffer; the previous config is restored after."""
     saved = structlog.get_config()
+    if hasattr(log_module, "_threshold"):  # module-level level threshold, restored by monkeypatch
+        monkeypatch.setattr(log_module, "_threshold", list(log_module._threshold))
     buffer = io.StringIO()
     configure_logging(level="DEBUG", fmt="json", force=True)
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=buffer))
