@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""Throughput of a VllmReplica (and the Client's router) against raw ``vllm.LLM``, in one run.
+
+    .venv/bin/python scripts/bench_replica.py [--sizes 64,256] [--tokens 64]
+
+(a) raw ``vllm.LLM.generate`` of N prompts x T tokens (ignore_eos), in its own process;
+(b) the same N requests sent concurrently to a ``VllmReplica`` actor from this driver;
+(c) the same through ``atomr_infer.Client`` (manager routing table → router → replica).
+All three use identical engine arguments (deployments/smollm2.yaml). Prints output tokens/s
+for each and the ratios against (a) last. Also the median latency of 20 re-applies of an
+unchanged spec. Machines here are noisy: compare ratios from one run, not absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Write a short story about a lighthouse keeper named Keeper{i}." for i in range(n)]
+
+
+def spec():
+    from atomr_infer.spec import load_deployments
+
+    return load_deployments(os.path.join(REPO, "deployments", "smollm2.yaml"))[0]
+
+
+def raw_main(sizes: list[int], tokens: int) -> None:
+    """Child process: raw vllm.LLM throughput for each size, as one JSON line."""
+    from vllm import LLM, SamplingParams
+
+    from atomr_infer.engine.vllm_engine import engine_args
+    from atomr_infer.models import prepare_bundled
+
+    args = engine_args(spec(), str(prepare_bundled("smollm2-135m-instruct")), "cpu")
+    llm = LLM(**args)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
+    llm.generate(["warm up"], params, use_tqdm=False)
+    out = {}
+    for n in sizes:
+        started = time.perf_counter()
+        results = llm.generate(prompts(n), params, use_tqdm=False)
+        elapsed = time.perf_counter() - started
+        out[n] = sum(len(r.outputs[0].token_ids) for r in results) / elapsed
+    print("BENCH_RESULT " + json.dumps(out), flush=True)  # vLLM prints to stdout too
+
+
+async def through(stream_fn, n: int, tokens: int) -> float:
+    async def one(p: str) -> int:
+        count = 0
+        async for chunk in stream_fn({"prompt": p, "max_tokens": tokens, "ignore_eos": True, "temperature": 0}):
+            count += len(chunk.token_ids)
+        return count
+
+    started = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in prompts(n)))
+    return sum(counts) / (time.perf_counter() - started)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="64,256")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--raw-child", action="store_true", help=argparse.SUPPRESS)
+    opts = ap.parse_args()
+    sizes = [int(s) for s in opts.sizes.split(",")]
+    if opts.raw_child:
+        raw_main(sizes, opts.tokens)
+        return
+
+    print(f"(a) raw vllm.LLM, {opts.tokens} tokens per prompt ...", flush=True)
+    child = subprocess.run(
+        [sys.executable, __file__, "--raw-child", "--sizes", opts.sizes, "--tokens", str(opts.tokens)],
+        capture_output=True, text=True, check=True,
+    )
+    line = next(ln for ln in child.stdout.splitlines() if ln.startswith("BENCH_RESULT "))
+    raw = {int(k): v for k, v in json.loads(line.removeprefix("BENCH_RESULT ")).items()}
+
+    import ray
+
+    from atomr_infer.client import Client
+    from atomr_infer.cluster import manager as get_manager
+
+    os.environ.pop("RAY_ADDRESS", None)
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        manager = get_manager()
+        d = spec()
+        ray.get(manager.apply.remote(d))
+        ray.get(manager.wait_ready.remote(d.name, 600))
+        status = ray.get(manager.status.remote(d.name))
+        replica = ray.get_actor(status["replicas"][0]["actor_name"], namespace="atomr")
+        client = Client(manager=manager)
+
+        async def via_replica(req):
+            async for ref in replica.generate.remote(req):
+                yield await ref
+
+        async def run_all():
+            await through(via_replica, 4, 8)  # warm up both paths
+            await through(lambda r: client.astream(d.name, r), 4, 8)
+            rep = {n: await through(via_replica, n, opts.tokens) for n in sizes}
+            cli = {n: await through(lambda r: client.astream(d.name, r), n, opts.tokens) for n in sizes}
+            return rep, cli
+
+        rep, cli = asyncio.run(run_all())
+        latencies = []
+        for _ in range(20):
+            started = time.perf_counter()
+            result = ray.get(manager.apply.remote(d))
+            latencies.append((time.perf_counter() - started) * 1000)
+            assert not result.changed
+        ray.get(manager.remove.remote(d.name))
+        time.sleep(2)
+    finally:
+        ray.shutdown()
+
+    print(f"\n{'prompts':>8} {'raw tok/s':>10} {'replica':>10} {'client':>10} {'replica/raw':>12} {'client/raw':>11}")
+    for n in sizes:
+        r, c = rep[n] / raw[n], cli[n] / raw[n]
+        print(f"{n:>8} {raw[n]:>10.1f} {rep[n]:>10.1f} {cli[n]:>10.1f} {r:>12.3f} {c:>11.3f}")
+    print(f"\nre-apply of an unchanged spec: median {statistics.median(latencies):.1f} ms over 20 "
+          f"(min {min(latencies):.1f}, max {max(latencies):.1f})")
+    for n in sizes:
+        print(f"ratio replica/raw @ {n}: {rep[n] / raw[n]:.3f}")
+    for n in sizes:
+        print(f"ratio client/raw @ {n}: {cli[n] / raw[n]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
