@@ -1,9 +1,16 @@
 """Find or start the Ray cluster, and get or create the manager actor.
 
-``connect()`` joins ``RAY_ADDRESS`` (or ``address``) when given, else a Ray already running on
-this machine, else starts a local head with ``ray start --head`` — a separate process that
-outlives the caller, so deployments survive the script or CLI command that made them.
-A marker file records that atomr started it, so ``atomr down`` stops only a Ray it started.
+``connect()`` joins ``RAY_ADDRESS`` (or ``address``) when given, else the local head at
+``127.0.0.1:$ATOMR_RAY_PORT`` (default 6379, Ray's own default), else — when that variable is
+not set — the cluster the last ``ray start`` on this machine recorded, else starts a local head
+with ``ray start --head``: a separate process that outlives the caller, so deployments survive
+the script or CLI command that made them. It never attaches to another program's in-process
+Ray (``ray.init(address="auto")`` would). A marker file records that atomr started the head, so
+``atomr down`` stops only a Ray it started (``atomr_infer.local_ray``).
+
+Environment: ``ATOMR_RAY_PORT`` (GCS port), ``ATOMR_RAY_DASHBOARD_PORT`` (default 8265, or a
+free port when that one is taken), ``ATOMR_RAY_TEMP_DIR`` (Ray's ``--temp-dir``, default
+``/tmp/ray``), ``ATOMR_RAY_NUM_GPUS`` (logical GPUs, for tests).
 """
 
 from __future__ import annotations
@@ -38,21 +45,36 @@ def _ray_cli() -> str:
     return str(exe) if exe.exists() else "ray"
 
 
+def local_address() -> str:
+    """Where atomr's local head listens (or would): ``127.0.0.1:$ATOMR_RAY_PORT``."""
+    return f"127.0.0.1:{os.environ.get('ATOMR_RAY_PORT') or '6379'}"
+
+
 def start_local_head(dashboard: bool = True) -> str:
     """``ray start --head`` on loopback; returns the GCS address."""
-    port = os.environ.get("ATOMR_RAY_PORT", "6379")
+    from atomr_infer.local_ray import DEFAULT_AGENT_PORT, DEFAULT_DASHBOARD_PORT, free_port, stop_head
+
+    port = local_address().rsplit(":", 1)[1]
     cmd = [
         _ray_cli(), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
         "--dashboard-host=127.0.0.1", f"--include-dashboard={'true' if dashboard else 'false'}",
         "--disable-usage-stats",
     ]
+    if dashboard:  # `ray start` fails outright when the dashboard's port is taken
+        wanted = os.environ.get("ATOMR_RAY_DASHBOARD_PORT")
+        cmd.append(f"--dashboard-port={wanted or free_port(DEFAULT_DASHBOARD_PORT)}")
+    # The node's agent (logs, state API) dies quietly when its port is taken by another Ray.
+    cmd.append(f"--dashboard-agent-listen-port={free_port(DEFAULT_AGENT_PORT)}")
+    if os.environ.get("ATOMR_RAY_TEMP_DIR"):
+        cmd.append(f"--temp-dir={os.environ['ATOMR_RAY_TEMP_DIR']}")
     if os.environ.get("ATOMR_RAY_NUM_GPUS"):  # logical GPUs, for tests of placement on CPU hosts
         cmd.append(f"--num-gpus={os.environ['ATOMR_RAY_NUM_GPUS']}")
     log.info("ray_head_starting", port=port)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        raise AtomrError(f"could not start a local Ray head: {' | '.join(tail)}")
+        stop_head(int(port))  # a failed `ray start` leaves some of its processes behind
+        lines = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
+        raise AtomrError(f"could not start a local Ray head on port {port}: {lines[-1] if lines else proc.returncode}")
     address = f"127.0.0.1:{port}"
     marker = started_marker()
     marker.parent.mkdir(parents=True, exist_ok=True)
@@ -66,17 +88,65 @@ def connect(address: str | None = None, start: bool = True) -> None:
 
     if ray.is_initialized():
         return
-    target = address or os.environ.get("RAY_ADDRESS")
+    use_local_auth_token()
+    target = address or os.environ.get("RAY_ADDRESS") or find_local_head()
     kwargs: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False, "logging_level": "WARNING"}
     if target:
         ray.init(address=target, **kwargs)
         return
+    if not start:
+        raise AtomrError("no Ray cluster is running (hint: `atomr up`, or set RAY_ADDRESS)")
+    ray.init(address=start_local_head(), **kwargs)
+
+
+def find_local_head() -> str | None:
+    """The address of a Ray head running on this machine that ``connect()`` would join, if any."""
+    from atomr_infer.local_ray import port_open
+
+    local = local_address()
+    host, port = local.rsplit(":", 1)
+    if port_open(host, int(port)):
+        return local
+    if os.environ.get("ATOMR_RAY_PORT"):
+        return None
+    try:  # the cluster `ray start` last recorded here, as `ray status` finds it
+        from ray._private.utils import read_ray_address
+
+        recorded = read_ray_address()
+    except Exception:  # noqa: BLE001 - private API; without it only the default port counts
+        return None
+    if recorded and ":" in recorded:
+        host, port = recorded.rsplit(":", 1)
+        if port.isdigit() and port_open(host, int(port)):
+            return recorded
+    return None
+
+
+def use_local_auth_token() -> None:
+    """Send the local Ray auth token (``~/.ray/auth_token``) when one exists.
+
+    ``ray start`` turns token authentication on whenever that file exists (any earlier local
+    ``ray.init()`` creates it), but ``ray.init(address=...)`` with an explicit address does not
+    turn it on by itself and then fails with ``InvalidAuthToken``. This does what Ray does for
+    ``address="auto"``; an explicit ``RAY_AUTH_MODE`` is left alone.
+    """
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    import logging
+
+    quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
-        ray.init(address="auto", **kwargs)
-    except ConnectionError:
-        if not start:
-            raise AtomrError("no Ray cluster is running (hint: `atomr up`, or set RAY_ADDRESS)") from None
-        ray.init(address=start_local_head(), **kwargs)
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    except Exception:  # noqa: BLE001 - private API; a Ray without it has no token auth
+        pass
+    finally:
+        quiet.setLevel(level)
 
 
 def manager(address: str | None = None, start: bool = True) -> Any:

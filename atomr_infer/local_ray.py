@@ -1,0 +1,146 @@
+"""The processes of one local Ray head, found by its GCS port, and how to stop only them.
+
+``ray stop`` kills every Ray on the machine: the user's own, a notebook's, another test
+session's. ``atomr down`` must stop only the head ``atomr`` started, so this module finds that
+head's processes from its GCS port: the ``gcs_server`` listening there gives the session
+directory; every process naming that session directory or that GCS address belongs to it,
+and so do their children (workers, the dashboard's subprocesses, vLLM's engine processes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from pathlib import Path
+
+import psutil
+
+DEFAULT_DASHBOARD_PORT = 8265
+DEFAULT_AGENT_PORT = 52365  # the dashboard agent's HTTP port on each node
+
+
+def port_open(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def free_port(preferred: int | None = None) -> int:
+    """``preferred`` when nothing listens there, else a port the OS picks."""
+    if preferred is not None and not port_open("127.0.0.1", preferred, 0.5):
+        with contextlib.suppress(OSError), socket.socket() as s:
+            s.bind(("127.0.0.1", preferred))
+            return preferred
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
+def gcs_server(port: int) -> psutil.Process | None:
+    """The ``gcs_server`` process serving GCS port ``port`` on this machine, if any."""
+    flag = f"--gcs_server_port={port}"
+    for proc in psutil.process_iter(["name"]):
+        if "gcs_server" in (proc.info.get("name") or "") and flag in _cmdline(proc):
+            return proc
+    return None
+
+
+def session_dir(gcs: psutil.Process) -> str | None:
+    for arg in _cmdline(gcs):
+        if arg.startswith("--session-dir="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def head_processes(port: int) -> list[psutil.Process]:
+    """Every process of the local Ray head whose GCS listens on ``port`` (empty if none)."""
+    gcs = gcs_server(port)
+    if gcs is None:
+        return []
+    session = session_dir(gcs)
+    markers = [f":{port}"] + ([session] if session else [])
+    me = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    found: dict[int, psutil.Process] = {gcs.pid: gcs}
+    for proc in psutil.process_iter():
+        if proc.pid in me or proc.pid in found:
+            continue
+        args = _cmdline(proc)
+        if not args or not any("ray" in a for a in args[:3]):
+            continue
+        joined = " ".join(args)
+        if (session and session in joined) or any(
+            a.startswith(("--address=", "--gcs-address=", "--gcs_address=")) and a.endswith(markers[0]) for a in args
+        ):
+            found[proc.pid] = proc
+    for proc in list(found.values()):
+        with contextlib.suppress(psutil.Error):
+            for child in proc.children(recursive=True):
+                if child.pid not in me:
+                    found.setdefault(child.pid, child)
+    return list(found.values())
+
+
+def stop_head(port: int, grace_s: float = 3.0) -> int:
+    """SIGTERM the head's processes, SIGKILL what is left after ``grace_s``; returns how many.
+
+    The GCS and raylet linger for many seconds after SIGTERM (flushing events to an agent that
+    is already gone); with the deployments removed there is nothing left to save, so the
+    grace period is short."""
+    gcs = gcs_server(port)
+    session = session_dir(gcs) if gcs is not None else None
+    procs = head_processes(port)
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+    # Stragglers: workers the raylet forked while it was being stopped.
+    late = head_processes(port)
+    for proc in late:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(late, timeout=5)
+    forget_address(port, str(Path(session).parent) if session else None)
+    return len(procs) + len(late)
+
+
+def forget_address(port: int, temp_dir: str | None) -> None:
+    """Remove Ray's "latest cluster" file if it names this port (what ``ray stop`` resets)."""
+    path = Path(temp_dir or "/tmp/ray") / "ray_current_cluster"
+    with contextlib.suppress(OSError):
+        if path.read_text().strip().endswith(f":{port}"):
+            path.unlink()
+
+
+def started_before(port: int, when: float) -> bool:
+    """Whether the head on ``port`` was started before ``when`` (epoch s): it is the one a
+    marker written at ``when`` describes, not a newer Ray that took the port since."""
+    gcs = gcs_server(port)
+    try:
+        return gcs is not None and gcs.create_time() <= when + 1.0
+    except psutil.Error:
+        return False
+
+
+def wait_until(predicate, timeout_s: float, period_s: float = 0.25) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(period_s)
+    return bool(predicate())
