@@ -18,6 +18,16 @@ import structlog
 
 _lock = threading.Lock()
 _configured = False
+# Loggers bound at import keep the wrapper (and its level) they were made with; this threshold
+# is read on every event, so a later configure_logging(force=True) can quiet them too (the CLI
+# keeps library logs at WARNING).
+_threshold = [logging.INFO]
+
+
+def _drop_below_threshold(_logger: object, method_name: str, event_dict: dict) -> dict:
+    if logging.getLevelName(method_name.upper()) < _threshold[0]:
+        raise structlog.DropEvent
+    return event_dict
 
 
 def configure_logging(level: str | None = None, fmt: str | None = None, force: bool = False) -> None:
@@ -36,8 +46,10 @@ def configure_logging(level: str | None = None, fmt: str | None = None, force: b
             if fmt == "json"
             else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
         )
+        _threshold[0] = level_no
         structlog.configure(
             processors=[
+                _drop_below_threshold,
                 structlog.contextvars.merge_contextvars,
                 structlog.processors.add_log_level,
                 structlog.processors.TimeStamper(fmt="iso", utc=True),
