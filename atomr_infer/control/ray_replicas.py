@@ -35,7 +35,7 @@ def error_reason(exc: BaseException) -> str:
     cause = getattr(exc, "cause", None)
     if isinstance(cause, BaseException):
         exc = cause
-    text = str(exc).strip().splitlines()
+    text = [ln for ln in str(exc).strip().splitlines() if not ln.strip().startswith("For further information")]
     if isinstance(exc, AtomrError) or not text:
         return text[-1] if text else type(exc).__name__
     return f"{type(exc).__name__}: {text[-1]}"
