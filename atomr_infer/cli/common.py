@@ -1,0 +1,149 @@
+"""What the cluster commands share: ``--address``, connecting, calling the manager, stats.
+
+Every failure here becomes an ``AtomrError`` with one line of text, so ``fail()`` prints
+``error: …`` and the exit code its type calls for.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import typer
+
+from atomr_infer.cli.app import _state
+from atomr_infer.errors import AtomrError
+
+# Library logs (structlog) stay at WARNING in the CLI process: a command prints its own lines.
+# Only this process is affected, not the Ray head and replicas the CLI starts.
+if not os.environ.get("ATOMR_LOG_LEVEL"):
+    from atomr_infer.log import configure_logging
+
+    configure_logging("WARNING", force=True)
+
+ADDRESS_HELP = "Ray cluster address, host:port (default: RAY_ADDRESS, else the local head atomr starts)."
+
+
+def address_option() -> Any:
+    return typer.Option(None, "--address", help=ADDRESS_HELP, show_default=False)
+
+
+def quiet_logs() -> None:
+    """With ``--debug``, loggers bound from now on log at DEBUG."""
+    from atomr_infer.log import configure_logging
+
+    if _state["debug"] and not os.environ.get("ATOMR_LOG_LEVEL"):
+        configure_logging("DEBUG", force=True)
+
+
+def _check_reachable(address: str | None) -> None:
+    """Fail at once on an address nothing listens at (``ray.init`` would retry for a minute)."""
+    from atomr_infer.local_ray import port_open
+
+    target = address or os.environ.get("RAY_ADDRESS")
+    if not target or target.startswith("ray://") or ":" not in target:
+        return
+    host, port = target.rsplit(":", 1)
+    if port.isdigit() and not port_open(host.strip("[]"), int(port), timeout_s=3.0):
+        source = "--address" if address else "RAY_ADDRESS"
+        raise AtomrError(f"no Ray cluster answers at {target} ({source}) (hint: check the address, or `atomr up`)")
+
+
+def connect(address: str | None, start: bool) -> None:
+    from atomr_infer import cluster
+
+    quiet_logs()
+    _check_reachable(address)
+    try:
+        cluster.connect(address, start=start)
+    except AtomrError:
+        raise
+    except Exception as exc:  # ConnectionError, RuntimeError from ray.init: one line
+        raise AtomrError(f"could not connect to Ray: {one_line(exc)}") from exc
+
+
+def manager(address: str | None, start: bool = True) -> Any:
+    """The manager actor handle; with ``start=False`` nothing is started (error if absent)."""
+    from atomr_infer import cluster
+
+    connect(address, start)
+    try:
+        return cluster.manager(address, start=start)
+    except AtomrError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise AtomrError(f"could not reach the atomr manager: {one_line(exc)}") from exc
+
+
+def call(ref: Any, timeout_s: float | None = 60.0) -> Any:
+    """``ray.get`` that raises the atomr error the actor raised, not Ray's wrapper."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    from atomr_infer.routing.router import unwrap
+
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except RayTaskError as exc:
+        cause = unwrap(exc)
+        if isinstance(cause, AtomrError):
+            raise cause from None
+        raise AtomrError(one_line(cause)) from None
+    except RayActorError as exc:
+        raise AtomrError(f"the atomr manager died: {one_line(exc)} (hint: `atomr up` restarts it)") from None
+    except GetTimeoutError:
+        raise AtomrError(f"the atomr manager did not answer within {timeout_s:g}s") from None
+
+
+def one_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def dashboard_url() -> str | None:
+    """The Ray dashboard of the connected cluster, as a URL, if it runs."""
+    try:
+        import ray
+
+        node = ray._private.worker._global_node  # the address info ray.init() returned
+        url = node.address_info.get("webui_url") if node is not None else None
+    except Exception:  # noqa: BLE001 - private API; the URL is a nicety
+        return None
+    if not url:
+        return None
+    return url if url.startswith("http") else f"http://{url}"
+
+
+def replica_stats(replicas: list[dict[str, Any]], timeout_s: float = 2.0) -> dict[str, Any]:
+    """``ReplicaStats`` by actor name, for the replicas that answer within ``timeout_s``."""
+    import ray
+
+    refs: dict[Any, str] = {}
+    for r in replicas:
+        if r.get("state") not in ("starting", "ready", "draining"):
+            continue
+        try:
+            actor = ray.get_actor(r["actor_name"], namespace="atomr")
+            refs[actor.stats.remote()] = r["actor_name"]
+        except Exception:  # noqa: BLE001 - gone or not yet created
+            continue
+    if not refs:
+        return {}
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    stats = {}
+    for ref in done:
+        try:
+            stats[refs[ref]] = ray.get(ref)
+        except Exception:  # noqa: BLE001 - a replica that fails to answer shows no stats
+            continue
+    return stats
+
+
+def node_ips() -> dict[str, str]:
+    """Node id → IP address, for the NODE column."""
+    try:
+        import ray
+
+        return {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
+    except Exception:  # noqa: BLE001
+        return {}

@@ -1,0 +1,169 @@
+"""Rendering for the cluster commands: kubectl-style columns, ages, plans, replica rows.
+
+Tables are plain aligned columns (two spaces apart, never wrapped or truncated), so they read
+the same in a terminal, a pipe and ``grep``. A cell may carry a rich style, e.g. a link to the
+replica's page on the Ray dashboard (terminals that support OSC 8 make it clickable).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rich.style import Style
+from rich.text import Text
+
+Cell = str | tuple[str, str | Style]
+
+
+def age(seconds: float | None) -> str:
+    """kubectl's way: 45s, 3m12s, 12m, 5h3m, 2d4h."""
+    if seconds is None or seconds < 0:
+        return "-"
+    s = int(seconds)
+    if s < 120:
+        return f"{s}s"
+    m, s = divmod(s, 60)
+    if m < 10:
+        return f"{m}m{s}s" if s else f"{m}m"
+    h, m = divmod(m, 60)
+    if h == 0:
+        return f"{m}m"
+    d, h = divmod(h, 24)
+    if d == 0:
+        return f"{h}h{m}m" if m else f"{h}h"
+    return f"{d}d{h}h" if h else f"{d}d"
+
+
+def columns(headers: Sequence[str], rows: Sequence[Sequence[Cell]]) -> list[Text]:
+    """Aligned lines: a header and one line per row."""
+    def plain(cell: Cell) -> str:
+        return cell if isinstance(cell, str) else cell[0]
+
+    widths = [max([len(h)] + [len(plain(r[i])) for r in rows]) for i, h in enumerate(headers)]
+    lines = [Text("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip(), style="bold")]
+    for row in rows:
+        line = Text()
+        for i, (cell, width) in enumerate(zip(row, widths, strict=True)):
+            text = plain(cell)
+            last = i == len(row) - 1
+            pad = "" if last else " " * (width - len(text) + 2)
+            line.append(text, style=None if isinstance(cell, str) else cell[1])
+            line.append(pad)
+        lines.append(line)
+    return lines
+
+
+def deployment_state(status: dict[str, Any]) -> str:
+    """One word for where a deployment is: ready, starting, rolling, failing, removing."""
+    if status.get("removing"):
+        return "removing"
+    converged = status["observed_generation"] == status["generation"]
+    if converged and status["replicas_ready"] == status["replicas_desired"]:
+        return "ready"
+    if status.get("last_failure") and status["replicas_ready"] < status["replicas_desired"]:
+        return "failing"
+    return "starting" if status["generation"] == 1 else "rolling"
+
+
+def deployments_lines(statuses: Sequence[dict[str, Any]], now: float | None = None) -> list[Text]:
+    rows: list[list[Cell]] = []
+    for s in statuses:
+        state = deployment_state(s)
+        style = {"ready": "green", "failing": "red", "removing": "yellow"}.get(state, "yellow")
+        rows.append(
+            [
+                s["name"],
+                s.get("model") or "-",
+                f"{s['generation']}/{s['observed_generation']}",
+                f"{s['replicas_ready']}/{s['replicas_desired']}",
+                (state, style),
+            ]
+        )
+    return columns(["NAME", "MODEL", "GENERATION", "READY", "STATUS"], rows)
+
+
+def replica_rows(
+    statuses: Sequence[dict[str, Any]],
+    stats: dict[str, Any],
+    nodes: dict[str, str],
+    dashboard: str | None,
+    now: float | None = None,
+) -> list[dict[str, Any]]:
+    """One flat dict per replica: what ``atomr status`` shows and ``--json`` prints."""
+    now = time.time() if now is None else now
+    rows = []
+    for s in statuses:
+        for r in s.get("replicas", []):
+            st = stats.get(r["actor_name"])
+            tpot = st.time_per_output_token_s.p50 if st is not None else None
+            rows.append(
+                {
+                    "deployment": s["name"],
+                    "replica": r["replica_id"],
+                    "actor_name": r["actor_name"],
+                    "state": r["state"],
+                    "reason": r.get("reason"),
+                    "phase": st.phase if st is not None else None,
+                    "generation": r["generation"],
+                    "node_id": r.get("node_id"),
+                    "node": nodes.get(r.get("node_id") or ""),
+                    "device": r.get("device"),
+                    "gpu_ids": r.get("gpu_ids") or [],
+                    "in_flight": st.in_flight if st is not None else r.get("in_flight", 0),
+                    "engine_unfinished": st.engine_unfinished if st is not None else None,
+                    "tokens_generated": st.tokens_generated if st is not None else None,
+                    "tokens_per_s": round(1.0 / tpot, 1) if tpot else None,
+                    "ttft_p50_s": st.ttft_s.p50 if st is not None else None,
+                    "requests_finished": st.requests_finished if st is not None else None,
+                    "requests_aborted": st.requests_aborted if st is not None else None,
+                    "uptime_s": round(now - r["started_at"], 1) if r.get("started_at") else None,
+                    "actor_id": r.get("actor_id"),
+                    "dashboard_url": actor_url(dashboard, r.get("actor_id")),
+                }
+            )
+    return rows
+
+
+def actor_url(dashboard: str | None, actor_id: str | None) -> str | None:
+    """The actor's page on the Ray dashboard."""
+    return f"{dashboard}/#/actors/{actor_id}" if dashboard and actor_id else None
+
+
+_STATE_STYLE = {"ready": "green", "starting": "yellow", "draining": "yellow", "unhealthy": "red", "stopped": "dim"}
+
+
+def replicas_lines(rows: Sequence[dict[str, Any]]) -> list[Text]:
+    cells: list[list[Cell]] = []
+    for r in rows:
+        name = f"{r['deployment']}/{r['replica']}"
+        state = r["state"]
+        if state == "starting" and r.get("phase") and r["phase"] != "starting":
+            state = f"starting ({r['phase']})"
+        elif r.get("reason") and state in ("unhealthy", "stopped"):
+            state = f"{state} ({shorten(r['reason'], 40)})"
+        cells.append(
+            [
+                (name, Style(link=r["dashboard_url"])) if r.get("dashboard_url") else name,
+                (state, _STATE_STYLE.get(r["state"], "")),
+                r.get("node") or (r["node_id"][:8] if r.get("node_id") else "-"),
+                r.get("device") or "-",
+                ",".join(r["gpu_ids"]) or "-",
+                str(r["in_flight"]),
+                "-" if r["tokens_generated"] is None else str(r["tokens_generated"]),
+                "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}",
+                age(r["uptime_s"]),
+            ]
+        )
+    headers = ["REPLICA", "STATE", "NODE", "DEVICE", "GPU IDS", "IN-FLIGHT", "TOKENS", "TOK/S", "UPTIME"]
+    return columns(headers, cells)
+
+
+def shorten(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
