@@ -1,0 +1,209 @@
+"""``atomr deploy`` and ``atomr remove``.
+
+``deploy`` validates every file first (exit 2, nothing touched), checks that each deployment's
+device can be had (a ``device: cuda`` spec on a host and cluster without a GPU fails here,
+before a Ray is started), then applies each one and, with ``--wait``, follows them until ready.
+Exit codes: 0 ready (or applied, with ``--no-wait``), 1 failed or timed out, 2 invalid,
+3 rejected by a budget check.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import typer
+
+from atomr_infer.cli import common, render
+from atomr_infer.cli.app import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, app, err, fail, out
+from atomr_infer.errors import AtomrError
+
+
+def report(exc: BaseException) -> int:
+    """Print ``exc`` as ``fail`` does, but return its exit code instead of exiting."""
+    try:
+        fail(exc)
+    except typer.Exit as done:
+        return done.exit_code
+    return EXIT_FAILED  # pragma: no cover - fail() always exits
+
+
+def _say(text: str) -> None:
+    out.print(text, markup=False, emoji=False, highlight=False)
+
+
+@app.command("deploy")
+def deploy_command(
+    paths: list[Path] = typer.Argument(..., help="Deployment YAML files or directories of them.", show_default=False),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the budget verdict; change nothing."),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Follow the rollout until ready (default)."),
+    timeout: float = typer.Option(600.0, "--timeout", min=1.0, help="Seconds --wait waits for readiness."),
+    address: str | None = common.address_option(),
+) -> None:
+    """Apply deployment specs: validate, check budgets, create or update replicas, wait until ready."""
+    from atomr_infer.spec import load_deployments
+
+    try:
+        deployments = load_deployments(*paths)
+    except AtomrError as exc:
+        fail(exc)
+    if address:
+        os.environ["RAY_ADDRESS"] = address  # the device probe below looks at the same cluster
+    common.quiet_logs()
+    from atomr_infer.cluster import use_local_auth_token
+    from atomr_infer.provision import require_device
+
+    use_local_auth_token()
+    if dry_run:
+        raise typer.Exit(_dry_run(deployments, address))
+    try:
+        for d in deployments:
+            require_device(d)  # before anything starts: gemma on a CPU host stops here
+        manager = common.manager(address, start=True)
+    except Exception as exc:  # noqa: BLE001 - fail() prints one line
+        fail(exc)
+
+    code, applied, unchanged = EXIT_OK, [], []
+    for d in deployments:
+        try:
+            result = common.call(manager.apply.remote(d))
+        except AtomrError as exc:
+            code = code or report(exc)
+            continue
+        generation = f" (generation {result.generation})" if result.changed else ""
+        _say(f"{d.name}: {'; '.join(result.actions)}{generation}")
+        for warning in result.warnings:
+            err.print(f"warning: {warning}", markup=False)
+        (applied if result.changed else unchanged).append(d.name)
+    names = applied + unchanged
+    if wait and names:
+        code = _wait(manager, names, timeout) or code
+    elif names:
+        _say("not waiting; follow with `atomr status`")
+    raise typer.Exit(code)
+
+
+def _wait(manager, names: list[str], timeout: float) -> int:  # noqa: ANN001
+    from atomr_infer.cli.watch import wait_for
+
+    started = time.monotonic()
+    try:
+        outcome = wait_for(manager, names, timeout)
+    except KeyboardInterrupt:
+        err.print("interrupted: the rollout goes on in the background (`atomr status` to follow it)")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001
+        return report(AtomrError(f"lost track of the rollout: {common.one_line(exc)}"))
+    took = time.monotonic() - started
+    if outcome.ready and not (outcome.failed or outcome.pending):
+        if took >= 1.0:
+            _say(f"ready: {', '.join(outcome.ready)} ({took:.0f}s)")
+        return EXIT_OK
+    for name, reason in outcome.failed.items():
+        report(
+            AtomrError(
+                f"deployment {name!r} failed: {reason} (hint: `atomr logs {name}`; the manager retries "
+                f"with backoff, `atomr remove {name}` stops it)"
+            )
+        )
+    for name in outcome.pending:
+        report(
+            AtomrError(
+                f"deployment {name!r} not ready after {timeout:g}s (hint: `atomr status {name}`, "
+                f"`atomr logs {name}`; it keeps starting in the background)"
+            )
+        )
+    return EXIT_FAILED
+
+
+def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
+    """Per deployment: the plan's actions and the budget verdict. Starts and changes nothing."""
+    from atomr_infer.provision import require_device
+
+    try:
+        manager = common.manager(address, start=False)
+    except AtomrError as exc:
+        manager = None
+        offline = common.one_line(exc)
+    code = EXIT_OK
+    for d in deployments:
+        device_error = None
+        try:
+            require_device(d)
+        except AtomrError as exc:
+            device_error = str(exc)
+        if manager is None:
+            _say(f"{d.name}: create {render.plural(d.replicas, 'replica')}")
+            _say(f"  budget: not checked ({offline})")
+        else:
+            try:
+                plan = common.call(manager.plan.remote(d))
+            except AtomrError as exc:
+                code = code or report(exc)
+                continue
+            _say(f"{d.name}: {'; '.join(plan.actions)}")
+            if plan.budget_ok:
+                _say(f"  budget: {plan.budget or 'ok'}")
+            else:
+                _say(f"  budget: REJECTED: {plan.error or plan.budget}")
+            if not plan.budget_ok:
+                code = code or 3
+        if device_error:
+            _say(f"  device: REJECTED ({device_error})")
+            code = code or EXIT_FAILED
+    _say("dry run: nothing was changed")
+    return code
+
+
+@app.command("remove")
+def remove_command(
+    names: list[str] = typer.Argument(None, help="Deployment names.", show_default=False),
+    all_: bool = typer.Option(False, "--all", help="Remove every deployment."),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the replicas have stopped (default)."),
+    timeout: float = typer.Option(120.0, "--timeout", min=1.0, help="Seconds --wait waits."),
+    address: str | None = common.address_option(),
+) -> None:
+    """Drain and remove deployments: in-flight requests finish, then the replicas stop."""
+    if not names and not all_:
+        fail(AtomrError("name a deployment to remove, or pass --all (hint: `atomr status` lists them)"))
+    try:
+        manager = common.manager(address, start=False)
+        if all_:
+            names = [s["name"] for s in common.call(manager.list.remote()) if not s.get("removing")]
+            if not names:
+                _say("no deployments")
+                raise typer.Exit(EXIT_OK)
+    except AtomrError as exc:
+        fail(exc)
+    code, removed = EXIT_OK, []
+    for name in names:
+        try:
+            result = common.call(manager.remove.remote(name))
+        except AtomrError as exc:
+            code = code or report(exc)
+            continue
+        if not result.changed:
+            known = ", ".join(s["name"] for s in common.call(manager.list.remote())) or "none"
+            code = code or report(AtomrError(f"no deployment named {name!r} (deployments: {known})"))
+            continue
+        _say(f"{name}: {'; '.join(result.actions)}")
+        removed.append(name)
+    if wait and removed:
+        code = _wait_removed(manager, removed, timeout) or code
+    raise typer.Exit(code)
+
+
+def _wait_removed(manager, names: list[str], timeout: float) -> int:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    pending = list(names)
+    while pending and time.monotonic() < deadline:
+        for name in list(pending):
+            if common.call(manager.status.remote(name)) is None:
+                pending.remove(name)
+                _say(f"{name}: removed")
+        if pending:
+            time.sleep(0.5)
+    if pending:
+        return report(AtomrError(f"still draining after {timeout:g}s: {', '.join(pending)} (hint: `atomr status`)"))
+    return EXIT_OK

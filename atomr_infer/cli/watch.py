@@ -1,0 +1,132 @@
+"""``atomr deploy --wait``: follow deployments until they are ready, fail, or time runs out.
+
+In a terminal a live table shows each replica's state and engine-start phase; elsewhere (a
+pipe, CI, ``make demo`` logs) one line is printed per change, so the log reads as a story.
+A deployment *fails* when a replica of it fails after the deploy began (its reason is
+printed); the manager keeps retrying with backoff, which the error's hint says.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Group
+from rich.live import Live
+from rich.text import Text
+
+from atomr_infer.cli import common, render
+from atomr_infer.cli.app import out
+
+POLL_S = 0.5
+
+
+@dataclass
+class Outcome:
+    ready: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # name -> reason
+    pending: list[str] = field(default_factory=list)  # still not ready at the timeout
+
+
+def _converged(s: dict[str, Any]) -> bool:
+    return s["observed_generation"] == s["generation"] and s["replicas_ready"] == s["replicas_desired"]
+
+
+class _Watch:
+    def __init__(self, manager: Any, names: list[str]) -> None:
+        self.manager, self.names = manager, names
+        self.started = time.monotonic()
+        self.first: dict[str, dict[str, Any] | None] = {}
+        self.seen: dict[str, str] = {}  # replica key -> last printed state line
+
+    def poll(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        import ray
+
+        refs = [self.manager.status.remote(n) for n in self.names]
+        statuses = [s for s in ray.get(refs, timeout=30) if s is not None]
+        replicas = [r for s in statuses for r in s["replicas"]]
+        return statuses, common.replica_stats(replicas, timeout_s=1.0)
+
+    def failure(self, s: dict[str, Any]) -> str | None:
+        """A failure that happened after the deploy began, else None."""
+        before = self.first.get(s["name"])
+        last = s.get("last_failure")
+        if last and (before is None or last != before.get("last_failure")):
+            return last
+        return None
+
+    def lines(self, statuses: list[dict[str, Any]], stats: dict[str, Any]) -> list[Text]:
+        rows = render.replica_rows(statuses, stats, {}, None)
+        elapsed = time.monotonic() - self.started
+        out_lines = render.deployments_lines(statuses)
+        if rows:
+            out_lines += [Text("")] + _progress_lines(rows)
+        out_lines.append(Text(f"waiting {elapsed:.0f}s", style="dim"))
+        return out_lines
+
+    def changes(self, statuses: list[dict[str, Any]], stats: dict[str, Any]) -> list[str]:
+        """Lines for what changed since the last poll (non-terminal output)."""
+        news = []
+        for r in render.replica_rows(statuses, stats, {}, None):
+            key = f"{r['deployment']}/{r['replica']}"
+            phase = r.get("phase") if r["state"] == "starting" and r.get("phase") not in (None, "ready") else None
+            text = r["state"] + (f": {phase}" if phase else "")
+            if r.get("reason") and r["state"] in ("unhealthy", "stopped"):
+                text += f": {r['reason']}"
+            if self.seen.get(key) != text:
+                self.seen[key] = text
+                news.append(f"  {key}  {text}  ({time.monotonic() - self.started:.0f}s)")
+        return news
+
+
+def _progress_lines(rows: list[dict[str, Any]]) -> list[Text]:
+    cells: list[list[render.Cell]] = []
+    for r in rows:
+        phase = r.get("phase") or ""
+        if r["state"] in ("unhealthy", "stopped"):
+            phase = r.get("reason") or ""
+        cells.append([f"{r['deployment']}/{r['replica']}", r["state"], phase, render.age(r["uptime_s"])])
+    return render.columns(["REPLICA", "STATE", "PHASE", "AGE"], cells)
+
+
+def wait_for(manager: Any, names: list[str], timeout_s: float) -> Outcome:
+    """Follow ``names`` until each is ready or failed, or ``timeout_s`` passes."""
+    watch = _Watch(manager, names)
+    first, _ = watch.poll()
+    watch.first = {s["name"]: s for s in first}
+    outcome = Outcome()
+    deadline = time.monotonic() + timeout_s
+    live = Live(console=out, auto_refresh=False, transient=False) if out.is_terminal else None
+    try:
+        if live is not None:
+            live.start()
+        for turn in itertools.count():
+            statuses, stats = watch.poll()
+            by_name = {s["name"]: s for s in statuses}
+            if turn == 0 and all(n in by_name and _converged(by_name[n]) for n in names):
+                return Outcome(ready=list(names))  # nothing to follow: say nothing
+            if live is not None:
+                live.update(Group(*watch.lines(statuses, stats)), refresh=True)
+            else:
+                for line in watch.changes(statuses, stats):
+                    out.print(line, markup=False, emoji=False)
+            outcome = Outcome()
+            for name in names:
+                s = by_name.get(name)
+                if s is None:
+                    outcome.failed[name] = "removed while waiting"
+                elif _converged(s):
+                    outcome.ready.append(name)
+                elif (reason := watch.failure(s)) is not None:
+                    outcome.failed[name] = reason
+                else:
+                    outcome.pending.append(name)
+            if not outcome.pending or time.monotonic() >= deadline:
+                return outcome
+            time.sleep(POLL_S)
+        raise AssertionError("unreachable")  # pragma: no cover
+    finally:
+        if live is not None:
+            live.stop()
