@@ -1,0 +1,145 @@
+"""``atomr status`` (deployments and their replicas, like ``kubectl get`` / ``ollama ps``) and
+``atomr logs`` (recent log lines of a deployment's replicas, from Ray's log files)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+from rich.text import Text
+
+from atomr_infer.cli import common, render
+from atomr_infer.cli.app import EXIT_OK, app, err, fail, out
+from atomr_infer.errors import AtomrError, DeploymentNotFound
+
+
+def _statuses(address: str | None, name: str | None) -> list[dict[str, Any]] | None:
+    """Deployment statuses; None when Ray runs but the manager does not (nothing deployed)."""
+    from atomr_infer import cluster
+
+    common.connect(address, start=False)
+    try:
+        manager = cluster.manager(address, start=False)
+    except AtomrError:
+        if name:
+            raise DeploymentNotFound(name) from None
+        return None
+    if name is None:
+        return common.call(manager.list.remote())
+    status = common.call(manager.status.remote(name))
+    if status is None:
+        known = [s["name"] for s in common.call(manager.list.remote())]
+        raise DeploymentNotFound(name, known)
+    return [status]
+
+
+@app.command("status")
+def status_command(
+    name: str | None = typer.Argument(None, help="One deployment (default: all).", show_default=False),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON: deployments with their replicas."),
+    address: str | None = common.address_option(),
+) -> None:
+    """Deployments and their replicas: generation, readiness, placement, load, speed, uptime."""
+    try:
+        statuses = _statuses(address, name)
+    except AtomrError as exc:
+        fail(exc)
+    statuses = statuses or []
+    replicas = [r for s in statuses for r in s["replicas"]]
+    stats = common.replica_stats(replicas) if replicas else {}
+    dashboard = common.dashboard_url()
+    rows = render.replica_rows(statuses, stats, common.node_ips(), dashboard)
+    if as_json:
+        data = [
+            {
+                **{k: v for k, v in s.items() if k != "replicas"},
+                "status": render.deployment_state(s),
+                "replicas": [r for r in rows if r["deployment"] == s["name"]],
+            }
+            for s in statuses
+        ]
+        typer.echo(json.dumps(data[0] if name else data, indent=2, default=str))
+        raise typer.Exit(EXIT_OK)
+    if not statuses:
+        out.print("No deployments. `atomr deploy deployments/smollm2.yaml` creates one.", markup=False)
+        raise typer.Exit(EXIT_OK)
+    for line in render.deployments_lines(statuses):
+        out.print(line, soft_wrap=True)
+    if rows:
+        out.print()
+        for line in render.replicas_lines(rows):
+            out.print(line, soft_wrap=True)
+    for s in statuses:
+        if s.get("last_failure") and render.deployment_state(s) != "ready":
+            retry = f"; next try in {s['next_start_in_s']:.0f}s" if s.get("next_start_in_s") else ""
+            out.print(Text(f"\n{s['name']}: last failure: {s['last_failure']}{retry}", style="red"), soft_wrap=True)
+    if dashboard:
+        out.print(Text(f"\ndashboard: {dashboard}", style="dim"), soft_wrap=True)
+
+
+@app.command("logs")
+def logs_command(
+    name: str = typer.Argument(..., help="Deployment name.", show_default=False),
+    replica: str | None = typer.Option(None, "--replica", "-r", help="One replica id, e.g. r0 (default: all)."),
+    lines: int = typer.Option(50, "--lines", "-n", min=1, help="Lines per replica, from the end."),
+    raw: bool = typer.Option(False, "--raw", help="Print the lines as written (JSON log records, Ray's markers)."),
+    address: str | None = common.address_option(),
+) -> None:
+    """Recent log lines of a deployment's replicas (the replica actors' stderr: atomr and vLLM logs)."""
+    try:
+        statuses = _statuses(address, name) or []
+    except AtomrError as exc:
+        fail(exc)
+    targets = [r for r in statuses[0]["replicas"] if replica in (None, r["replica_id"])]
+    if not targets:
+        ids = ", ".join(r["replica_id"] for r in statuses[0]["replicas"]) or "none"
+        fail(AtomrError(f"deployment {name!r} has no replica {replica!r} (replicas: {ids})"))
+    shown = 0
+    for r in targets:
+        header = f"==> {name}/{r['replica_id']} ({r['state']}, {r['actor_name']}) <=="
+        out.print(Text(header, style="bold"), soft_wrap=True)
+        try:
+            text = _tail(r["actor_id"], lines)
+        except Exception as exc:  # noqa: BLE001 - one replica's logs failing leaves the others
+            err.print(f"error: no logs for {name}/{r['replica_id']}: {common.one_line(exc)}", markup=False)
+            continue
+        shown += 1
+        for line in text.splitlines():
+            shown_line = line if raw else _readable(line)
+            if shown_line:
+                typer.echo(shown_line)
+    if not shown:
+        fail(AtomrError("no replica logs could be read (hint: the Ray dashboard must run: `atomr up` starts it)"))
+
+
+_RAY_MARKERS = (":job_id:", ":actor_name:", ":task_name:")
+_KNOWN = ("timestamp", "level", "event", "logger", "deployment", "replica")
+
+
+def _readable(line: str) -> str | None:
+    """A JSON log record as ``HH:MM:SS level event key=value…``; Ray's marker lines dropped."""
+    if not line.strip() or line.startswith(_RAY_MARKERS):
+        return None
+    if not line.startswith("{"):
+        return line
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(record, dict) or "event" not in record:
+        return line
+    when = str(record.get("timestamp", ""))[11:19]
+    extra = " ".join(f"{k}={v}" if isinstance(v, (int, float)) else f"{k}={json.dumps(v)}"
+                     for k, v in record.items() if k not in _KNOWN)
+    return f"{when} {record.get('level', ''):<7} {record['event']}" + (f"  {extra}" if extra else "")
+
+
+def _tail(actor_id: str, lines: int) -> str:
+    """The last ``lines`` lines the actor's worker wrote to stderr (where logging goes)."""
+    import ray
+    from ray.util.state import get_log
+
+    gcs = ray.get_runtime_context().gcs_address  # else the state API guesses among local clusters
+    chunks = get_log(address=gcs, actor_id=actor_id, suffix="err", tail=lines, timeout=20)
+    return "".join(chunks)
