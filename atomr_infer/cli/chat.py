@@ -1,0 +1,151 @@
+"""``atomr chat NAME [PROMPT]``: stream an answer to stdout, or hold a conversation.
+
+With a prompt (or text piped on stdin) it answers once. Without one, in a terminal, it keeps
+the conversation: each answer is added to the history that the next question is sent with.
+``/clear`` forgets it, ``/bye`` or Ctrl-D leaves.
+
+Ctrl-C while an answer streams stops it: the stream's task is cancelled, the router cancels the
+replica's Ray generator, and the replica aborts the request in the engine. A one-shot chat
+then exits 130; an interactive one keeps the partial answer and asks for the next question.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from typing import Any
+
+import typer
+
+from atomr_infer.cli import common
+from atomr_infer.cli.app import EXIT_INTERRUPTED, EXIT_OK, app, err, fail
+from atomr_infer.errors import AtomrError, NoReadyReplica
+
+HELP = "/clear forgets the conversation, /bye or Ctrl-D leaves; Ctrl-C stops an answer."
+
+
+@app.command("chat")
+def chat_command(
+    name: str = typer.Argument(..., help="Deployment name.", show_default=False),
+    prompt: str | None = typer.Argument(None, help="Ask once and exit (default: a conversation).", show_default=False),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", min=1, help="Most tokens per answer."),
+    temperature: float = typer.Option(
+        0.0, "--temperature", min=0.0, help="Sampling temperature; 0 (greedy) gives the same answer each time."
+    ),
+    system: str | None = typer.Option(None, "--system", help="A system prompt."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating until --max-tokens (load tests)."),
+    address: str | None = common.address_option(),
+) -> None:
+    """Chat with a deployment; the answer streams to stdout as it is generated."""
+    from atomr_infer.client import Client
+
+    if prompt is None and not sys.stdin.isatty():
+        prompt = sys.stdin.read().strip()
+        if not prompt:
+            fail(AtomrError("no prompt: give one as an argument, on stdin, or run in a terminal to converse"))
+    try:
+        client = Client(manager=common.manager(address, start=False))
+    except AtomrError as exc:
+        fail(exc)
+    sampling: dict[str, Any] = {"temperature": temperature}
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    if ignore_eos:
+        sampling["ignore_eos"] = True
+    history = [{"role": "system", "content": system}] if system else []
+    loop = asyncio.new_event_loop()
+    try:
+        if prompt is not None:
+            _, interrupted = _answer(loop, client, name, [*history, {"role": "user", "content": prompt}], sampling)
+            code = EXIT_INTERRUPTED if interrupted else EXIT_OK
+        else:
+            code = _converse(loop, client, name, history, sampling)
+    finally:
+        loop.close()
+    raise typer.Exit(code)
+
+
+def _converse(loop: asyncio.AbstractEventLoop, client: Any, name: str, system: list[dict[str, str]],
+              sampling: dict[str, Any]) -> int:
+    err.print(f"chatting with {name}. {HELP}", style="dim", markup=False)
+    history = list(system)
+    while True:
+        try:
+            question = input(">>> ")
+        except EOFError:
+            sys.stdout.write("\n")
+            return EXIT_OK
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            return EXIT_INTERRUPTED
+        command = question.strip()
+        if not command:
+            continue
+        if command in ("/bye", "/exit", "/quit"):
+            return EXIT_OK
+        if command == "/clear":
+            history = list(system)
+            err.print("conversation cleared", style="dim", markup=False)
+            continue
+        if command in ("/?", "/help"):
+            err.print(HELP, style="dim", markup=False)
+            continue
+        history.append({"role": "user", "content": question})
+        text, _ = _answer(loop, client, name, history, sampling)
+        if text:
+            history.append({"role": "assistant", "content": text})
+        else:
+            history.pop()  # nothing came back: ask again without a dangling question
+        sys.stdout.write("\n")
+
+
+def _answer(loop: asyncio.AbstractEventLoop, client: Any, name: str, messages: list[dict[str, str]],
+            sampling: dict[str, Any]) -> tuple[str, bool]:
+    """Stream one answer to stdout; returns (text, interrupted). Errors exit via ``fail``."""
+    parts: list[str] = []
+    finish: list[str | None] = [None]
+    try:
+        interrupted = loop.run_until_complete(_stream(client, name, messages, sampling, parts, finish))
+    except NoReadyReplica as exc:
+        fail(AtomrError(f"{exc} (hint: `atomr status {name}` shows why)"))
+    except AtomrError as exc:
+        fail(exc)
+    except Exception as exc:  # noqa: BLE001 - Ray errors: one line
+        fail(AtomrError(common.one_line(exc)))
+    if parts and not parts[-1].endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    if interrupted:
+        err.print("interrupted: the request was aborted", style="dim", markup=False)
+    elif finish[0] == "length":
+        err.print("(stopped at the token limit: --max-tokens, or what is left of max_model_len)", style="dim",
+                  markup=False)
+    return "".join(parts), interrupted
+
+
+async def _stream(client: Any, name: str, messages: list[dict[str, str]], sampling: dict[str, Any],
+                  parts: list[str], finish: list[str | None]) -> bool:
+    """Run the stream as a task that Ctrl-C cancels; True if it was interrupted."""
+
+    async def consume() -> None:
+        async for chunk in client.astream_chat(name, messages, **sampling):
+            if chunk.text_delta:
+                sys.stdout.write(chunk.text_delta)
+                sys.stdout.flush()
+                parts.append(chunk.text_delta)
+            finish[0] = chunk.finish_reason or finish[0]
+
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(consume())
+    loop.add_signal_handler(signal.SIGINT, task.cancel)
+    try:
+        await task
+        return False
+    except asyncio.CancelledError:
+        if not task.cancelled():
+            raise
+        await asyncio.sleep(0.2)  # let Ray send the cancellation before anything exits
+        return True
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
