@@ -1,0 +1,196 @@
+"""``atomr up`` and ``atomr down``: the local cluster's lifecycle.
+
+``up`` joins ``--address`` / ``RAY_ADDRESS`` or the local head (starting one, dashboard on,
+if none is running), starts the manager, prints the dashboard URL, and provisions Gemma when
+this host can run it. ``down`` removes every deployment, waits for the replicas to stop,
+stops the manager, and stops Ray only if ``atomr`` started it (the marker file says so, and
+the head on that port is older than the marker) — by its own processes, never ``ray stop``,
+which would take every other Ray on the machine with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any
+
+import typer
+
+from atomr_infer.cli import common
+from atomr_infer.cli.app import EXIT_OK, app, err, fail, out
+from atomr_infer.errors import AtomrError
+
+
+def _line(label: str, text: str) -> None:
+    out.print(f"{label:<10} {text}", markup=False, emoji=False, highlight=False)
+
+
+@app.command("up")
+def up_command(
+    address: str | None = common.address_option(),
+    no_gemma: bool = typer.Option(False, "--no-gemma", help="Do not provision Gemma, even on a host that can run it."),
+) -> None:
+    """Start (or join) Ray and the atomr manager; print the dashboard URL."""
+    import ray
+
+    from atomr_infer import cluster
+
+    common.quiet_logs()
+    cluster.use_local_auth_token()
+    joining = address or os.environ.get("RAY_ADDRESS") or cluster.find_local_head()
+    if not joining:
+        _line("Ray", f"starting a local head at {cluster.local_address()} …")
+    try:
+        manager = common.manager(address, start=True)
+        deployments = common.call(manager.list.remote())
+    except AtomrError as exc:
+        fail(exc)
+    gcs = ray.get_runtime_context().gcs_address
+    if joining:
+        _line("Ray", f"joined the cluster at {gcs}")
+    else:
+        _line("Ray", f"started a local head at {cluster.local_address()} (`atomr down` stops it)")
+    count = len(deployments)
+    _line("manager", f"atomr-manager running, {count} deployment{'s' if count != 1 else ''}")
+    _line("dashboard", common.dashboard_url() or "not running")
+    code = EXIT_OK if no_gemma else _provision_gemma(manager)
+    if not deployments:
+        _line("next", "atomr deploy deployments/smollm2.yaml")
+    raise typer.Exit(code)
+
+
+def _provision_gemma(manager: Any) -> int:
+    from atomr_infer.cli.deploy import report
+    from atomr_infer.provision import GemmaDefaults, Ready, provision_if_ready
+
+    try:
+        defaults = GemmaDefaults.from_env()
+        result = provision_if_ready(manager, defaults)
+    except Exception as exc:  # noqa: BLE001 - SpecError (exit 2), budget (3), …
+        return report(exc)
+    if isinstance(result, Ready):
+        what = f"{result.deployment_name} ({result.model})"
+        _line("gemma", f"deployed {what}, generation {result.generation}" if result.changed else f"{what} deployed")
+        if result.note:
+            _line("", result.note)
+        _line("", f"`atomr status {result.deployment_name}` follows its start")
+    elif not result.quiet:
+        _line("gemma", f"skipped: {result.reason}")
+        if result.hint:
+            _line("", f"hint: {result.hint}")
+    return EXIT_OK
+
+
+@app.command("down")
+def down_command(
+    address: str | None = common.address_option(),
+    timeout: float = typer.Option(120.0, "--timeout", min=1.0, help="Seconds to wait for replicas to stop."),
+) -> None:
+    """Remove every deployment, stop the manager, and stop the Ray that `atomr up` started."""
+    import ray
+
+    from atomr_infer import cluster
+
+    try:
+        common.connect(address, start=False)
+    except AtomrError:
+        _stop_stale_head()
+        _line("Ray", "no cluster is running; nothing to stop")
+        raise typer.Exit(EXIT_OK) from None
+    try:
+        _remove_everything(timeout)
+    except AtomrError as exc:
+        fail(exc)
+    gcs = ray.get_runtime_context().gcs_address
+    port = int(gcs.rsplit(":", 1)[1])
+    ours = _started_by_atomr(port)
+    ray.shutdown()
+    if ours:
+        from atomr_infer.local_ray import stop_head
+
+        count = stop_head(port)
+        with contextlib.suppress(OSError):
+            cluster.started_marker().unlink()
+        _line("Ray", f"stopped the local head at 127.0.0.1:{port} ({count} processes)")
+    else:
+        _line("Ray", f"left running at {gcs} (atomr did not start it)")
+    raise typer.Exit(EXIT_OK)
+
+
+def _remove_everything(timeout: float) -> None:
+    import ray
+
+    from atomr_infer import cluster
+
+    try:
+        manager = cluster.manager(None, start=False)  # connect() above chose the cluster
+    except AtomrError:
+        _line("manager", "not running")
+        return
+    statuses = common.call(manager.list.remote())
+    actors = {r["actor_name"] for s in statuses for r in s["replicas"]}
+    for s in statuses:
+        if not s.get("removing"):
+            result = common.call(manager.remove.remote(s["name"]))
+            _line(s["name"], "; ".join(result.actions))
+    deadline = time.monotonic() + timeout
+    while common.call(manager.list.remote()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    # The manager's reaper kills stopped replicas after their engine shut down; wait for that
+    # too, or a killed manager could leave detached replica actors behind.
+    while _alive(actors) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for name in _alive(actors):
+        err.print(f"warning: {name} did not stop within {timeout:g}s; killing it", markup=False)
+        with contextlib.suppress(Exception):
+            ray.kill(ray.get_actor(name, namespace=cluster.NAMESPACE), no_restart=True)
+    if statuses:
+        _line("replicas", f"stopped ({len(actors)})")
+    ray.kill(manager, no_restart=True)
+    _line("manager", "stopped")
+
+
+def _alive(names: set[str]) -> set[str]:
+    import ray
+
+    from atomr_infer import cluster
+
+    alive = set()
+    for name in names:
+        try:
+            ray.get_actor(name, namespace=cluster.NAMESPACE)
+        except ValueError:
+            continue
+        alive.add(name)
+    return alive
+
+
+def _started_by_atomr(port: int) -> bool:
+    """The marker names this port and the head there is the one atomr started."""
+    from atomr_infer import cluster
+    from atomr_infer.local_ray import started_before
+
+    marker = cluster.started_marker()
+    try:
+        recorded = marker.read_text().strip()
+        written = marker.stat().st_mtime
+    except OSError:
+        return False
+    return recorded.endswith(f":{port}") and started_before(port, written)
+
+
+def _stop_stale_head() -> None:
+    """No cluster answers, but atomr's head may have left processes behind: stop them."""
+    from atomr_infer import cluster
+    from atomr_infer.local_ray import head_processes, stop_head
+
+    marker = cluster.started_marker()
+    try:
+        port = int(marker.read_text().strip().rsplit(":", 1)[1])
+    except (OSError, ValueError, IndexError):
+        return
+    if head_processes(port) and _started_by_atomr(port):
+        stop_head(port)
+    with contextlib.suppress(OSError):
+        marker.unlink()
