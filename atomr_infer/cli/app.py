@@ -72,6 +72,7 @@ def validate(
         out.print(f"valid: {d.name}  {d.model}  ({size}, {where})", markup=False, emoji=False)
 
 
+from atomr_infer.cli import chat, deploy, lifecycle, status  # noqa: E402,F401  (up down deploy remove status logs chat)
 from atomr_infer.cli import probe as _probe  # noqa: E402,F401  (registers `atomr probe`)
 
 
