@@ -1,0 +1,300 @@
+"""The ``atomr`` CLI driven as a user drives it: subprocesses, their output and exit codes.
+
+The module starts its own Ray head with ``atomr up`` — on a free port, with a private state
+directory and Ray temp directory, so it never meets the in-process Ray of the integration
+fixtures, another test session, or the user's own Ray — and stops it with ``atomr down`` at
+the end. Every later command joins it through ``RAY_ADDRESS``. The head advertises 2 logical
+GPUs (``ATOMR_RAY_NUM_GPUS``) for the budget test; the deployment runs on the CPU. One engine
+(``deployments/smollm2.yaml``) serves the whole module.
+
+The tests run in file order: the last ones remove the deployment and stop the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from atomr_infer.local_ray import free_port, head_processes, port_open, stop_head
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+ATOMR = Path(sys.executable).parent / "atomr"
+SMOLLM2 = ROOT / "deployments" / "smollm2.yaml"
+ENGINE_START_S = 900  # seconds; ~30 s on an idle 2-core machine, minutes when it is busy
+QUESTION = "What is the capital of France?"
+
+
+@dataclass
+class Cli:
+    env: dict[str, str]
+    port: int
+    workdir: Path
+    up: subprocess.CompletedProcess[str]
+
+    def run(self, *args: str | Path, timeout: float = 180, env: dict[str, str] | None = None):
+        proc = subprocess.run(
+            [str(ATOMR), *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env=env or self.env,
+            stdin=subprocess.DEVNULL,
+        )
+        for stream in (proc.stdout, proc.stderr):
+            assert "Traceback" not in stream, stream
+        return proc
+
+    def status(self, name: str | None = None) -> dict | list:
+        proc = self.run("status", *([name] if name else []), "--json")
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+
+def _base_env(workdir: Path, port: int) -> dict[str, str]:
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "ATOMR_RAY_"))}
+    env = {k: v for k, v in inherited.items() if k not in ("FORCE_COLOR", "CLICOLOR_FORCE")}
+    env.update(
+        ATOMR_RAY_PORT=str(port),
+        ATOMR_STATE_DIR=str(workdir / "state"),
+        ATOMR_RAY_TEMP_DIR=str(workdir / "ray"),
+        ATOMR_INFER_GEMMA_AUTO="skip-quietly",
+        ATOMR_RAY_NUM_GPUS="2",
+        NO_COLOR="1",
+        TERM="dumb",
+        COLUMNS="200",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+@pytest.fixture(scope="module")
+def cli() -> Iterator[Cli]:
+    if not ATOMR.exists():
+        pytest.fail(f"atomr console script not found at {ATOMR}: install the package into this environment")
+    # Short: Ray puts unix sockets under its temp dir, and their paths must stay < 108 bytes.
+    workdir = Path(tempfile.mkdtemp(prefix="atomr-e2e-", dir="/tmp"))
+    port = free_port()
+    env = _base_env(workdir, port)  # no RAY_ADDRESS: `atomr up` must start the head itself
+    up = subprocess.run([str(ATOMR), "up"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield Cli({**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, port, workdir, up)
+    finally:
+        if head_processes(port):  # a test failed before `atomr down` ran: clean up anyway
+            subprocess.run([str(ATOMR), "down"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+            stop_head(port)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2(cli: Cli) -> subprocess.CompletedProcess[str]:
+    """``atomr deploy deployments/smollm2.yaml`` (waits until ready); its result."""
+    proc = cli.run("deploy", SMOLLM2, "--timeout", str(ENGINE_START_S), timeout=ENGINE_START_S + 60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_up_starts_a_local_head_with_a_dashboard(cli):
+    out = cli.up.stdout
+    assert f"started a local head at 127.0.0.1:{cli.port}" in out
+    assert "atomr-manager running, 0 deployments" in out
+    dashboard = next(line for line in out.splitlines() if line.startswith("dashboard"))
+    assert "http://127.0.0.1:" in dashboard
+    assert "gemma" not in out  # ATOMR_INFER_GEMMA_AUTO=skip-quietly: not a word
+    again = cli.run("up")  # joins what is running
+    assert again.returncode == 0 and "joined the cluster" in again.stdout
+
+
+def test_invalid_file_exits_2_and_names_each_problem(cli, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: Bad_Name\nmodel: bundled:smollm2-135m-instruct\nreplicas: -1\nfoo: 1\n")
+    proc = cli.run("deploy", bad)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 3, proc.stderr
+    assert any("name:" in e for e in errors) and any("replicas:" in e for e in errors)
+    assert any("unknown key 'foo'" in e for e in errors)
+    assert proc.stdout == ""
+
+
+def test_deploy_waits_until_ready(smollm2):
+    assert "smollm2: create 1 replica (generation 1)" in smollm2.stdout
+    assert "smollm2/r0  starting" in smollm2.stdout  # progress, one line per change
+    assert "ready: smollm2" in smollm2.stdout
+
+
+def test_status_shows_the_deployment_ready(cli, smollm2):
+    proc = cli.run("status")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "MODEL", "GENERATION", "READY", "STATUS"]
+    assert lines[1].split() == ["smollm2", "bundled:smollm2-135m-instruct", "1/1", "1/1", "ready"]
+    header = next(line for line in lines if line.startswith("REPLICA"))
+    assert header.split()[:3] == ["REPLICA", "STATE", "NODE"]
+    row = next(line for line in lines if line.startswith("smollm2/r0"))
+    assert row.split()[1:2] == ["ready"] and " cpu " in row
+    assert any(line.startswith("dashboard: http://127.0.0.1:") for line in lines)
+
+    status = cli.status("smollm2")
+    assert status["status"] == "ready" and status["replicas_ready"] == 1
+    [replica] = status["replicas"]
+    assert replica["state"] == "ready" and replica["device"] == "cpu" and replica["in_flight"] == 0
+    assert replica["dashboard_url"].endswith(f"/#/actors/{replica['actor_id']}")
+
+
+def test_chat_answers_paris(cli, smollm2):
+    proc = cli.run("chat", "smollm2", QUESTION, "--max-tokens", "32")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_deploy_again_prints_unchanged_at_once(cli, smollm2):
+    started = time.monotonic()
+    proc = cli.run("deploy", SMOLLM2)
+    took = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["smollm2: unchanged"]
+    assert took < 20, f"took {took:.1f}s"  # the CLI's start and one call; no waiting
+
+
+def test_dry_run_of_a_changed_file_shows_the_plan_and_changes_nothing(cli, smollm2, tmp_path):
+    before = cli.status("smollm2")
+    changed = tmp_path / "smollm2.yaml"
+    changed.write_text(
+        SMOLLM2.read_text().replace("max_model_len: 2048", "max_model_len: 1024").replace(
+            "max_concurrent: 64", "max_concurrent: 32"
+        )
+    )
+    proc = cli.run("deploy", "--dry-run", changed)
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "smollm2: roll 1 replica (runtime_config.max_model_len: 2048 → 1024); "
+        "update in place (serving.max_concurrent: 64 → 32)"
+    ) in proc.stdout
+    assert "budget: gpus: ok" in proc.stdout
+    assert "nothing was changed" in proc.stdout
+    after = cli.status("smollm2")
+    assert after["generation"] == before["generation"] == 1
+    assert after["spec_hash"] == before["spec_hash"]
+    assert [r["actor_id"] for r in after["replicas"]] == [r["actor_id"] for r in before["replicas"]]
+
+
+def test_over_budget_exits_3_and_creates_nothing(cli, smollm2, tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("name: big\nmodel: bundled:smollm2-135m-instruct\ndevice: auto\ngpus: 4\n")
+    proc = cli.run("deploy", big)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("error: deployment 'big' over its gpus budget: needs 4 GPUs, 2 GPUs available"), line
+    assert [d["name"] for d in cli.status()] == ["smollm2"]
+
+
+def test_gemma_on_a_host_without_gpu_fails_before_starting_anything(tmp_path):
+    from atomr_infer.provision import probe
+
+    if probe.probe(sections=("gpu",)).local_gpus:
+        pytest.skip("this host has a GPU")
+    port = free_port()
+    env = {**_base_env(tmp_path, port), "ATOMR_RAY_NUM_GPUS": ""}
+    proc = subprocess.run(
+        [str(ATOMR), "deploy", ROOT / "deployments" / "gemma.yaml"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "error: deployment 'gemma' cannot run here: device is 'cuda'" in proc.stderr
+    assert "deployments/smollm2.yaml" in proc.stderr
+    assert not port_open("127.0.0.1", port) and not head_processes(port)  # no Ray was started
+
+
+def test_ctrl_c_during_chat_aborts_the_request_in_the_engine(cli, smollm2):
+    before = cli.status("smollm2")["replicas"][0]
+    args = ["chat", "smollm2", "Tell me a very long story about a dragon.", "--max-tokens", "1800", "--ignore-eos"]
+    proc = subprocess.Popen(
+        [str(ATOMR), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli.env, cwd=ROOT
+    )
+    received: list[str] = []
+
+    def read() -> None:
+        while char := proc.stdout.read(1):
+            received.append(char)
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 120
+    while len("".join(received)) < 40:  # it is streaming
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "no output from atomr chat"
+        time.sleep(0.1)
+    streaming = cli.status("smollm2")["replicas"][0]
+    assert streaming["in_flight"] == 1
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 130
+    assert "interrupted" in proc.stderr.read()
+
+    deadline = time.monotonic() + 15
+    while True:
+        replica = cli.status("smollm2")["replicas"][0]
+        if replica["in_flight"] == 0 and replica["engine_unfinished"] == 0:
+            break
+        assert time.monotonic() < deadline, replica
+        time.sleep(0.5)
+    assert replica["requests_aborted"] == before["requests_aborted"] + 1
+    assert len("".join(received).split()) < 1500  # stopped long before max_tokens
+
+
+def test_logs_show_the_replica_log(cli, smollm2):
+    proc = cli.run("logs", "smollm2", "--lines", "200")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("==> smollm2/r0 (ready, atomr:smollm2:r0) <==")
+    assert "replica_ready" in proc.stdout
+    missing = cli.run("logs", "smollm2", "--replica", "r9")
+    assert missing.returncode == 1 and "has no replica 'r9'" in missing.stderr
+
+
+def test_remove_then_status_shows_nothing(cli, smollm2):
+    proc = cli.run("remove", "smollm2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["smollm2: drain and remove 1 replica", "smollm2: removed"]
+    status = cli.run("status")
+    assert status.returncode == 0 and status.stdout.startswith("No deployments.")
+    assert cli.status() == []
+    again = cli.run("remove", "smollm2")
+    assert again.returncode == 1 and "no deployment named 'smollm2'" in again.stderr
+
+
+def test_down_stops_the_head_it_started_and_leaves_no_ray_process(cli):
+    pids = [p.pid for p in head_processes(cli.port)]
+    assert pids, "the head is not running"
+    proc = cli.run("down", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"stopped the local head at 127.0.0.1:{cli.port}" in proc.stdout
+    left = [p for p in map(_alive, pids) if p is not None]
+    assert not left, [(p.pid, p.name()) for p in left]
+    assert not head_processes(cli.port)
+    assert not port_open("127.0.0.1", cli.port)
+    assert not (cli.workdir / "state" / "ray-started-by-atomr").exists()
+    again = cli.run("down")
+    assert again.returncode == 0 and "nothing to stop" in again.stdout
+
+
+def _alive(pid: int) -> psutil.Process | None:
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc
+    except psutil.NoSuchProcess:
+        return None
