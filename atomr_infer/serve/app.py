@@ -1,0 +1,190 @@
+"""The OpenAI-compatible HTTP API: a Ray Serve ingress that routes by ``model`` = deployment name.
+
+Each ingress replica holds its own ``Router`` over a ``TableCache`` (the manager's routing
+table, pushed by long poll), so a request costs no manager round trip. Chunks are forwarded
+as they arrive. Client disconnect cancels the handler's task (Serve's proxy does this,
+streaming or not); the cancellation runs through the router's ``finally``, which cancels the
+replica's generator and so aborts the request in the engine within one step.
+
+    POST /v1/chat/completions   POST /v1/completions   (SSE with stream=true)
+    GET  /v1/models             GET  /v1/models/{name} GET /health
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from atomr_infer.errors import AtomrError, DeploymentNotFound, InvalidRequest, NoReadyReplica
+from atomr_infer.log import get_logger
+from atomr_infer.routing.router import Router
+from atomr_infer.serve.errors import ManagerUnreachable, http_error
+from atomr_infer.serve.protocol import parse_chat, parse_completion, to_generate_request
+from atomr_infer.serve.responses import ChatFormat, CompletionFormat, collect, sse_events
+from atomr_infer.serve.table_cache import TableCache
+
+log = get_logger(__name__)
+MAX_ONGOING_REQUESTS = 1024  # per ingress replica; the engines' own limits apply behind it
+MANAGER_CALL_TIMEOUT_S = 5.0
+
+api = FastAPI(title="atomr-infer OpenAI-compatible API", docs_url=None, redoc_url=None)
+
+
+def error_response(exc: BaseException, param_aliases: dict[str, str] | None = None) -> JSONResponse:
+    err = http_error(exc, param_aliases)
+    if err.status >= 500:
+        log.warning("request_failed", status=err.status, error=repr(exc))
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always closes its body iterator, also when the task is cancelled."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequest("body", f"the request body is not valid JSON: {exc}") from None
+
+
+def _model_card(status: dict[str, Any]) -> dict[str, Any]:
+    started = [r.get("started_at") or 0 for r in status.get("replicas", ())]
+    return {
+        "id": status["name"],
+        "object": "model",
+        "created": int(min(started)) if started else 0,
+        "owned_by": "atomr",
+        "root": status.get("model"),
+    }
+
+
+# Serve pickles the route handlers when the decorators run: everything they use is defined above.
+@serve.deployment(
+    name="openai-ingress",
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=MAX_ONGOING_REQUESTS,
+)
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, replica_wait_s: float = 30.0) -> None:
+        self._tables = TableCache()
+        self._router = Router(self._tables.get, wait_for_replica_s=replica_wait_s, refresh_s=0.0)
+
+    def __del__(self) -> None:
+        self._tables.stop()
+
+    # -- generation --------------------------------------------------------------------------
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_chat, ChatFormat, "chatcmpl")
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_completion, CompletionFormat, "cmpl")
+
+    async def _generate(self, request: Request, parse: Callable[[Any], Any], fmt_cls: type, prefix: str) -> Response:
+        try:
+            req = parse(await _json_body(request))
+        except AtomrError as exc:
+            return error_response(exc)
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        fmt = fmt_cls(response_id, req.model, req.include_usage)
+        aliases = {"max_tokens": req.max_tokens_field}
+        chunks = self._router.stream(req.model, to_generate_request(req, response_id))
+        if not req.stream:
+            try:
+                async with contextlib.aclosing(chunks):  # a cancelled task closes it: abort in the engine
+                    body = await collect(chunks, fmt)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
+                return error_response(exc, aliases)
+            return JSONResponse(body)
+        # Wait for the first chunk before answering 200, so that routing and validation errors
+        # get their own status; it is sent the moment it arrives.
+        try:
+            first = await anext(chunks)
+        except StopAsyncIteration:
+            first = None
+        except Exception as exc:  # noqa: BLE001
+            await chunks.aclose()
+            return error_response(exc, aliases)
+        except BaseException:
+            await chunks.aclose()
+            raise
+        return SSEResponse(sse_events(chunks, first, fmt), headers={"Cache-Control": "no-cache"})
+
+    # -- models and health -------------------------------------------------------------------
+
+    async def _deployments(self) -> list[dict[str, Any]]:
+        try:
+            statuses = await asyncio.wait_for(self._tables.manager().list.remote(), MANAGER_CALL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - not started, restarting, or timed out
+            self._tables.forget_manager()
+            raise ManagerUnreachable(f"{type(exc).__name__}: {exc}") from None
+        return [s for s in statuses if not s.get("removing")]
+
+    @api.get("/v1/models")
+    async def list_models(self) -> Response:
+        try:
+            deployments = await self._deployments()
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        data = [_model_card(d) for d in deployments if d["replicas_ready"] > 0]
+        return JSONResponse({"object": "list", "data": data})
+
+    @api.get("/v1/models/{name}")
+    async def get_model(self, name: str) -> Response:
+        try:
+            deployments = {d["name"]: d for d in await self._deployments()}
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        status = deployments.get(name)
+        if status is None:
+            return error_response(DeploymentNotFound(name, sorted(deployments)))
+        if status["replicas_ready"] < 1:
+            return error_response(NoReadyReplica(name))
+        return JSONResponse(_model_card(status))
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        """200 when the manager answers and every deployment has a ready replica, else 503 saying which."""
+        try:
+            deployments = await self._deployments()
+        except Exception as exc:  # noqa: BLE001
+            body = {"status": "unavailable", "manager": str(exc), "deployments": {}}
+            return JSONResponse(body, status_code=503)
+        report = {
+            d["name"]: {
+                "replicas_ready": d["replicas_ready"],
+                "replicas_desired": d["replicas_desired"],
+                # A deployment scaled to 0 on purpose is not a failure.
+                "ready": d["replicas_ready"] > 0 or d["replicas_desired"] == 0,
+            }
+            for d in deployments
+        }
+        not_ready = sorted(n for n, r in report.items() if not r["ready"])
+        body = {"status": "ok" if not not_ready else "unavailable", "manager": "ready", "deployments": report}
+        if not_ready:
+            body["not_ready"] = not_ready
+        return JSONResponse(body, status_code=503 if not_ready else 200)
+

@@ -1,0 +1,88 @@
+"""Our typed errors as OpenAI-style JSON bodies and HTTP statuses (only here, at the edge).
+
+    DeploymentNotFound  404  invalid_request_error  model_not_found
+    InvalidRequest      400  invalid_request_error  param = the field
+    CapacityExhausted   429  rate_limit_error       Retry-After header
+    NoReadyReplica      503  service_unavailable    Retry-After header
+    ManagerUnreachable  503  service_unavailable    Retry-After header
+    ReplicaUnavailable  503  service_unavailable
+    EngineError         500  server_error           (mid-stream: a final SSE error event, then [DONE])
+    anything else       500  server_error           logged with its traceback
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from atomr_infer.errors import (
+    AtomrError,
+    CapacityExhausted,
+    DeploymentNotFound,
+    EngineError,
+    InvalidRequest,
+    NoReadyReplica,
+    ReplicaUnavailable,
+    RoutingError,
+)
+
+
+class ManagerUnreachable(RoutingError):
+    """The ingress has no routing table: the manager is not answering (not started, or restarting)."""
+
+    retryable = True
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"the atomr manager is unreachable ({self.reason}); hint: `atomr up`, or check `atomr status`"
+
+
+@dataclass(frozen=True)
+class HttpError:
+    status: int
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def sse(self) -> bytes:
+        """The error as one SSE event, for failures after the stream has started."""
+        return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
+
+
+def _retry_after(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def http_error(exc: BaseException, param_aliases: dict[str, str] | None = None) -> HttpError:
+    """Map an exception to its HTTP error; ``param_aliases`` renames fields to what the caller sent."""
+    if isinstance(exc, InvalidRequest):
+        param = (param_aliases or {}).get(exc.field, exc.field)
+        message = exc.message.replace(f"{exc.field}=", f"{param}=") if param != exc.field else exc.message
+        code = "unknown_parameter" if message.startswith("unsupported field") else "invalid_value"
+        return HttpError(400, message, "invalid_request_error", param, code)
+    if isinstance(exc, DeploymentNotFound):
+        return HttpError(404, str(exc), "invalid_request_error", "model", "model_not_found")
+    if isinstance(exc, CapacityExhausted):
+        return HttpError(
+            429, str(exc), "rate_limit_error", None, "capacity_exhausted", _retry_after(exc.retry_after_s)
+        )
+    if isinstance(exc, NoReadyReplica):
+        return HttpError(503, str(exc), "service_unavailable", None, "no_ready_replica", _retry_after(1))
+    if isinstance(exc, ManagerUnreachable):
+        return HttpError(503, str(exc), "service_unavailable", None, "manager_unreachable", _retry_after(1))
+    if isinstance(exc, ReplicaUnavailable):
+        return HttpError(503, str(exc), "service_unavailable", None, "replica_unavailable", _retry_after(1))
+    if isinstance(exc, EngineError):
+        return HttpError(500, str(exc), "server_error", None, "engine_error")
+    if isinstance(exc, AtomrError):
+        return HttpError(500, str(exc), "server_error", None, type(exc).__name__)
+    return HttpError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")

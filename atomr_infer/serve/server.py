@@ -1,0 +1,96 @@
+"""Start and stop the OpenAI-compatible HTTP API on a Ray cluster.
+
+``run_server`` connects to Ray (starting a local head if none runs), makes sure the manager
+exists, starts Serve's HTTP proxy on ``host:port`` unless Serve already runs there, and deploys
+the ingress as the Serve application ``atomr-openai``. ``stop_server`` deletes the application
+and, if ``run_server`` started Serve and nothing else runs on it, shuts Serve down too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atomr_infer.errors import AtomrError
+from atomr_infer.log import get_logger
+
+log = get_logger(__name__)
+APP_NAME = "atomr-openai"
+
+
+@dataclass(frozen=True)
+class Server:
+    host: str
+    port: int
+    started_serve: bool  # whether run_server started Serve (and so stop_server may shut it down)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """What to give ``openai.OpenAI(base_url=...)``."""
+        return f"{self.url}/v1"
+
+
+def _start_serve(host: str, port: int) -> bool:
+    """Start Serve's proxy on ``host:port``; False if Serve already runs there (an error elsewhere)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        serve.start(http_options={"host": host, "port": port})
+        return True
+    running = client.http_config
+    if (running.host, running.port) != (host, port):
+        raise AtomrError(
+            f"Ray Serve already runs on this cluster with its HTTP proxy on {running.host}:{running.port}, "
+            f"not {host}:{port} (hint: use --host {running.host} --port {running.port}, "
+            "or stop Serve with `serve shutdown`)"
+        )
+    return False
+
+
+def run_server(
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    address: str | None = None,
+    blocking: bool = True,
+    *,
+    replica_wait_s: float = 30.0,
+    num_replicas: int = 1,
+) -> Server:
+    """Deploy the API and return once it is running (``blocking``) or once it is submitted.
+
+    ``replica_wait_s``: how long a request waits for a ready replica before 503.
+    ``num_replicas``: ingress replicas (each holds its own routing-table cache).
+    """
+    from ray import serve
+
+    from atomr_infer.cluster import manager
+    from atomr_infer.serve.app import OpenAIIngress
+
+    manager(address)  # connect, and create the manager if it is not running yet
+    started = _start_serve(host, port)
+    app = OpenAIIngress.options(num_replicas=num_replicas).bind(replica_wait_s=replica_wait_s)
+    try:
+        serve._run(app, name=APP_NAME, route_prefix="/", _blocking=blocking)
+    except BaseException:
+        if started:
+            serve.shutdown()
+        raise
+    server = Server(host, port, started)
+    log.info("openai_api_running", url=server.base_url)
+    return server
+
+
+def stop_server(server: Server | None = None) -> None:
+    """Delete the API application; shut Serve down if ``server`` started it and it is now empty."""
+    from ray import serve
+
+    serve.delete(APP_NAME)
+    if server is not None and server.started_serve and not serve.status().applications:
+        serve.shutdown()
+    log.info("openai_api_stopped")

@@ -1,0 +1,103 @@
+"""The ingress's copy of the manager's routing table, kept current by a long poll.
+
+A background task asks the manager ``routing_table(version, timeout_s)``; the manager answers
+as soon as the table changes (or after the timeout with ``None``). So a request never waits on
+a manager round trip: ``get`` only reads the local copy. The task holds the cache, not the
+ingress that owns it, and survives manager restarts (it retries with a pause).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections.abc import Callable
+from typing import Any
+
+from atomr_infer.cluster import MANAGER_NAME, NAMESPACE
+from atomr_infer.log import get_logger
+from atomr_infer.routing.table import RoutingTable
+from atomr_infer.serve.errors import ManagerUnreachable
+
+log = get_logger(__name__)
+POLL_TIMEOUT_S = 30.0
+RETRY_PAUSE_S = 1.0
+FIRST_LOAD_TIMEOUT_S = 10.0
+
+
+class TableCache:
+    def __init__(
+        self,
+        lookup: Callable[[], Any] | None = None,
+        poll_timeout_s: float = POLL_TIMEOUT_S,
+        first_load_timeout_s: float = FIRST_LOAD_TIMEOUT_S,
+    ) -> None:
+        self._lookup = lookup or _lookup_manager
+        self._handle: Any = None
+        self._poll_timeout_s, self._first_load_timeout_s = poll_timeout_s, first_load_timeout_s
+        self._last_error = ""
+        self._table = RoutingTable(version=-1)
+        self._loaded = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def manager(self) -> Any:
+        """The manager actor handle, looked up by name once and again after a failed call."""
+        if self._handle is None:
+            self._handle = self._lookup()
+        return self._handle
+
+    def forget_manager(self) -> None:
+        """Drop the cached handle after a failed call, so the next call looks it up again."""
+        self._handle = None
+
+    @property
+    def table(self) -> RoutingTable:
+        return self._table
+
+    def start(self) -> None:
+        """Start the poll on the running loop (idempotent; restarted if it ever ended).
+
+        The task runs in a fresh context: started from inside a request, it would otherwise
+        inherit that request's Ray task context, and Ray cancels a task's calls (this poll's
+        too) when the request is cancelled, e.g. by a client hanging up.
+        """
+        if self._task is None or self._task.done():
+            loop = asyncio.get_running_loop()
+            self._task = contextvars.Context().run(loop.create_task, self._poll())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def get(self, since_version: int) -> RoutingTable | None:
+        """A ``Router`` table source: the local table if it differs from ``since_version``."""
+        self.start()
+        if not self._loaded.is_set():
+            try:
+                await asyncio.wait_for(self._loaded.wait(), self._first_load_timeout_s)
+            except asyncio.TimeoutError:
+                raise ManagerUnreachable(self._last_error or "no routing table yet") from None
+        return self._table if self._table.version != since_version else None
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                newer = await self.manager().routing_table.remote(self._table.version, self._poll_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the manager may be restarting; keep serving the old table
+                self._handle = None  # look it up again: it may have been re-created
+                self._last_error = repr(exc)
+                log.warning("routing_table_poll_failed", error=self._last_error)
+                await asyncio.sleep(RETRY_PAUSE_S)
+                continue
+            if newer is not None:
+                # A restarted manager counts from 0 again: "different" is what matters, not "higher".
+                self._table = newer
+                self._loaded.set()
+                log.debug("routing_table_updated", version=newer.version, deployments=sorted(newer.deployments))
+
+
+def _lookup_manager() -> Any:
+    import ray
+
+    return ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
