@@ -74,6 +74,7 @@ def validate(
 
 from atomr_infer.cli import chat, deploy, lifecycle, status  # noqa: E402,F401  (up down deploy remove status logs chat)
 from atomr_infer.cli import probe as _probe  # noqa: E402,F401  (registers `atomr probe`)
+from atomr_infer.cli import serve as _serve  # noqa: E402,F401  (registers `atomr serve`)
 
 
 def main() -> None:

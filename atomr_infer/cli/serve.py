@@ -1,0 +1,44 @@
+"""``atomr serve``: the OpenAI-compatible HTTP API, in the foreground until Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import typer
+
+from atomr_infer.cli.app import EXIT_OK, app, fail, out
+
+
+@app.command("serve")
+def serve_command(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address the HTTP proxy listens on."),
+    port: int = typer.Option(8000, "--port", help="Port the HTTP proxy listens on."),
+    address: str | None = typer.Option(None, "--address", help="Ray cluster address (default: RAY_ADDRESS or local)."),
+    replica_wait: float = typer.Option(
+        30.0, "--replica-wait", min=0.0, help="Seconds a request waits for a ready replica before 503."
+    ),
+) -> None:
+    """Serve every deployment over an OpenAI-compatible HTTP API (model = deployment name)."""
+    from atomr_infer.serve import run_server, stop_server
+
+    try:
+        server = run_server(host, port, address, blocking=True, replica_wait_s=replica_wait)
+    except Exception as exc:  # noqa: BLE001 - one line, the CLI's exit codes
+        fail(exc)
+    out.print(f"OpenAI-compatible API at {server.url} (routes /v1/chat/completions, /v1/completions, /v1/models)")
+    out.print(f'openai client: OpenAI(base_url="{server.base_url}", api_key="unused")')
+    out.print("Ctrl-C to stop.")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(3600):
+            pass
+    except KeyboardInterrupt:
+        pass
+    out.print("stopping…")
+    try:
+        stop_server(server)
+    except Exception as exc:  # noqa: BLE001
+        fail(exc)
+    raise typer.Exit(EXIT_OK)
