@@ -1,0 +1,259 @@
+"""The OpenAI-compatible HTTP API driven as a user drives it: the ``openai`` client (and raw
+``httpx`` where a client must hang up early) against a local ``atomr serve``."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import smollm2_spec
+
+pytestmark = pytest.mark.e2e
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+LONG = 1900  # tokens: far more than a test waits for, within max_model_len=2048
+
+
+@pytest.fixture(scope="module")
+def client(openai_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=openai_server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def second(manager, ray_cluster, openai_server):
+    """A second deployment ``smollm2-two`` (its own replica), removed at the end."""
+    name = "smollm2-two"
+    ray_cluster.get(manager.apply.remote(smollm2_spec(name=name)))
+    # While its engine starts, /health names it as not ready.
+    health = httpx.get(f"{openai_server.url}/health", timeout=30)
+    status = ray_cluster.get(manager.wait_ready.remote(name, 600))
+    assert status is not None and status["replicas_ready"] == 1, status
+    actor_name = status["replicas"][0]["actor_name"]
+    replica = ray_cluster.get_actor(actor_name, namespace="atomr")
+    yield {"name": name, "replica": replica, "health_while_starting": health}
+    ray_cluster.get(manager.remove.remote(name))
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def error_of(exc: openai.APIStatusError) -> dict:
+    return exc.response.json()["error"]
+
+
+# -- answers ---------------------------------------------------------------------------------
+
+
+def test_chat_answers_the_question(client, smollm2):
+    resp = client.chat.completions.create(model=smollm2, messages=CHAT, temperature=0, max_tokens=32)
+    assert resp.object == "chat.completion" and resp.model == smollm2
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.usage.completion_tokens > 0 and resp.usage.prompt_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_completion(client, smollm2):
+    resp = client.completions.create(model=smollm2, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert resp.object == "text_completion"
+    assert resp.choices[0].text.strip()
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert 0 < resp.usage.completion_tokens <= 8
+
+
+def test_streaming_chat_with_usage_matches_the_whole_answer(client, smollm2):
+    args = dict(model=smollm2, messages=CHAT, temperature=0, max_completion_tokens=24)
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    *content, last = chunks
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.model_dump() == whole.usage.model_dump()
+    assert all(c.usage is None for c in content)
+    assert content[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in content) == whole.choices[0].message.content
+    assert content[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_streaming_completion(client, smollm2):
+    args = dict(model=smollm2, prompt="Paris is the capital of", max_tokens=12, temperature=0)
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_models_list_and_retrieve(client, smollm2):
+    ids = [m.id for m in client.models.list()]
+    assert smollm2 in ids
+    model = client.models.retrieve(smollm2)
+    assert model.id == smollm2 and model.owned_by == "atomr"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_health_is_ok_when_every_deployment_is_ready(openai_server, smollm2):
+    resp = httpx.get(f"{openai_server.url}/health", timeout=30)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["status"] == "ok" and body["manager"] == "ready"
+    assert body["deployments"][smollm2]["replicas_ready"] == 1
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="no-such-model", messages=CHAT)
+    err = error_of(info.value)
+    assert info.value.status_code == 404
+    assert "no-such-model" in err["message"] and err["code"] == "model_not_found" and err["param"] == "model"
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_over_the_context_is_400_naming_the_limit(client, smollm2, field):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=smollm2, messages=CHAT, **{field: 4000})
+    err = error_of(info.value)
+    assert err["param"] == field and err["type"] == "invalid_request_error"
+    assert "max_model_len=2048" in err["message"] and f"{field}=4000" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [({"temperature": 5}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens")],
+)
+def test_bad_values_are_400_naming_the_param(client, smollm2, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=smollm2, messages=CHAT, **kwargs)
+    err = error_of(info.value)
+    assert err["param"] == param and param in err["message"]
+
+
+def test_unsupported_fields_are_400_naming_them(client, smollm2):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=smollm2, messages=CHAT, logprobs=True, extra_body={"best_of": 2})
+    err = error_of(info.value)
+    assert err["param"] in ("logprobs", "best_of") and err["code"] == "unknown_parameter"
+    assert "'logprobs'" in err["message"] and "'best_of'" in err["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=smollm2, prompt="hi", echo=True)
+    assert error_of(info.value)["param"] == "echo"
+
+
+def test_no_ready_replica_is_503(client, manager, ray_cluster):
+    name = "smollm2-zero"
+    ray_cluster.get(manager.apply.remote(smollm2_spec(name=name, replicas=0)))
+    try:
+        with pytest.raises(openai.InternalServerError) as info:
+            client.chat.completions.create(model=name, messages=CHAT, max_tokens=4)
+        assert info.value.status_code == 503
+        assert info.value.response.headers.get("retry-after")
+        assert "no ready replica" in error_of(info.value)["message"]
+    finally:
+        ray_cluster.get(manager.remove.remote(name))
+
+
+# -- disconnect ------------------------------------------------------------------------------
+
+
+def _chat_body(model: str, stream: bool) -> dict:
+    return {"model": model, "messages": CHAT, "max_tokens": LONG, "ignore_eos": True, "stream": stream}
+
+
+def test_closing_a_stream_aborts_the_request(openai_server, smollm2, smollm2_replica, ray_cluster):
+    aborted_before = ray_cluster.get(smollm2_replica.stats.remote()).requests_aborted
+    url = f"{openai_server.base_url}/chat/completions"
+    with httpx.stream("POST", url, json=_chat_body(smollm2, stream=True), timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()  # keep it: closing this iterator would hang up
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["content"] is not None
+        assert ray_cluster.get(smollm2_replica.in_flight.remote()) == 1
+    # The client hung up long before 1900 tokens: the engine request must be gone within a few seconds.
+    assert wait_until(lambda: ray_cluster.get(smollm2_replica.in_flight.remote()) == 0, 5.0)
+    assert ray_cluster.get(smollm2_replica.stats.remote()).requests_aborted == aborted_before + 1
+
+
+def test_hanging_up_a_non_streaming_request_aborts_it(openai_server, smollm2, smollm2_replica, ray_cluster):
+    aborted_before = ray_cluster.get(smollm2_replica.stats.remote()).requests_aborted
+    url = f"{openai_server.base_url}/chat/completions"
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            httpx.post(url, json=_chat_body(smollm2, stream=False), timeout=httpx.Timeout(60, read=3.0))
+        except httpx.ReadTimeout as exc:  # the client gives up and closes the connection
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert wait_until(lambda: ray_cluster.get(smollm2_replica.in_flight.remote()) == 1, 3.0)
+    caller.join(30)
+    assert outcome, "the request was expected to time out on the client"
+    assert wait_until(lambda: ray_cluster.get(smollm2_replica.in_flight.remote()) == 0, 5.0)
+    assert ray_cluster.get(smollm2_replica.stats.remote()).requests_aborted == aborted_before + 1
+
+
+# -- two deployments -------------------------------------------------------------------------
+
+
+def test_health_names_a_deployment_that_is_not_ready(second):
+    health = second["health_while_starting"]
+    assert health.status_code == 503, health.text
+    assert second["name"] in health.json()["not_ready"]
+
+
+def test_two_deployments_are_routed_by_name(client, smollm2, smollm2_replica, second, ray_cluster):
+    def started(replica) -> int:
+        return ray_cluster.get(replica.stats.remote()).requests_started
+
+    before = (started(smollm2_replica), started(second["replica"]))
+    for _ in range(2):
+        resp = client.chat.completions.create(model=second["name"], messages=CHAT, max_tokens=4)
+        assert resp.model == second["name"]
+    resp = client.chat.completions.create(model=smollm2, messages=CHAT, max_tokens=4)
+    assert resp.model == smollm2
+    assert (started(smollm2_replica), started(second["replica"])) == (before[0] + 1, before[1] + 2)
+    assert {smollm2, second["name"]} <= {m.id for m in client.models.list()}
+
+
+def test_capacity_exhausted_with_reject_is_429(client, openai_server, manager, ray_cluster, second):
+    name = second["name"]
+    spec = smollm2_spec(name=name, serving={"max_concurrent": 1, "on_capacity_exhausted": "reject"})
+    result = ray_cluster.get(manager.apply.remote(spec))
+    assert result.changed
+    url = f"{openai_server.base_url}/chat/completions"
+    with httpx.stream("POST", url, json=_chat_body(name, stream=True), timeout=60) as long_running:
+        assert long_running.status_code == 200
+        lines = long_running.iter_lines()  # keep it: closing this iterator would hang up
+        next(line for line in lines if line.startswith("data: "))
+
+        def rejected() -> bool:  # the ingress sees the new limit as soon as its table is pushed
+            try:
+                client.chat.completions.create(model=name, messages=CHAT, max_tokens=1)
+            except openai.RateLimitError:
+                return True
+            return False
+
+        assert wait_until(rejected, 10.0, interval_s=0.2)
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model=name, messages=CHAT, max_tokens=1)
+    assert info.value.status_code == 429
+    assert int(info.value.response.headers["retry-after"]) >= 1
+    err = error_of(info.value)
+    assert err["type"] == "rate_limit_error" and "max_concurrent=1" in err["message"]
