@@ -11,7 +11,7 @@ from typing import Any
 
 import typer
 
-from atomr_infer.cli.app import _state
+from atomr_infer.cli.app import _state, err
 from atomr_infer.errors import AtomrError
 
 # Library logs (structlog) stay at WARNING in the CLI process: a command prints its own lines.
@@ -49,11 +49,15 @@ def _check_reachable(address: str | None) -> None:
         raise AtomrError(f"no Ray cluster answers at {target} ({source}) (hint: check the address, or `atomr up`)")
 
 
-def connect(address: str | None, start: bool) -> None:
+def connect(address: str | None, start: bool, announce: bool = True) -> None:
+    """Join the cluster; with ``start``, start the local head if none runs (saying so)."""
     from atomr_infer import cluster
 
     quiet_logs()
     _check_reachable(address)
+    cluster.use_local_auth_token()
+    if start and announce and not (address or os.environ.get("RAY_ADDRESS") or cluster.find_local_head()):
+        err.print(f"starting a local Ray head at {cluster.local_address()} (`atomr down` stops it)", markup=False)
     try:
         cluster.connect(address, start=start)
     except AtomrError:
@@ -62,11 +66,11 @@ def connect(address: str | None, start: bool) -> None:
         raise AtomrError(f"could not connect to Ray: {one_line(exc)}") from exc
 
 
-def manager(address: str | None, start: bool = True) -> Any:
+def manager(address: str | None, start: bool = True, announce: bool = True) -> Any:
     """The manager actor handle; with ``start=False`` nothing is started (error if absent)."""
     from atomr_infer import cluster
 
-    connect(address, start)
+    connect(address, start, announce)
     try:
         return cluster.manager(address, start=start)
     except AtomrError:

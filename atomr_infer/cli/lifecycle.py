@@ -42,7 +42,7 @@ def up_command(
     if not joining:
         _line("Ray", f"starting a local head at {cluster.local_address()} …")
     try:
-        manager = common.manager(address, start=True)
+        manager = common.manager(address, start=True, announce=False)
         deployments = common.call(manager.list.remote())
     except AtomrError as exc:
         fail(exc)
