@@ -382,6 +382,7 @@ def _size_estimates(spec: Deployment) -> tuple[int | None, int | None]:
     try:
         from atomr_infer.models.estimate import estimate_for_spec
 
-        return estimate_for_spec(spec)
-    except Exception:  # noqa: BLE001 - unknown size skips the memory check
+        return estimate_for_spec(spec.model, spec.runtime_config.hf_cache_dir)
+    except Exception as exc:  # noqa: BLE001 - unknown size skips the memory check
+        log.warning("size_estimate_failed", model=spec.model, error=repr(exc))
         return None, None

@@ -209,3 +209,35 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return data
+
+
+def estimate_for_spec(model: str, cache_dir: str | None = None) -> tuple[int | None, int | None]:
+    """(weights bytes, KV-cache bytes per token) for a spec's ``model`` without downloading.
+
+    Uses the local directory when there is one (a local path, a converted bundled model, or a
+    complete snapshot in the HF cache); a bundled model not yet converted falls back to its
+    registered parameter count (bf16). Unknown parts are ``None`` and skip that check.
+    """
+    from atomr_infer.models.bundled import bundled_model_dir, is_prepared
+    from atomr_infer.models.registry import BUNDLED_MODELS, bundled_name
+    from atomr_infer.models.resolve import _cached_snapshot, hub_cache_dir, is_local_path
+
+    bundled = bundled_name(model)
+    directory: Path | None = None
+    if bundled is not None:
+        candidate = bundled_model_dir(bundled)
+        if not is_prepared(candidate):
+            return BUNDLED_MODELS[bundled].parameters * 2, None
+        directory = candidate
+    elif is_local_path(model):
+        directory = Path(model).expanduser()
+    else:
+        directory = _cached_snapshot(model, hub_cache_dir(cache_dir))
+    if directory is None or not (directory / "config.json").is_file():
+        return None, None
+    config = _read_json(directory / "config.json")
+    try:
+        kv = kv_cache_bytes_per_token(config, config_dtype_bytes(config))
+    except ValueError:
+        kv = None
+    return weights_bytes(directory), kv

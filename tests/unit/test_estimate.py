@@ -110,3 +110,17 @@ def test_weights_fall_back_to_config_json(tmp_path: Path) -> None:
     assert weights_bytes(tmp_path) == 134_515_008 * 2
     assert weights_bytes(tmp_path / "config.json") == 134_515_008 * 2
     assert weights_bytes(tmp_path / "missing") is None
+
+
+def test_estimate_for_spec_local_dir_and_unknown_hub_model(tmp_path: Path, monkeypatch) -> None:
+    from atomr_infer.models.estimate import estimate_for_spec
+
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+           "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({"w": torch.zeros(10, 10, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    weights, kv = estimate_for_spec(str(tmp_path))
+    assert weights == 200
+    assert kv == 2 * 2 * 2 * 16 * 2  # K and V x layers x kv heads x head_dim x bf16
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    assert estimate_for_spec("org/not-downloaded") == (None, None)
