@@ -91,7 +91,8 @@ class OpenAIIngress:
         self._router = Router(self._tables.get, wait_for_replica_s=replica_wait_s, refresh_s=0.0)
 
     def __del__(self) -> None:
-        self._tables.stop()
+        with contextlib.suppress(RuntimeError):  # the loop may be closed already
+            self._tables.stop()
 
     # -- generation --------------------------------------------------------------------------
 

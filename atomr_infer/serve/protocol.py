@@ -2,12 +2,14 @@
 
 The models follow OpenAI's schema for ``/v1/chat/completions`` and ``/v1/completions``
 (plus vLLM's ``top_k`` and ``ignore_eos`` extensions). Every other field is rejected with
-``InvalidRequest`` naming it, never silently ignored. ``parse_chat`` / ``parse_completion``
+``InvalidRequest`` naming it, never silently ignored (a few that clients send by default are
+accepted at their "off" value, e.g. ``presence_penalty: 0``). ``parse_chat`` / ``parse_completion``
 turn a JSON body into a model; ``to_generate_request`` into the dict a replica takes.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, model_validator
@@ -110,9 +112,27 @@ _MESSAGE_FOR_PARAM = {
 }
 
 
+# Unsupported fields that clients often send at the value meaning "off" (or null): accepted at
+# exactly that value (nothing is ignored: off is what we do), rejected at any other.
+_NEUTRAL: dict[str, Any] = {
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "logprobs": False,
+    "logit_bias": {},
+    "echo": False,
+    "best_of": 1,
+}
+
+
+def _is_neutral(name: str, value: Any) -> bool:
+    neutral = _NEUTRAL[name]
+    return value is None or (value == neutral and isinstance(value, bool) == isinstance(neutral, bool))
+
+
 def _parse(model: type[_Sampling], body: Any) -> Any:
     if not isinstance(body, dict):
         raise InvalidRequest("body", f"expected a JSON object, got {type(body).__name__}")
+    body = {k: v for k, v in body.items() if not (k in _NEUTRAL and _is_neutral(k, v))}
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -125,7 +145,9 @@ def _to_invalid(exc: ValidationError) -> InvalidRequest:
     if extra:
         names = ", ".join(repr(n) for n in extra)
         plural = "s" if len(extra) > 1 else ""
-        return InvalidRequest(extra[0], f"unsupported field{plural} {names}: atomr-infer does not implement it")
+        only = [f"{n}={json.dumps(_NEUTRAL[n])}" for n in extra if n in _NEUTRAL]
+        hint = f" (accepted only as {', '.join(only)})" if only else ""
+        return InvalidRequest(extra[0], f"unsupported field{plural} {names}: atomr-infer does not implement it{hint}")
     first = errors[0]
     param = _param(first["loc"])
     if first["type"] == "missing":

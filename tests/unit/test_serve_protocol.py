@@ -80,6 +80,15 @@ def test_bad_requests_name_the_param(fields, param, words):
     assert words in info.value.message
 
 
+def test_off_values_of_unsupported_fields_are_accepted_and_others_rejected():
+    chat(frequency_penalty=0.0, presence_penalty=0, logprobs=False, logit_bias=None)
+    with pytest.raises(InvalidRequest) as info:
+        chat(presence_penalty=0.5)
+    assert info.value.field == "presence_penalty" and "accepted only as presence_penalty=0" in info.value.message
+    with pytest.raises(InvalidRequest):
+        chat(logprobs=0)  # not the boolean false
+
+
 def test_missing_and_malformed_inputs():
     with pytest.raises(InvalidRequest, match="model is required"):
         parse_chat({"messages": MESSAGES})
