@@ -48,13 +48,14 @@ def deploy_command(
         deployments = load_deployments(*paths)
     except AtomrError as exc:
         fail(exc)
-    if address:
-        os.environ["RAY_ADDRESS"] = address  # the device probe below looks at the same cluster
     common.quiet_logs()
-    from atomr_infer.cluster import use_local_auth_token
+    from atomr_infer.cluster import find_local_head, use_local_auth_token
     from atomr_infer.provision import require_device
 
     use_local_auth_token()
+    target = address or os.environ.get("RAY_ADDRESS") or find_local_head()
+    if target:
+        os.environ["RAY_ADDRESS"] = target  # the device probe looks at the cluster we deploy to
     if dry_run:
         raise typer.Exit(_dry_run(deployments, address))
     try:

@@ -71,6 +71,8 @@ class _Watch:
         news = []
         for r in render.replica_rows(statuses, stats, {}, None):
             key = f"{r['deployment']}/{r['replica']}"
+            if r["state"] == "starting" and r.get("phase") == "ready":
+                continue  # the engine is up; the manager marks it ready on its next pass
             phase = r.get("phase") if r["state"] == "starting" and r.get("phase") not in (None, "ready") else None
             text = r["state"] + (f": {phase}" if phase else "")
             if r.get("reason") and r["state"] in ("unhealthy", "stopped"):
