@@ -32,7 +32,7 @@ class ReconcileConfig:
     drain_timeout_s: float = 30.0
     backoff_base_s: float = 1.0
     backoff_max_s: float = 60.0
-    linger_s: float = 30.0  # stopped/unhealthy records stay visible in status this long
+    linger_s: float = 120.0  # stopped/unhealthy records stay visible in status this long
 
 
 class DeploymentReconciler:

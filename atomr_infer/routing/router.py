@@ -5,7 +5,8 @@ A ``Router`` caches the manager's routing table (refreshing it at most once per
 replica, and picks by power-of-two choices. ``serving.max_concurrent`` is enforced per
 router: ``queue`` waits for a slot, ``reject`` raises ``CapacityExhausted`` at once.
 
-If a replica dies or is draining before the first chunk arrived, the request is retried
+If the manager cannot be reached, routing goes on with the cached table. If a replica dies
+or is draining before the first chunk arrived, the request is retried
 once on another replica; after a chunk was sent it fails with ``EngineError`` (replaying
 would duplicate text). When the consumer stops early, the Ray generator is cancelled, which
 aborts the request in the engine.
@@ -30,6 +31,7 @@ from atomr_infer.errors import (
     NoReadyReplica,
     ReplicaUnavailable,
 )
+from atomr_infer.log import get_logger
 from atomr_infer.replica.request import Chunk
 from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
@@ -37,6 +39,7 @@ from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTabl
 # fetch(since_version) -> a newer table, or None when ``since_version`` is current.
 TableSource = Callable[[int], Awaitable[RoutingTable | None]]
 _DEAD = (ActorDiedError, ActorUnavailableError, RayActorError)
+log = get_logger(__name__)
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -63,7 +66,14 @@ class Router:
 
     async def refresh(self, force: bool = False) -> RoutingTable:
         if force or time.monotonic() - self._fetched_at >= self._refresh_s:
-            newer = await self._source(self._table.version)
+            try:
+                newer = await self._source(self._table.version)
+            except Exception as exc:  # noqa: BLE001 - the manager is down or restarting
+                if self._table.version < 0:
+                    raise  # nothing cached: nothing to route by
+                # Keep routing by the cached table: replicas serve while the manager restarts.
+                log.warning("routing_table_refresh_failed", error=f"{type(exc).__name__}: {exc}")
+                newer = None
             self._fetched_at = time.monotonic()
             if newer is not None:
                 self._table = newer
