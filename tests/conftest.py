@@ -45,6 +45,7 @@ def ray_cluster(bundled_model_dir):
     # No RAY_ADDRESS: a private cluster for this test session, never a user's cluster.
     os.environ.pop("RAY_ADDRESS", None)
     context = ray.init(
+        address="local",  # always a new private cluster, even if `ray start` runs on this host
         _node_ip_address="127.0.0.1",  # loopback only
         num_cpus=8,
         num_gpus=LOGICAL_GPUS,
