@@ -60,7 +60,7 @@ def mgr(manager):
     with concurrent.futures.ThreadPoolExecutor(10) as pool:
         results = list(pool.map(lambda _: ray.get(manager.apply.remote(d)), range(10)))
     yield d, results
-    ray.get(manager.remove.remote(NAME))
+    call_manager(manager.remove, NAME)
 
 
 def test_ten_concurrent_applies_make_one_replica_set(manager, mgr):
@@ -167,20 +167,25 @@ def test_killed_replica_is_replaced_and_requests_rerouted(manager, mgr, client):
     assert "Paris" in client.chat(NAME, ASK, temperature=0, max_tokens=24).text
 
 
-def test_killed_manager_comes_back_and_adopts_replicas(manager, mgr, client):
-    before = live_ids(wait_converged(manager))
-    ray.kill(manager, no_restart=False)  # Ray restarts it (max_restarts=-1)
-    # Replicas keep serving while the manager is down: the client's cached table still works.
-    assert "Paris" in client.chat(NAME, ASK, temperature=0, max_tokens=24).text
-    deadline = time.monotonic() + 120
+def call_manager(method, *args, timeout=120):
+    """Call the manager, retrying while Ray restarts it."""
+    deadline = time.monotonic() + timeout
     while True:
         try:
-            status = ray.get(manager.status.remote(NAME), timeout=10)
-            break
+            return ray.get(method.remote(*args), timeout=10)
         except Exception:  # noqa: BLE001 - restarting
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+def test_killed_manager_comes_back_and_adopts_replicas(manager, mgr, client):
+    before = live_ids(wait_converged(manager))
+    client.chat(NAME, ASK, max_tokens=2)  # the client now holds a routing table
+    ray.kill(manager, no_restart=False)  # Ray restarts it (max_restarts=-1)
+    # Replicas keep serving while the manager is down: the client's cached table still works.
+    assert "Paris" in client.chat(NAME, ASK, temperature=0, max_tokens=24).text
+    status = call_manager(manager.status, NAME)
     assert live_ids(status) == before  # same actor ids: adopted, not restarted
     assert status["generation"] >= 1
     assert live_ids(wait_converged(manager)) == before
