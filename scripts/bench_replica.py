@@ -93,7 +93,10 @@ def main() -> None:
     from atomr_infer.cluster import manager as get_manager
 
     os.environ.pop("RAY_ADDRESS", None)
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(
+        address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+        logging_level="ERROR",
+    )
     try:
         manager = get_manager()
         d = spec()
