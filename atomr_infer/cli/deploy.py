@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 
 from atomr_infer.cli import common, render
-from atomr_infer.cli.app import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, app, err, fail, out
+from atomr_infer.cli.app import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, app, err, fail, out
 from atomr_infer.errors import AtomrError
 
 
@@ -167,7 +167,8 @@ def remove_command(
 ) -> None:
     """Drain and remove deployments: in-flight requests finish, then the replicas stop."""
     if not names and not all_:
-        fail(AtomrError("name a deployment to remove, or pass --all (hint: `atomr status` lists them)"))
+        err.print("error: name a deployment to remove, or pass --all (hint: `atomr status` lists them)", markup=False)
+        raise typer.Exit(EXIT_INVALID)
     try:
         manager = common.manager(address, start=False)
         if all_:

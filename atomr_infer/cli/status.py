@@ -99,16 +99,15 @@ def logs_command(
     for r in targets:
         header = f"==> {name}/{r['replica_id']} ({r['state']}, {r['actor_name']}) <=="
         out.print(Text(header, style="bold"), soft_wrap=True)
-        try:
-            text = _tail(r["actor_id"], lines)
+        try:  # blank lines and Ray's marker lines are dropped, so read a few more than asked
+            text = _tail(r["actor_id"], lines if raw else lines + 20)
         except Exception as exc:  # noqa: BLE001 - one replica's logs failing leaves the others
             err.print(f"error: no logs for {name}/{r['replica_id']}: {common.one_line(exc)}", markup=False)
             continue
         shown += 1
-        for line in text.splitlines():
-            shown_line = line if raw else _readable(line)
-            if shown_line:
-                typer.echo(shown_line)
+        readable = text.splitlines() if raw else [ln for ln in map(_readable, text.splitlines()) if ln]
+        for line in readable[-lines:]:
+            typer.echo(line)
     if not shown:
         fail(AtomrError("no replica logs could be read (hint: the Ray dashboard must run: `atomr up` starts it)"))
 
