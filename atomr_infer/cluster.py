@@ -70,21 +70,29 @@ def start_local_head(dashboard: bool = True) -> str:
     if os.environ.get("ATOMR_RAY_NUM_GPUS"):  # logical GPUs, for tests of placement on CPU hosts
         cmd.append(f"--num-gpus={os.environ['ATOMR_RAY_NUM_GPUS']}")
     log.info("ray_head_starting", port=port)
-    # A new session: the head's daemons have no controlling terminal, so closing the terminal
-    # (SIGHUP) or Ctrl-C in it does not take them down with the command that started them.
-    proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
-    if proc.returncode != 0:
+    for attempt in (1, 2):  # the dashboard's start fails now and then on a busy machine
+        # A new session: the head's daemons have no controlling terminal, so closing the
+        # terminal (SIGHUP) or Ctrl-C in it does not take them down with the command.
+        proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+        if proc.returncode == 0:
+            break
         stop_head(int(port))  # a failed `ray start` leaves some of its processes behind
-        lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-        errors = [ln for ln in lines if "Error" in ln or "error:" in ln or "Failed" in ln]
-        why = (errors or lines or [f"exit code {proc.returncode}"])[-1]
+        log.warning("ray_head_start_failed", port=port, attempt=attempt, error=_error_line(proc))
+    if proc.returncode != 0:
         logs = f"{os.environ.get('ATOMR_RAY_TEMP_DIR', '/tmp/ray')}/session_latest/logs"
-        raise AtomrError(f"could not start a local Ray head on port {port}: {why} (hint: see {logs})")
+        raise AtomrError(f"could not start a local Ray head on port {port}: {_error_line(proc)} (hint: see {logs})")
     address = f"127.0.0.1:{port}"
     marker = started_marker()
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(address)
     return address
+
+
+def _error_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """The line of a failed command's output that says what went wrong."""
+    lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error:" in ln or "Failed" in ln]
+    return (errors or lines or [f"exit code {proc.returncode}"])[-1]
 
 
 def connect(address: str | None = None, start: bool = True) -> None:
