@@ -136,7 +136,7 @@ def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
             device_error = str(exc)
         if manager is None:
             _say(f"{d.name}: create {render.plural(d.replicas, 'replica')}")
-            _say(f"  budget: not checked ({offline})")
+            _say(f"  budget: not checked: {offline}")
         else:
             try:
                 plan = common.call(manager.plan.remote(d))
@@ -151,7 +151,7 @@ def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
             if not plan.budget_ok:
                 code = code or 3
         if device_error:
-            _say(f"  device: REJECTED ({device_error})")
+            _say(f"  device: REJECTED: {device_error}")
             code = code or EXIT_FAILED
     _say("dry run: nothing was changed")
     return code
