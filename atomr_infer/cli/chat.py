@@ -20,7 +20,7 @@ import typer
 
 from atomr_infer.cli import common
 from atomr_infer.cli.app import EXIT_INTERRUPTED, EXIT_OK, app, err, fail
-from atomr_infer.errors import AtomrError, NoReadyReplica
+from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica
 
 HELP = "/clear forgets the conversation, /bye or Ctrl-D leaves; Ctrl-C stops an answer."
 
@@ -45,7 +45,11 @@ def chat_command(
         if not prompt:
             fail(AtomrError("no prompt: give one as an argument, on stdin, or run in a terminal to converse"))
     try:
-        client = Client(manager=common.manager(address, start=False))
+        manager = common.manager(address, start=False)
+        if common.call(manager.status.remote(name)) is None:  # say so before asking anything
+            known = [s["name"] for s in common.call(manager.list.remote())]
+            raise DeploymentNotFound(name, known)
+        client = Client(manager=manager)
     except AtomrError as exc:
         fail(exc)
     sampling: dict[str, Any] = {"temperature": temperature}
@@ -57,7 +61,11 @@ def chat_command(
     loop = asyncio.new_event_loop()
     try:
         if prompt is not None:
-            _, interrupted = _answer(loop, client, name, [*history, {"role": "user", "content": prompt}], sampling)
+            messages = [*history, {"role": "user", "content": prompt}]
+            try:
+                _, interrupted = _answer(loop, client, name, messages, sampling)
+            except AtomrError as exc:
+                fail(exc)
             code = EXIT_INTERRUPTED if interrupted else EXIT_OK
         else:
             code = _converse(loop, client, name, history, sampling)
@@ -92,7 +100,11 @@ def _converse(loop: asyncio.AbstractEventLoop, client: Any, name: str, system: l
             err.print(HELP, style="dim", markup=False)
             continue
         history.append({"role": "user", "content": question})
-        text, _ = _answer(loop, client, name, history, sampling)
+        try:
+            text, _ = _answer(loop, client, name, history, sampling)
+        except AtomrError as exc:  # say so and ask again: the conversation goes on
+            err.print(f"error: {exc}", markup=False)
+            text = ""
         if text:
             history.append({"role": "assistant", "content": text})
         else:
@@ -102,20 +114,21 @@ def _converse(loop: asyncio.AbstractEventLoop, client: Any, name: str, system: l
 
 def _answer(loop: asyncio.AbstractEventLoop, client: Any, name: str, messages: list[dict[str, str]],
             sampling: dict[str, Any]) -> tuple[str, bool]:
-    """Stream one answer to stdout; returns (text, interrupted). Errors exit via ``fail``."""
+    """Stream one answer to stdout; returns (text, interrupted). Raises ``AtomrError``."""
     parts: list[str] = []
     finish: list[str | None] = [None]
     try:
         interrupted = loop.run_until_complete(_stream(client, name, messages, sampling, parts, finish))
     except NoReadyReplica as exc:
-        fail(AtomrError(f"{exc} (hint: `atomr status {name}` shows why)"))
-    except AtomrError as exc:
-        fail(exc)
+        raise AtomrError(f"{exc} (hint: `atomr status {name}` shows why)") from None
+    except AtomrError:
+        raise
     except Exception as exc:  # noqa: BLE001 - Ray errors: one line
-        fail(AtomrError(common.one_line(exc)))
-    if parts and not parts[-1].endswith("\n"):
-        sys.stdout.write("\n")
-    sys.stdout.flush()
+        raise AtomrError(common.one_line(exc)) from None
+    finally:
+        if parts and not parts[-1].endswith("\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
     if interrupted:
         err.print("interrupted: the request was aborted", style="dim", markup=False)
     elif finish[0] == "length":
