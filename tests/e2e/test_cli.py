@@ -92,8 +92,10 @@ def cli() -> Iterator[Cli]:
     port = free_port()
     env = _base_env(workdir, port)  # no RAY_ADDRESS: `atomr up` must start the head itself
     up = subprocess.run([str(ATOMR), "up"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    if up.returncode != 0:  # keep Ray's logs to look at
+        stop_head(port)
+        pytest.fail(f"atomr up failed (exit {up.returncode}); Ray's logs are in {workdir}/ray\n{up.stdout}{up.stderr}")
     try:
-        assert up.returncode == 0, up.stdout + up.stderr
         yield Cli({**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, port, workdir, up)
     finally:
         if head_processes(port):  # a test failed before `atomr down` ran: clean up anyway
