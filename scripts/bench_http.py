@@ -209,9 +209,9 @@ def main_cli() -> None:
 
     model_dir = str(prepare_bundled("smollm2-135m-instruct"))
     started = time.monotonic()
-    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    loadavg = "/".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"random dataset, {opts.input_len} in / {opts.output_len} out, ignore_eos, temperature 0; "
-          f"load average {load} on {os.cpu_count()} CPUs", flush=True)
+          f"load average {loadavg} on {os.cpu_count()} CPUs", flush=True)
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with vllm_server(model_dir) as vllm_url, atomr_server() as atomr_url:
         urls = {"vllm": vllm_url, "atomr": atomr_url}
@@ -225,8 +225,8 @@ def main_cli() -> None:
                     runs.setdefault((name, concurrency), []).append(result)
                     print(line(name, concurrency, result), flush=True)
     report(runs)
-    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"\n(total {time.monotonic() - started:.0f}s; load average at the end {load} on {os.cpu_count()} CPUs)")
+    loadavg = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\n(total {time.monotonic() - started:.0f}s; load average at the end {loadavg} on {os.cpu_count()} CPUs)")
 
 
 if __name__ == "__main__":
