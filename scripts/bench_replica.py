@@ -86,6 +86,7 @@ def main() -> None:
     )
     line = next(ln for ln in child.stdout.splitlines() if ln.startswith("BENCH_RESULT "))
     raw = {int(k): v for k, v in json.loads(line.removeprefix("BENCH_RESULT ")).items()}
+    print("    " + ", ".join(f"{n} prompts: {v:.1f} tok/s" for n, v in raw.items()), flush=True)
 
     import ray
 
@@ -113,8 +114,13 @@ def main() -> None:
         async def run_all():
             await through(via_replica, 4, 8)  # warm up both paths
             await through(lambda r: client.astream(d.name, r), 4, 8)
-            rep = {n: await through(via_replica, n, opts.tokens) for n in sizes}
-            cli = {n: await through(lambda r: client.astream(d.name, r), n, opts.tokens) for n in sizes}
+            rep, cli = {}, {}
+            for n in sizes:
+                rep[n] = await through(via_replica, n, opts.tokens)
+                print(f"(b) VllmReplica actor, {n} prompts: {rep[n]:.1f} tok/s", flush=True)
+            for n in sizes:
+                cli[n] = await through(lambda r: client.astream(d.name, r), n, opts.tokens)
+                print(f"(c) Client (router), {n} prompts: {cli[n]:.1f} tok/s", flush=True)
             return rep, cli
 
         rep, cli = asyncio.run(run_all())
