@@ -12,6 +12,7 @@ from typing import Any
 import typer
 
 from atomr_infer.cli.app import _state, err
+from atomr_infer.cluster import NAMESPACE
 from atomr_infer.errors import AtomrError
 
 # Library logs (structlog) stay at WARNING in the CLI process: a command prints its own lines.
@@ -127,7 +128,7 @@ def replica_stats(replicas: list[dict[str, Any]], timeout_s: float = 2.0) -> dic
         if r.get("state") not in ("starting", "ready", "draining"):
             continue
         try:
-            actor = ray.get_actor(r["actor_name"], namespace="atomr")
+            actor = ray.get_actor(r["actor_name"], namespace=NAMESPACE)
             refs[actor.stats.remote()] = r["actor_name"]
         except Exception:  # noqa: BLE001 - gone or not yet created
             continue

@@ -16,13 +16,13 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from atomr_infer.cluster import NAMESPACE
 from atomr_infer.control.replicas import Poll
 from atomr_infer.errors import AtomrError
 from atomr_infer.log import get_logger
 from atomr_infer.replica import replica_actor_class
 from atomr_infer.spec import Deployment
 
-NAMESPACE = "atomr"
 log = get_logger(__name__)
 
 
