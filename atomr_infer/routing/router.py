@@ -3,7 +3,8 @@
 A ``Router`` caches the manager's routing table (refreshing it at most once per
 ``refresh_s`` and whenever a replica turns out dead), keeps its own in-flight count per
 replica, and picks by power-of-two choices. ``serving.max_concurrent`` is enforced per
-router: ``queue`` waits for a slot, ``reject`` raises ``CapacityExhausted`` at once.
+router: ``queue`` waits for a slot (unbounded unless ``queue_timeout_s``), ``reject`` raises
+``CapacityExhausted`` at once.
 
 If the manager cannot be reached, routing goes on with the cached table. If a replica dies
 or is draining before the first chunk arrived, the request is retried
@@ -49,9 +50,18 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 class Router:
-    def __init__(self, source: TableSource, wait_for_replica_s: float = 30.0, refresh_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        source: TableSource,
+        wait_for_replica_s: float = 30.0,
+        refresh_s: float = 1.0,
+        queue_timeout_s: float | None = None,
+    ) -> None:
         self._source = source
         self._wait_s, self._refresh_s = wait_for_replica_s, refresh_s
+        # How long a request may wait for a free slot with on_capacity_exhausted=queue;
+        # None waits as long as it takes (Ray Serve's default: unbounded queue).
+        self._queue_timeout_s = queue_timeout_s
         self._table = RoutingTable(version=-1)
         self._fetched_at = 0.0
         self._in_flight: collections.Counter[str] = collections.Counter()
@@ -81,7 +91,8 @@ class Router:
 
     async def _route(self, name: str) -> tuple[DeploymentRoute, ReplicaRoute]:
         started = time.monotonic()
-        deadline = started + self._wait_s
+        deadline = started + self._wait_s  # for a ready replica to appear
+        queue_deadline = None if self._queue_timeout_s is None else started + self._queue_timeout_s
         table = await self.refresh()
         if name not in table.deployments:
             table = await self.refresh(force=True)
@@ -95,11 +106,14 @@ class Router:
                     return dep, choice
                 if dep.on_capacity_exhausted == "reject":
                     raise CapacityExhausted(name, dep.max_concurrent)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if dep.replicas:  # all full and queue timed out
+            now = time.monotonic()
+            if dep.replicas:  # all full: queue for a slot
+                deadline = now + self._wait_s  # replicas exist; that wait is not running
+                if queue_deadline is not None and now >= queue_deadline:
                     raise CapacityExhausted(name, dep.max_concurrent, retry_after_s=1.0)
-                raise NoReadyReplica(name, time.monotonic() - started)
+            remaining = deadline - now
+            if remaining <= 0:
+                raise NoReadyReplica(name, now - started)
             # Wait for a slot to free up or for the table to change, whichever comes first.
             self._released.clear()
             try:
