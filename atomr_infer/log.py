@@ -58,7 +58,9 @@ def configure_logging(level: str | None = None, fmt: str | None = None, force: b
                 renderer,
             ],
             wrapper_class=structlog.make_filtering_bound_logger(level_no),
-            logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+            # One write per line (PrintLogger's print() writes the newline separately), so a
+            # line from the step-loop thread cannot be split by Ray's ":actor_name:" marker.
+            logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
             cache_logger_on_first_use=False,
         )
         _configured = True
