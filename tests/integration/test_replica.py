@@ -162,3 +162,13 @@ def test_dashboard_shows_name_and_readable_repr(smollm2_replica, dashboard_url):
     assert state.repr_name == "atomr:smollm2:r0 (cpu)"
     info = ray.get(smollm2_replica.ready.remote())
     assert info["device"] == "cpu" and info["replica_id"] == "r0"
+
+
+def test_on_cpu_the_engine_core_runs_inside_the_replica_process(smollm2_replica, dashboard_url):
+    import psutil
+    from ray.util.state import get_actor
+
+    pid = get_actor(smollm2_replica._actor_id.hex(), address=dashboard_url).pid
+    assert psutil.Process(pid).name().startswith("ray::VllmReplic")
+    children = [p.name() for p in psutil.Process(pid).children(recursive=True)]
+    assert not [name for name in children if name.startswith("VLLM::")], children  # no EngineCore process

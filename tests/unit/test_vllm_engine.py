@@ -1,0 +1,57 @@
+"""How a Deployment becomes vLLM's engine arguments and environment (no vLLM import here)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from atomr_infer.engine.vllm_engine import GiB, engine_args, prepare_environment
+from atomr_infer.spec import parse_deployment
+
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def deployment(**runtime_config):
+    return parse_deployment({"name": "d", "model": "bundled:smollm2-135m-instruct", "runtime_config": runtime_config})
+
+
+def test_unset_fields_are_left_to_vllm() -> None:
+    args = engine_args(deployment(), "/models/m", "cuda")
+    assert args == {"model": "/models/m", "tensor_parallel_size": 1, "disable_log_stats": False}
+
+
+def test_set_fields_pass_through_and_cpu_kv_cache_becomes_bytes() -> None:
+    dep = deployment(dtype="bfloat16", max_num_seqs=8, enforce_eager=True, cpu_kvcache_space_gb=1.5)
+    cpu = engine_args(dep, "/m", "cpu")
+    assert cpu["dtype"] == "bfloat16" and cpu["max_num_seqs"] == 8 and cpu["enforce_eager"] is True
+    assert cpu["kv_cache_memory_bytes"] == int(1.5 * GiB)
+    assert "kv_cache_memory_bytes" not in engine_args(dep, "/m", "cuda")  # a CPU-backend setting
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in (MULTIPROCESSING, "HF_HUB_CACHE", "VLLM_LOGGING_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_on_cpu_the_engine_core_runs_in_process(clean_env: pytest.MonkeyPatch) -> None:
+    prepare_environment(deployment(), "cpu")
+    assert os.environ[MULTIPROCESSING] == "0"
+
+
+def test_on_gpu_vllm_keeps_its_core_process(clean_env: pytest.MonkeyPatch) -> None:
+    prepare_environment(deployment(), "cuda")
+    assert MULTIPROCESSING not in os.environ
+
+
+def test_the_user_may_override_the_core_process_choice(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv(MULTIPROCESSING, "1")
+    prepare_environment(deployment(), "cpu")
+    assert os.environ[MULTIPROCESSING] == "1"
+
+
+def test_hf_cache_dir_is_exported_before_vllm_is_imported(clean_env: pytest.MonkeyPatch) -> None:
+    prepare_environment(deployment(hf_cache_dir="/data/hf"), "cpu")
+    assert os.environ["HF_HUB_CACHE"] == "/data/hf"
