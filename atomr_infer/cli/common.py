@@ -37,6 +37,16 @@ def quiet_logs() -> None:
         configure_logging("DEBUG", force=True)
 
 
+def quiet_serve_logs() -> None:
+    """Ray Serve logs INFO lines to the driver's stderr; the CLI prints its own (``--debug`` keeps them)."""
+    import logging
+
+    from ray import serve  # noqa: F401 - its import sets the logger up; set the level after
+
+    if not _state["debug"]:
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+
+
 def _check_reachable(address: str | None) -> None:
     """Fail at once on an address nothing listens at (``ray.init`` would retry for a minute)."""
     from atomr_infer.local_ray import port_open

@@ -1,9 +1,11 @@
 """``atomr up`` and ``atomr down``: the local cluster's lifecycle.
 
 ``up`` joins ``--address`` / ``RAY_ADDRESS`` or the local head (starting one, dashboard on,
-if none is running), starts the manager, prints the dashboard URL, and provisions Gemma when
-this host can run it. ``down`` removes every deployment, waits for the replicas to stop,
-stops the manager, and stops Ray only if ``atomr`` started it (the marker file says so, and
+if none is running), starts the manager, prints the dashboard URL, provisions Gemma when
+this host can run it, and with ``--serve`` starts the OpenAI-compatible API on the cluster
+(it runs there, like the manager, after ``up`` returns). ``down`` deletes the API, removes
+every deployment, waits for the replicas to stop, stops the manager, and stops Ray only if
+``atomr`` started it (the marker file says so, and
 the head on that port is older than the marker) — by its own processes, never ``ray stop``,
 which would take every other Ray on the machine with it.
 """
@@ -30,9 +32,11 @@ def _line(label: str, text: str) -> None:
 def up_command(
     address: str | None = common.address_option(),
     no_gemma: bool = typer.Option(False, "--no-gemma", help="Do not provision Gemma, even on a host that can run it."),
+    serve: bool = typer.Option(False, "--serve", help="Also start the OpenAI HTTP API (`atomr down` stops it)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="With --serve: address the HTTP proxy listens on."),
+    port: int = typer.Option(8000, "--port", help="With --serve: port the HTTP proxy listens on."),
 ) -> None:
     """Start (or join) Ray and the atomr manager; print the dashboard URL."""
-    import ray
 
     from atomr_infer import cluster
 
@@ -46,18 +50,38 @@ def up_command(
         deployments = common.call(manager.list.remote())
     except AtomrError as exc:
         fail(exc)
-    gcs = ray.get_runtime_context().gcs_address
     if joining:
-        _line("Ray", f"joined the cluster at {gcs}")
+        _line("Ray", f"joined the cluster at {joining}")
     else:
         _line("Ray", f"started a local head at {cluster.local_address()} (`atomr down` stops it)")
     count = len(deployments)
     _line("manager", f"atomr-manager running, {count} deployment{'s' if count != 1 else ''}")
     _line("dashboard", common.dashboard_url() or "not running")
+    if serve:
+        _start_api(host, port)
     code = EXIT_OK if no_gemma else _provision_gemma(manager)
     if not deployments:
         _line("next", "atomr deploy deployments/smollm2.yaml")
     raise typer.Exit(code)
+
+
+def _start_api(host: str, port: int) -> None:
+    """The API on ``host:port``: started, or reported when it already runs there."""
+    from atomr_infer.serve import run_server, running_server
+
+    common.quiet_serve_logs()
+    try:
+        current = running_server()
+        if current is not None and (current.host, current.port) == (host, port):
+            _line("api", f"{current.base_url} (OpenAI-compatible, already running)")
+            return
+        _line("api", f"starting the OpenAI-compatible API on {host}:{port} …")
+        server = run_server(host, port, blocking=True)
+    except AtomrError as exc:  # Serve already runs on another address: the error says which
+        fail(exc)
+    except Exception as exc:  # noqa: BLE001 - Serve's own errors, in one line
+        fail(AtomrError(f"could not start the API on {host}:{port}: {common.one_line(exc)}"))
+    _line("api", f"{server.base_url} (OpenAI-compatible, model = deployment name; `atomr down` stops it)")
 
 
 def _provision_gemma(manager: Any) -> int:
@@ -99,6 +123,7 @@ def down_command(
         _line("Ray", "no cluster is running; nothing to stop")
         raise typer.Exit(EXIT_OK) from None
     try:
+        _stop_api()
         _remove_everything(timeout)
     except AtomrError as exc:
         fail(exc)
@@ -116,6 +141,22 @@ def down_command(
     else:
         _line("Ray", f"left running at {gcs} (atomr did not start it)")
     raise typer.Exit(EXIT_OK)
+
+
+def _stop_api() -> None:
+    """Delete the API first, so no request reaches a replica that is stopping."""
+    from atomr_infer.serve import Server, running_server, stop_server
+
+    common.quiet_serve_logs()
+    try:
+        current = running_server()
+        if current is None:
+            return
+        # Serve is shut down too unless other applications still run on it.
+        stop_server(Server(current.host, current.port, started_serve=True))
+    except Exception as exc:  # noqa: BLE001
+        raise AtomrError(f"could not stop the API: {common.one_line(exc)}") from exc
+    _line("api", f"stopped ({current.base_url})")
 
 
 def _remove_everything(timeout: float) -> None:

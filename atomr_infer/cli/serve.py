@@ -7,6 +7,7 @@ import threading
 
 import typer
 
+from atomr_infer.cli import common
 from atomr_infer.cli.app import EXIT_OK, app, fail, out
 
 
@@ -22,6 +23,7 @@ def serve_command(
     """Serve every deployment over an OpenAI-compatible HTTP API (model = deployment name)."""
     from atomr_infer.serve import run_server, stop_server
 
+    common.quiet_serve_logs()
     try:
         server = run_server(host, port, address, blocking=True, replica_wait_s=replica_wait)
     except Exception as exc:  # noqa: BLE001 - one line, the CLI's exit codes

@@ -86,6 +86,18 @@ def run_server(
     return server
 
 
+def running_server() -> Server | None:
+    """The API this cluster serves now (its Serve proxy's address), or None."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None or APP_NAME not in serve.status().applications:
+        return None
+    http = client.http_config
+    return Server(http.host, http.port, started_serve=False)
+
+
 def stop_server(server: Server | None = None) -> None:
     """Delete the API application; shut Serve down if ``server`` started it and it is now empty."""
     from ray import serve

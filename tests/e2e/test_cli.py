@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import psutil
 import pytest
 
@@ -45,6 +46,7 @@ class Cli:
     port: int
     workdir: Path
     up: subprocess.CompletedProcess[str]
+    api_url: str | None = None  # set by the `atomr up --serve` test; `atomr down` must stop it
 
     def run(self, *args: str | Path, timeout: float = 180, env: dict[str, str] | None = None):
         proc = subprocess.run(
@@ -259,6 +261,26 @@ def test_ctrl_c_during_chat_aborts_the_request_in_the_engine(cli, smollm2):
     assert len("".join(received).split()) < 1500  # stopped long before max_tokens
 
 
+def test_up_with_serve_starts_the_openai_api_on_the_cluster(cli, smollm2):
+    port = free_port()
+    proc = cli.run("up", "--serve", "--port", str(port), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    base_url = f"http://127.0.0.1:{port}/v1"
+    assert f"api        {base_url} (OpenAI-compatible, model = deployment name" in proc.stdout
+    cli.api_url = base_url
+    # `up` has returned: the API runs on the cluster, not in the CLI process.
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": QUESTION}], max_tokens=32, temperature=0
+    )
+    assert "Paris" in reply.choices[0].message.content
+    again = cli.run("up", "--serve", "--port", str(port))
+    assert again.returncode == 0 and f"api        {base_url} (OpenAI-compatible, already running)" in again.stdout
+    elsewhere = cli.run("up", "--serve", "--port", str(free_port()))
+    assert elsewhere.returncode == 1
+    assert f"its HTTP proxy on 127.0.0.1:{port}" in elsewhere.stderr and "--port" in elsewhere.stderr
+
+
 def test_logs_show_the_replica_log(cli, smollm2):
     proc = cli.run("logs", "smollm2", "--lines", "200")
     assert proc.returncode == 0, proc.stderr
@@ -285,6 +307,10 @@ def test_down_stops_the_head_it_started_and_leaves_no_ray_process(cli):
     proc = cli.run("down", timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert f"stopped the local head at 127.0.0.1:{cli.port}" in proc.stdout
+    if cli.api_url:  # the `up --serve` test ran: the API goes first
+        assert proc.stdout.startswith(f"api        stopped ({cli.api_url})"), proc.stdout
+        api_port = int(cli.api_url.rsplit(":", 1)[1].split("/")[0])
+        assert not port_open("127.0.0.1", api_port)
     left = [p for p in map(_alive, pids) if p is not None]
     assert not left, [(p.pid, p.name()) for p in left]
     assert not head_processes(cli.port)
