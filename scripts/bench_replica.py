@@ -6,7 +6,9 @@
 (a) raw ``vllm.LLM.generate`` of N prompts x T tokens (ignore_eos), in its own process;
 (b) the same N requests sent concurrently to a ``VllmReplica`` actor from this driver;
 (c) the same through ``atomr_infer.Client`` (manager routing table → router → replica).
-All three use identical engine arguments (deployments/smollm2.yaml). Prints output tokens/s
+All three use identical engine arguments (deployments/smollm2.yaml); (a) is ``vllm.LLM`` as a
+user gets it (its engine core in a process of its own), while the replica of (b) and (c) runs
+the core in its step loop's thread, as atomr does on CPU. Prints output tokens/s
 for each and the ratios against (a) last. Also the median latency of 20 re-applies of an
 unchanged spec. Machines here are noisy: compare ratios from one run, not absolute numbers.
 """
