@@ -5,9 +5,9 @@ if none is running), starts the manager, prints the dashboard URL, provisions Ge
 this host can run it, and with ``--serve`` starts the OpenAI-compatible API on the cluster
 (it runs there, like the manager, after ``up`` returns). ``down`` deletes the API, removes
 every deployment, waits for the replicas to stop, stops the manager, and stops Ray only if
-``atomr`` started it (the marker file says so, and
-the head on that port is older than the marker) — by its own processes, never ``ray stop``,
-which would take every other Ray on the machine with it.
+``atomr`` started it (the marker file says so, and the head on that port is older than the
+marker) — by its own processes, never ``ray stop``, which would take every other Ray on the
+machine with it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ def up_command(
     port: int = typer.Option(8000, "--port", help="With --serve: port the HTTP proxy listens on."),
 ) -> None:
     """Start (or join) Ray and the atomr manager; print the dashboard URL."""
-
     from atomr_infer import cluster
 
     common.quiet_logs()
