@@ -24,7 +24,6 @@ import contextlib
 import io
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,14 +37,10 @@ import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from atomr_infer.local_ray import free_port  # noqa: E402 - after the path insert
+
 SERVED_NAME = "smollm2"
 START_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spec():  # noqa: ANN201 - a Deployment

@@ -144,15 +144,14 @@ def down_command(
 
 def _stop_api() -> None:
     """Delete the API first, so no request reaches a replica that is stopping."""
-    from atomr_infer.serve import Server, running_server, stop_server
+    from atomr_infer.serve import running_server, stop_server
 
     common.quiet_serve_logs()
     try:
         current = running_server()
         if current is None:
             return
-        # Serve is shut down too unless other applications still run on it.
-        stop_server(Server(current.host, current.port, started_serve=True))
+        stop_server(current, shutdown_serve=True)  # unless other applications still run on it
     except Exception as exc:  # noqa: BLE001
         raise AtomrError(f"could not stop the API: {common.one_line(exc)}") from exc
     _line("api", f"stopped ({current.base_url})")

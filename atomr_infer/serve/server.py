@@ -34,20 +34,29 @@ class Server:
         return f"{self.url}/v1"
 
 
-def _start_serve(host: str, port: int) -> bool:
-    """Start Serve's proxy on ``host:port``; False if Serve already runs there (an error elsewhere)."""
-    from ray import serve
+def _serve_address() -> tuple[str, int] | None:
+    """Where this cluster's Serve proxy listens, or None when Serve is not running."""
     from ray.serve.context import _get_global_client
 
     client = _get_global_client(raise_if_no_controller_running=False)
     if client is None:
+        return None
+    return client.http_config.host, client.http_config.port
+
+
+def _start_serve(host: str, port: int) -> bool:
+    """Start Serve's proxy on ``host:port``; False if Serve already runs there (an error elsewhere)."""
+    from ray import serve
+
+    running = _serve_address()
+    if running is None:
         serve.start(http_options={"host": host, "port": port})
         return True
-    running = client.http_config
-    if (running.host, running.port) != (host, port):
+    if running != (host, port):
+        at_host, at_port = running
         raise AtomrError(
-            f"Ray Serve already runs on this cluster with its HTTP proxy on {running.host}:{running.port}, "
-            f"not {host}:{port} (hint: use --host {running.host} --port {running.port}, "
+            f"Ray Serve already runs on this cluster with its HTTP proxy on {at_host}:{at_port}, "
+            f"not {host}:{port} (hint: use --host {at_host} --port {at_port}, "
             "or stop Serve with `serve shutdown`)"
         )
     return False
@@ -89,20 +98,21 @@ def run_server(
 def running_server() -> Server | None:
     """The API this cluster serves now (its Serve proxy's address), or None."""
     from ray import serve
-    from ray.serve.context import _get_global_client
 
-    client = _get_global_client(raise_if_no_controller_running=False)
-    if client is None or APP_NAME not in serve.status().applications:
+    address = _serve_address()
+    if address is None or APP_NAME not in serve.status().applications:
         return None
-    http = client.http_config
-    return Server(http.host, http.port, started_serve=False)
+    return Server(*address, started_serve=False)
 
 
-def stop_server(server: Server | None = None) -> None:
-    """Delete the API application; shut Serve down if ``server`` started it and it is now empty."""
+def stop_server(server: Server | None = None, *, shutdown_serve: bool | None = None) -> None:
+    """Delete the API application, then shut Serve down if it is now empty and ``shutdown_serve``
+    (default: if ``server`` says ``run_server`` started Serve)."""
     from ray import serve
 
+    if shutdown_serve is None:
+        shutdown_serve = server is not None and server.started_serve
     serve.delete(APP_NAME)
-    if server is not None and server.started_serve and not serve.status().applications:
+    if shutdown_serve and not serve.status().applications:
         serve.shutdown()
     log.info("openai_api_stopped")
