@@ -8,8 +8,8 @@ how they are kept down:
   distribution name and version come from package metadata.
 - GPU memory comes from NVML when ``pynvml`` is importable (it creates no CUDA context); torch
   is the fallback. "CUDA usable" is ``torch.cuda.is_available()``: seeing a GPU is not enough.
-- Ray is never started. A running cluster is found through ``ray.is_initialized()`` or
-  ``RAY_ADDRESS`` / the address ``ray start`` leaves behind, and queried from a child
+- Ray is never started. A running cluster is found through ``ray.is_initialized()``,
+  ``RAY_ADDRESS`` or ``cluster.find_local_head()`` (what ``atomr`` would join), and queried from a child
   interpreter with a timeout, so a stale address cannot hang the probe.
 """
 
@@ -261,6 +261,8 @@ def _snapshot_has_weights(model: str, cache_dir: str) -> bool:
 
 _RAY_SCRIPT = f"""
 import json, logging, sys, ray
+from atomr_infer.cluster import use_local_auth_token
+use_local_auth_token()  # a head `ray start` started with token auth refuses a client without it
 ray.init(address=sys.argv[1], logging_level=logging.ERROR, log_to_driver=False)
 nodes = [n for n in ray.nodes() if n.get("Alive")]
 print({_MARK!r} + json.dumps({{"gpus": ray.cluster_resources().get("GPU", 0.0), "nodes": len(nodes)}}), flush=True)
@@ -268,7 +270,7 @@ print({_MARK!r} + json.dumps({{"gpus": ray.cluster_resources().get("GPU", 0.0), 
 
 
 def gather_ray() -> RayInfo:
-    """The Ray cluster this process is in, or the one ``RAY_ADDRESS`` / ``ray start`` points at.
+    """The Ray cluster this process is in, the one ``RAY_ADDRESS`` points at, or the local head.
     Starts nothing: a cluster that is not running is reported as such. Never raises."""
     try:
         import ray
@@ -285,7 +287,7 @@ def gather_ray() -> RayInfo:
             )
     except Exception as exc:
         return RayInfo(state="unreachable", error=str(exc))
-    address = os.environ.get("RAY_ADDRESS", "").strip() or _ray_start_address()
+    address = os.environ.get("RAY_ADDRESS", "").strip() or _local_head()
     if not address:
         return RayInfo(state="not-running")
     error = _tcp_error(address)
@@ -310,13 +312,12 @@ def _tcp_error(address: str, timeout_s: float = 2.0) -> str:
         return f"cannot connect: {exc.strerror or exc}"
 
 
-def _ray_start_address() -> str | None:
-    try:
-        from ray._private.utils import read_ray_address
+def _local_head() -> str | None:
+    """The local head ``atomr`` would join (its loopback address, not the one ``ray start``
+    records, which may name an interface the head does not listen on)."""
+    from atomr_infer.cluster import find_local_head
 
-        return read_ray_address() or None
-    except Exception:
-        return None
+    return find_local_head()
 
 
 def _run_child(script: str, timeout_s: float, *args: str) -> tuple[dict[str, Any] | None, str]:

@@ -125,6 +125,16 @@ def test_up_starts_a_local_head_with_a_dashboard(cli):
     assert again.returncode == 0 and "joined the cluster" in again.stdout
 
 
+def test_probe_finds_the_running_head_without_ray_address(cli):
+    env = {k: v for k, v in cli.env.items() if k != "RAY_ADDRESS"}  # found as `atomr` would join it
+    proc = cli.run("probe", "--json", env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ray_info = json.loads(proc.stdout)["ray"]
+    assert ray_info["state"] == "reachable", ray_info  # token auth: the probe's client sends the token
+    assert ray_info["address"] == f"127.0.0.1:{cli.port}"
+    assert (ray_info["nodes"], ray_info["gpus"]) == (1, 2.0)
+
+
 def test_invalid_file_exits_2_and_names_each_problem(cli, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: Bad_Name\nmodel: bundled:smollm2-135m-instruct\nreplicas: -1\nfoo: 1\n")
