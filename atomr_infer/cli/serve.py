@@ -32,11 +32,11 @@ def serve_command(
     out.print(f'openai client: OpenAI(base_url="{server.base_url}", api_key="unused")')
     out.print("Ctrl-C to stop.")
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        while not stop.wait(3600):
-            pass
-    except KeyboardInterrupt:
+    # Handlers for both, as uvicorn has: Ctrl-C stops the API even when the shell that
+    # started this process in the background left SIGINT ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(3600):
         pass
     out.print("stopping…")
     try:
