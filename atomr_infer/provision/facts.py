@@ -242,21 +242,13 @@ def hf_token_source() -> str:
 
 def weights_cached(model: str, cache_dir: str) -> bool | None:
     """Whether the HF cache at ``cache_dir`` holds weights for the repo id ``model``."""
-    try:
-        from atomr_infer.models.resolve import is_cached
-    except ImportError:
-        return _snapshot_has_weights(model, cache_dir)
+    from atomr_infer.models.resolve import is_cached
+
     try:
         return bool(is_cached(model, cache_dir=cache_dir))
     except Exception as exc:
         log.warning("probe.weights_check_failed", model=model, error=str(exc))
         return None
-
-
-def _snapshot_has_weights(model: str, cache_dir: str) -> bool:
-    # Stand-in until atomr_infer.models.resolve lands: a snapshot holding a weights file.
-    snapshots = Path(cache_dir) / f"models--{model.replace('/', '--')}" / "snapshots"
-    return any(snapshots.glob("*/*.safetensors")) or any(snapshots.glob("*/*.bin"))
 
 
 _RAY_SCRIPT = f"""
