@@ -6,11 +6,13 @@ replica, and picks by power-of-two choices. ``serving.max_concurrent`` is enforc
 router: ``queue`` waits for a slot (unbounded unless ``queue_timeout_s``), ``reject`` raises
 ``CapacityExhausted`` at once.
 
-If the manager cannot be reached, routing goes on with the cached table. If a replica dies
-or is draining before the first chunk arrived, the request is retried
-once on another replica; after a chunk was sent it fails with ``EngineError`` (replaying
-would duplicate text). When the consumer stops early, the Ray generator is cancelled, which
-aborts the request in the engine.
+If the manager cannot be reached, routing goes on with the cached table. A replica this
+router saw die, or that answered draining/stopped, leaves its picks at once (the manager's
+table may list it for a few more seconds): a dead or draining replica never serves again,
+so it stays out until the table drops it; one that was only unreachable stays out until a
+newer table arrives. A request that had not started is retried on another replica; after a
+chunk was sent it fails with ``EngineError`` (replaying would duplicate text). When the
+consumer stops early, the Ray generator is cancelled, which aborts the request in the engine.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTabl
 # fetch(since_version) -> a newer table, or None when ``since_version`` is current.
 TableSource = Callable[[int], Awaitable[RoutingTable | None]]
 _DEAD = (ActorDiedError, ActorUnavailableError, RayActorError)
+# Tries for one request that fails before its first chunk (each on a replica not yet tried).
+MAX_ATTEMPTS = 4
 log = get_logger(__name__)
 
 
@@ -66,6 +70,8 @@ class Router:
         self._fetched_at = 0.0
         self._in_flight: collections.Counter[str] = collections.Counter()
         self._released = asyncio.Event()
+        # actor name -> table version it was excluded at, or None for "until the table drops it".
+        self._excluded: dict[str, int | None] = {}
 
     @property
     def table(self) -> RoutingTable:
@@ -87,7 +93,19 @@ class Router:
             self._fetched_at = time.monotonic()
             if newer is not None:
                 self._table = newer
+                self._forget_exclusions(newer)
         return self._table
+
+    def exclude(self, actor_name: str, permanent: bool) -> None:
+        """Stop picking ``actor_name``: for good (dead, draining) or until a newer table."""
+        self._excluded[actor_name] = None if permanent else self._table.version
+        log.info("replica_excluded", replica=actor_name, permanent=permanent)
+
+    def _forget_exclusions(self, table: RoutingTable) -> None:
+        listed = {r.actor_name for dep in table.deployments.values() for r in dep.replicas}
+        for name, version in list(self._excluded.items()):
+            if name not in listed or (version is not None and table.version != version):
+                del self._excluded[name]
 
     async def _route(self, name: str) -> tuple[DeploymentRoute, ReplicaRoute]:
         started = time.monotonic()
@@ -100,14 +118,15 @@ class Router:
             dep = table.deployments.get(name)
             if dep is None:
                 raise DeploymentNotFound(name, sorted(table.deployments))
-            if dep.replicas:
-                choice = pick_replica(dep.replicas, self._in_flight, dep.max_concurrent)
+            usable = [r for r in dep.replicas if r.actor_name not in self._excluded]
+            if usable:
+                choice = pick_replica(usable, self._in_flight, dep.max_concurrent)
                 if choice is not None:
                     return dep, choice
                 if dep.on_capacity_exhausted == "reject":
                     raise CapacityExhausted(name, dep.max_concurrent)
             now = time.monotonic()
-            if dep.replicas:  # all full: queue for a slot
+            if usable:  # all full: queue for a slot
                 deadline = now + self._wait_s  # replicas exist; that wait is not running
                 if queue_deadline is not None and now >= queue_deadline:
                     raise CapacityExhausted(name, dep.max_concurrent, retry_after_s=1.0)
@@ -119,15 +138,16 @@ class Router:
             try:
                 await asyncio.wait_for(self._released.wait(), timeout=min(remaining, 0.25))
             except asyncio.TimeoutError:
-                table = await self.refresh(force=not dep.replicas)
+                table = await self.refresh(force=not usable)
 
     async def stream(self, name: str, request: dict[str, Any]) -> AsyncIterator[Chunk]:
         """Chunks of one request, routed by deployment name."""
-        for attempt in (1, 2):
+        for attempt in range(1, MAX_ATTEMPTS + 1):
             dep, route = await self._route(name)
             self._in_flight[route.actor_name] += 1
             gen = route.actor.generate.remote(request)
             sent = finished = False
+            last_try = attempt == MAX_ATTEMPTS
             try:
                 async for ref in gen:
                     chunk = await ref
@@ -137,13 +157,18 @@ class Router:
                 return
             except _DEAD as exc:
                 finished = True
-                if sent or attempt == 2:
+                # Ray says "unavailable" for a replica it cannot reach right now (it may come
+                # back); anything else is an actor that died and never serves again.
+                self.exclude(route.actor_name, permanent=not isinstance(exc, ActorUnavailableError))
+                if sent or last_try:
                     raise EngineError(f"replica {route.actor_name} died mid-request: {exc}") from None
             except RayTaskError as exc:
                 finished = True
                 cause = unwrap(exc)
-                if isinstance(cause, ReplicaUnavailable) and not sent and attempt == 1:
-                    pass  # draining or stopped: retry elsewhere
+                if isinstance(cause, ReplicaUnavailable) and not sent:
+                    self.exclude(route.actor_name, permanent=True)  # draining or stopped
+                    if last_try:
+                        raise cause from None
                 elif isinstance(cause, AtomrError):
                     raise cause from None
                 else:
@@ -153,5 +178,6 @@ class Router:
                 self._released.set()
                 if not finished:  # consumer went away or was cancelled: abort in the engine
                     ray.cancel(gen)
+            log.info("request_retried", deployment=name, replica=route.actor_name, attempt=attempt)
             await self.refresh(force=True)
         raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,137 @@
+"""Router failover without Ray: a replica seen dead or draining leaves the picks at once.
+
+The replicas are fakes of the Ray actor handle's ``generate.remote`` (an async iterator of
+awaitables, as Ray's ``ObjectRefGenerator`` is); the real path is covered by
+tests/integration/test_manager.py (a replica killed under load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+
+from atomr_infer.errors import ReplicaUnavailable
+from atomr_infer.replica.request import Chunk
+from atomr_infer.routing.router import Router
+from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
+
+
+class _Stream:
+    def __init__(self, chunks: list[Chunk], error: BaseException | None) -> None:
+        self._chunks, self._error = chunks, error
+
+    async def __aiter__(self):
+        for chunk in self._chunks:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(chunk)
+            yield fut
+        if self._error is not None:
+            raise self._error
+
+
+class FakeReplica:
+    """Answers every request with one chunk, or fails before it with ``error``."""
+
+    def __init__(self, name: str, error: BaseException | None = None) -> None:
+        self.name, self.error, self.calls = name, error, 0
+        outer = self
+
+        class _Method:
+            @staticmethod
+            def remote(request):
+                outer.calls += 1
+                if outer.error is not None:
+                    return _Stream([], outer.error)
+                return _Stream([Chunk(f"from {outer.name}", [1], "stop", None)], None)
+
+        self.generate = _Method()
+
+
+def route(replica: FakeReplica) -> ReplicaRoute:
+    return ReplicaRoute(replica.name, f"atomr:d:{replica.name}", replica)
+
+
+class Tables:
+    """A manager that publishes ``tables`` in turn, one per ``publish()``."""
+
+    def __init__(self, *replicas: FakeReplica) -> None:
+        self.table = self._make(1, replicas)
+
+    @staticmethod
+    def _make(version: int, replicas) -> RoutingTable:
+        return RoutingTable(version, {"d": DeploymentRoute("d", 64, "queue", tuple(route(r) for r in replicas))})
+
+    def publish(self, *replicas: FakeReplica) -> None:
+        self.table = self._make(self.table.version + 1, replicas)
+
+    async def source(self, version: int) -> RoutingTable | None:
+        return self.table if version != self.table.version else None
+
+
+async def text_of(router: Router) -> str:
+    return "".join([c.text_delta async for c in router.stream("d", {"prompt": "hi"})])
+
+
+def test_after_a_replica_dies_every_request_succeeds_and_it_is_not_picked_again():
+    dead, alive = FakeReplica("r0", ActorDiedError()), FakeReplica("r1")
+    tables = Tables(dead, alive)  # the table still lists the dead replica
+
+    async def main():
+        router = Router(tables.source, refresh_s=0.0)
+        return [await text_of(router) for _ in range(20)]
+
+    assert asyncio.run(main()) == ["from r1"] * 20
+    assert dead.calls <= 1  # tried at most once, then excluded for good
+
+
+def test_draining_replica_is_left_and_the_request_retried():
+    draining = FakeReplica("r0", RayTaskError("generate", "tb", ReplicaUnavailable("r0 is draining")))
+    alive = FakeReplica("r1")
+    tables = Tables(draining, alive)
+
+    async def main():
+        router = Router(tables.source, refresh_s=0.0)
+        return [await text_of(router) for _ in range(10)]
+
+    assert asyncio.run(main()) == ["from r1"] * 10
+    assert draining.calls <= 1
+
+
+def test_unreachable_replica_returns_with_a_newer_table_dead_one_does_not():
+    flaky, dead, alive = FakeReplica("r0", ActorUnavailableError("net", None)), FakeReplica("r2"), FakeReplica("r1")
+    tables = Tables(flaky, alive)
+
+    async def main():
+        router = Router(tables.source, refresh_s=0.0)
+        for _ in range(5):
+            assert await text_of(router) == "from r1"
+        assert "atomr:d:r0" in router._excluded
+        flaky.error = None  # reachable again; the manager publishes a newer table
+        dead.error = ActorDiedError()
+        tables.publish(flaky, alive, dead)
+        await router.refresh(force=True)
+        assert "atomr:d:r0" not in router._excluded
+        seen = {await text_of(router) for _ in range(40)}
+        assert seen == {"from r0", "from r1"}
+        tables.publish(flaky, alive, dead)  # a newer table still listing the dead replica
+        for _ in range(10):
+            await text_of(router)
+        return dead.calls
+
+    assert asyncio.run(main()) == 1
+
+
+def test_when_every_replica_is_gone_the_request_waits_for_a_replacement():
+    dead, replacement = FakeReplica("r0", ActorDiedError()), FakeReplica("r2")
+    tables = Tables(dead)
+
+    async def main():
+        router = Router(tables.source, refresh_s=0.0, wait_for_replica_s=10.0)
+        task = asyncio.create_task(text_of(router))
+        await asyncio.sleep(0.6)
+        assert not task.done()  # waiting: its only replica is dead
+        tables.publish(replacement)
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(main()) == "from r2"
