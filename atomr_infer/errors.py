@@ -11,12 +11,14 @@ HTTP status codes are attached only in the ingress (``serve/``), never here.
     ├── BudgetExceeded              GPUs, memory or spend over a limit; nothing was started
     ├── DeviceUnavailable           the deployment's device (CUDA) is not usable on this host/cluster
     ├── RequestError                a request is bad; the replica keeps serving others
-    │   └── InvalidRequest          names the offending field
+    │   ├── InvalidRequest          names the offending field
+    │   └── RequestTooLarge         the body is over the ingress's size limit
     ├── RoutingError
     │   ├── DeploymentNotFound      no deployment by that name
     │   ├── NoReadyReplica          the deployment exists but nothing is ready to serve
     │   └── CapacityExhausted       serving.max_concurrent reached with on_capacity_exhausted=reject
     └── EngineError                 the engine failed; open streams receive it
+        ├── EngineStartFailed       the engine raised while starting (recurring unless a network error)
         └── ReplicaUnavailable      the replica is draining, stopped or unhealthy
 """
 
@@ -122,6 +124,24 @@ class InvalidRequest(RequestError):
         return f"{self.field}: {self.message}"
 
 
+class RequestTooLarge(RequestError):
+    """A request body over the ingress's limit, refused before it is read to the end."""
+
+    field = "body"
+
+    def __init__(self, limit: int, size: int | None = None) -> None:
+        super().__init__(limit, size)
+        self.limit, self.size = limit, size
+
+    @property
+    def message(self) -> str:
+        sent = f" ({self.size} bytes sent)" if self.size is not None else ""
+        return f"the request body is over the limit of {self.limit} bytes{sent}"
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
 class RoutingError(AtomrError):
     """A request could not be routed to a replica."""
 
@@ -170,6 +190,15 @@ class EngineError(AtomrError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class EngineStartFailed(EngineError):
+    """The engine raised while it was being built. ``recurring``: starting again with the same
+    spec will fail the same way (a bad config, too little memory), so retrying is pointless."""
+
+    def __init__(self, message: str, recurring: bool = True) -> None:
+        AtomrError.__init__(self, message, recurring)  # every argument, so it unpickles
+        self.message, self.recurring = message, recurring
 
 
 class ReplicaUnavailable(EngineError):

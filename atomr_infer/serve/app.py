@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -23,9 +22,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from atomr_infer.errors import AtomrError, DeploymentNotFound, InvalidRequest, NoReadyReplica
+from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica
 from atomr_infer.log import get_logger
 from atomr_infer.routing.router import Router
+from atomr_infer.serve.body import MAX_BODY_BYTES, parse_json, read_body
 from atomr_infer.serve.errors import ManagerUnreachable, http_error
 from atomr_infer.serve.protocol import parse_chat, parse_completion, to_generate_request
 from atomr_infer.serve.responses import ChatFormat, CompletionFormat, collect, sse_events
@@ -59,12 +59,9 @@ class SSEResponse(StreamingResponse):
                 await aclose()
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise InvalidRequest("body", f"the request body is not valid JSON: {exc}") from None
+async def _json_body(request: Request, max_bytes: int) -> Any:
+    raw = await read_body(request.stream(), request.headers.get("content-length"), max_bytes)
+    return parse_json(raw)
 
 
 def _model_card(status: dict[str, Any]) -> dict[str, Any]:
@@ -86,7 +83,8 @@ def _model_card(status: dict[str, Any]) -> dict[str, Any]:
 )
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, replica_wait_s: float = 30.0) -> None:
+    def __init__(self, replica_wait_s: float = 30.0, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self._max_body_bytes = max_body_bytes
         self._tables = TableCache()
         self._router = Router(self._tables.get, wait_for_replica_s=replica_wait_s, refresh_s=0.0)
 
@@ -106,7 +104,7 @@ class OpenAIIngress:
 
     async def _generate(self, request: Request, parse: Callable[[Any], Any], fmt_cls: type, prefix: str) -> Response:
         try:
-            req = parse(await _json_body(request))
+            req = parse(await _json_body(request, self._max_body_bytes))
         except AtomrError as exc:
             return error_response(exc)
         response_id = f"{prefix}-{uuid.uuid4().hex}"

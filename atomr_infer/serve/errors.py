@@ -2,6 +2,7 @@
 
     DeploymentNotFound  404  invalid_request_error  model_not_found
     InvalidRequest      400  invalid_request_error  param = the field
+    RequestTooLarge     413  invalid_request_error  param = body, the limit in the message
     CapacityExhausted   429  rate_limit_error       Retry-After header
     NoReadyReplica      503  service_unavailable    Retry-After header
     ManagerUnreachable  503  service_unavailable    Retry-After header
@@ -24,6 +25,7 @@ from atomr_infer.errors import (
     InvalidRequest,
     NoReadyReplica,
     ReplicaUnavailable,
+    RequestTooLarge,
     RoutingError,
 )
 
@@ -64,6 +66,8 @@ def _retry_after(seconds: float) -> dict[str, str]:
 
 def http_error(exc: BaseException, param_aliases: dict[str, str] | None = None) -> HttpError:
     """Map an exception to its HTTP error; ``param_aliases`` renames fields to what the caller sent."""
+    if isinstance(exc, RequestTooLarge):
+        return HttpError(413, exc.message, "invalid_request_error", "body", "request_too_large")
     if isinstance(exc, InvalidRequest):
         param = (param_aliases or {}).get(exc.field, exc.field)
         message = exc.message.replace(f"{exc.field}=", f"{param}=") if param != exc.field else exc.message

@@ -155,6 +155,40 @@ def test_unsupported_fields_are_400_naming_them(client, smollm2):
     assert error_of(info.value)["param"] == "echo"
 
 
+HOSTILE = [
+    (b"[" * 100_000, "nests deeper"),
+    (b'{"model": "smollm2", "messages": ' + b"[" * 500 + b"]" * 500 + b"}", "nests deeper"),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "\xff\xfe"}]}', "UTF-8"),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "NaN"),
+    (b'{"model": "smollm2", "messages": [], "max_tokens": Infinity}', "Infinity"),
+    (b'{"model": 5, "messages": "hi"}', "model"),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": {"a": 1}}]}', "content"),
+    (b'["not", "an", "object"]', ""),
+    (b"null", ""),
+]
+
+
+def test_hostile_bodies_are_4xx_with_an_openai_error_and_the_ingress_keeps_serving(openai_server, client, smollm2):
+    url = f"{openai_server.base_url}/chat/completions"
+    headers = {"Content-Type": "application/json"}
+    for body, words in HOSTILE:
+        resp = httpx.post(url, content=body, headers=headers, timeout=30)
+        assert resp.status_code == 400, (body[:80], resp.status_code, resp.text[:300])
+        err = resp.json()["error"]
+        assert err["type"] == "invalid_request_error" and words in err["message"], (body[:80], err)
+    # Over the size limit: 413 naming it, refused from the declared length and from a chunked upload.
+    from atomr_infer.serve.body import MAX_BODY_BYTES
+
+    big = b'{"model": "smollm2", "prompt": "' + b"x" * MAX_BODY_BYTES + b'"}'
+    resp = httpx.post(f"{openai_server.base_url}/completions", content=big, headers=headers, timeout=60)
+    assert resp.status_code == 413 and str(MAX_BODY_BYTES) in resp.json()["error"]["message"]
+    chunked = (big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20))  # no Content-Length
+    resp = httpx.post(f"{openai_server.base_url}/completions", content=chunked, headers=headers, timeout=60)
+    assert resp.status_code == 413
+    answer = client.chat.completions.create(model=smollm2, messages=CHAT, max_tokens=8)
+    assert answer.choices[0].message.content
+
+
 def test_no_ready_replica_is_503(client, manager, ray_cluster):
     name = "smollm2-zero"
     ray_cluster.get(manager.apply.remote(smollm2_spec(name=name, replicas=0)))
