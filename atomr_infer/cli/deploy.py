@@ -102,12 +102,12 @@ def _wait(manager, names: list[str], timeout: float) -> int:  # noqa: ANN001
             _say(f"ready: {', '.join(outcome.ready)} ({took:.0f}s)")
         return EXIT_OK
     for name, reason in outcome.failed.items():
-        report(
-            AtomrError(
-                f"deployment {name!r} failed: {reason} (hint: `atomr logs {name}`; the manager retries "
-                f"with backoff, `atomr remove {name}` stops it)"
-            )
+        then = (
+            "it will recur, so the manager stopped retrying: fix the spec and deploy it again"
+            if name in outcome.gave_up
+            else f"the manager retries with backoff, `atomr remove {name}` stops it"
         )
+        report(AtomrError(f"deployment {name!r} failed: {reason} (hint: `atomr logs {name}`; {then})"))
     for name in outcome.pending:
         report(
             AtomrError(

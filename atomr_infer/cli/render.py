@@ -56,9 +56,11 @@ def columns(headers: Sequence[str], rows: Sequence[Sequence[Cell]]) -> list[Text
 
 
 def deployment_state(status: dict[str, Any]) -> str:
-    """One word for where a deployment is: ready, starting, rolling, failing, removing."""
+    """One word for where a deployment is: ready, starting, rolling, failing, failed, removing."""
     if status.get("removing"):
         return "removing"
+    if status.get("failed"):
+        return "failed"
     converged = status["observed_generation"] == status["generation"]
     if converged and status["replicas_ready"] == status["replicas_desired"]:
         return "ready"
@@ -71,7 +73,7 @@ def deployments_lines(statuses: Sequence[dict[str, Any]], now: float | None = No
     rows: list[list[Cell]] = []
     for s in statuses:
         state = deployment_state(s)
-        style = {"ready": "green", "failing": "red", "removing": "yellow"}.get(state, "yellow")
+        style = {"ready": "green", "failing": "red", "failed": "red", "removing": "yellow"}.get(state, "yellow")
         rows.append(
             [
                 s["name"],
@@ -110,6 +112,9 @@ def replica_rows(
                     "node_id": r.get("node_id"),
                     "node": nodes.get(r.get("node_id") or ""),
                     "device": r.get("device"),
+                    "dtype": r.get("dtype"),
+                    "kv_cache_bytes": r.get("kv_cache_bytes"),
+                    "kv_cache_tokens": r.get("kv_cache_tokens"),
                     "gpu_ids": r.get("gpu_ids") or [],
                     "in_flight": st.in_flight if st is not None else r.get("in_flight", 0),
                     "engine_unfinished": st.engine_unfinished if st is not None else None,
@@ -148,7 +153,8 @@ def replicas_lines(rows: Sequence[dict[str, Any]]) -> list[Text]:
                 (name, Style(link=r["dashboard_url"])) if r.get("dashboard_url") else name,
                 (state, _STATE_STYLE.get(r["state"], "")),
                 r.get("node") or (r["node_id"][:8] if r.get("node_id") else "-"),
-                r.get("device") or "-",
+                "/".join(filter(None, (r.get("device"), r.get("dtype")))) or "-",
+                kv_cache(r),
                 ",".join(r["gpu_ids"]) or "-",
                 str(r["in_flight"]),
                 "-" if r["tokens_generated"] is None else str(r["tokens_generated"]),
@@ -156,8 +162,28 @@ def replicas_lines(rows: Sequence[dict[str, Any]]) -> list[Text]:
                 age(r["uptime_s"]),
             ]
         )
-    headers = ["REPLICA", "STATE", "NODE", "DEVICE", "GPU IDS", "IN-FLIGHT", "TOKENS", "TOK/S", "UPTIME"]
+    headers = ["REPLICA", "STATE", "NODE", "DEVICE", "KV CACHE", "GPU IDS", "IN-FLIGHT", "TOKENS", "TOK/S", "UPTIME"]
     return columns(headers, cells)
+
+
+def failure_line(status: dict[str, Any]) -> str:
+    """Why the last replica failed, and whether the manager is still trying."""
+    line = f"{status['name']}: last failure: {status['last_failure']}"
+    if status.get("failed"):
+        return line + (
+            f"\n  will recur: stopped after {status.get('start_failures', 0)} tries; fix the spec and "
+            f"`atomr deploy` it again (the same spec retries)"
+        )
+    retry = f", next try in {status['next_start_in_s']:.0f}s" if status.get("next_start_in_s") else ""
+    kind = "transient" if status.get("failure_kind") == "transient" else "retrying"
+    return line + f"\n  {kind}: the manager keeps retrying with backoff{retry}"
+
+
+def kv_cache(row: dict[str, Any]) -> str:
+    """'1.00 GiB, 43.7k tokens': the engine's KV cache (its memory, when set, and capacity)."""
+    size, tokens = row.get("kv_cache_bytes"), row.get("kv_cache_tokens")
+    parts = [f"{size / (1 << 30):.2f} GiB" if size else "", f"{tokens / 1000:.1f}k tokens" if tokens else ""]
+    return ", ".join(p for p in parts if p) or "-"
 
 
 def shorten(text: str, width: int) -> str:

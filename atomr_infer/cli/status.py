@@ -72,8 +72,7 @@ def status_command(
             out.print(line, soft_wrap=True)
     for s in statuses:
         if s.get("last_failure") and render.deployment_state(s) != "ready":
-            retry = f"; next try in {s['next_start_in_s']:.0f}s" if s.get("next_start_in_s") else ""
-            out.print(Text(f"\n{s['name']}: last failure: {s['last_failure']}{retry}", style="red"), soft_wrap=True)
+            out.print(Text("\n" + render.failure_line(s), style="red"), soft_wrap=True)
     if dashboard:
         out.print(Text(f"\ndashboard: {dashboard}", style="dim"), soft_wrap=True)
 

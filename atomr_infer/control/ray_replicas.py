@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from atomr_infer.cluster import NAMESPACE
 from atomr_infer.control.replicas import Poll
-from atomr_infer.errors import AtomrError
+from atomr_infer.errors import AtomrError, EngineStartFailed
 from atomr_infer.log import get_logger
 from atomr_infer.replica import replica_actor_class
 from atomr_infer.spec import Deployment
@@ -47,7 +47,9 @@ def _poll(fut: Future[Any] | None) -> tuple[Poll, Any]:
     try:
         return Poll.success(), fut.result()
     except Exception as exc:  # noqa: BLE001 - any failure is the replica's
-        return Poll.failed(error_reason(exc)), None
+        cause = getattr(exc, "cause", None)
+        recurring = isinstance(cause, EngineStartFailed) and cause.recurring
+        return Poll.failed(error_reason(exc), recurring), None
 
 
 class RayReplicaHandle:
@@ -70,6 +72,9 @@ class RayReplicaHandle:
             "node_id": self._info.get("node_id"),
             "gpu_ids": self._info.get("gpu_ids", []),
             "device": self._info.get("device"),
+            "dtype": self._info.get("dtype"),
+            "kv_cache_bytes": self._info.get("kv_cache_bytes"),
+            "kv_cache_tokens": self._info.get("kv_cache_tokens"),
         }
 
     def poll_ready(self) -> Poll:
@@ -139,9 +144,11 @@ class Reaper:
 
 
 class RayReplicaLauncher:
-    def __init__(self, uses_gpus: Callable[[Deployment], bool]) -> None:
+    def __init__(self, uses_gpus: Callable[[Deployment], bool], replica_kwargs: dict[str, Any] | None = None) -> None:
         # uses_gpus(spec): decided from the cluster (device auto + GPUs present).
         self._uses_gpus = uses_gpus
+        # Extra VllmReplica arguments (engine_factory, step_timeout_s): another engine plugs in here.
+        self._replica_kwargs = replica_kwargs or {}
         self.reaper = Reaper()
 
     def start(self, deployment: Deployment, replica_id: str) -> RayReplicaHandle:
@@ -162,7 +169,9 @@ class RayReplicaLauncher:
             options.update(num_gpus=deployment.gpus, num_cpus=1)
         else:
             options.update(num_gpus=0, num_cpus=1)
-        actor = replica_actor_class().options(**options).remote(deployment.model_dump(mode="json"), replica_id)
+        actor = replica_actor_class().options(**options).remote(
+            deployment.model_dump(mode="json"), replica_id, **self._replica_kwargs
+        )
         log.info("replica_actor_created", deployment=deployment.name, replica=replica_id, actor=name)
         return RayReplicaHandle(actor, name, self.reaper, pg)
 

@@ -10,6 +10,10 @@ Rolling replacement: replicas running an old ``runtime_key`` are replaced with a
 are ready, so the deployment keeps serving. Scale-down stops the newest replicas first, so
 the original replicas survive a 1 → 3 → 1 round trip. A replica that fails to start or dies
 is replaced after an exponential backoff (1 s, 2 s, 4 s … 60 s), reset by the next success.
+A start failure that will recur (the engine itself raised: a bad config, too little memory)
+is tried ``max_start_failures`` times; then the deployment is ``failed`` and nothing more is
+started until the spec changes or is applied again (``retry``). Transient failures (an actor
+that died, a node that went away) keep backing off.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class ReconcileConfig:
     backoff_base_s: float = 1.0
     backoff_max_s: float = 60.0
     linger_s: float = 120.0  # stopped/unhealthy records stay visible in status this long
+    max_start_failures: int = 3  # recurring start failures before the deployment is failed
 
 
 class DeploymentReconciler:
@@ -51,6 +56,9 @@ class DeploymentReconciler:
         self.observed_generation = 0
         self.replicas: list[ReplicaRecord] = []
         self.failures = 0
+        self.recurring_failures = 0  # start failures that will recur, since the last success
+        self.gave_up = False  # failed: stopped starting replicas until the spec changes
+        self.failure_kind = ""  # "recurring" | "transient", of the last failure
         self.next_start_at = 0.0
         self.last_failure = ""
         self._launcher, self._clock = launcher, clock
@@ -61,7 +69,15 @@ class DeploymentReconciler:
     # -- desired state ---------------------------------------------------------------------
 
     def set_desired(self, spec: Deployment | None, generation: int, runtime_key: str) -> None:
+        if generation != self.generation:
+            self.retry()  # a changed spec may start where the old one could not
         self.spec, self.generation, self.runtime_key = spec, generation, runtime_key
+
+    def retry(self) -> None:
+        """Start again after the deployment failed (or clear the failure count)."""
+        if self.gave_up:
+            self._log.info("deployment_retry", last_failure=self.last_failure)
+        self.gave_up, self.failures, self.recurring_failures, self.next_start_at = False, 0, 0, 0.0
 
     def adopt(self, record: ReplicaRecord) -> None:
         """Take over a replica found alive after a manager restart."""
@@ -101,9 +117,9 @@ class DeploymentReconciler:
                 if poll.done and poll.ok:
                     self._set_state(r, "ready", now)
                     r.last_health_at = now
-                    self.failures = 0
+                    self.failures = self.recurring_failures = 0
                 elif poll.done:
-                    self._fail(r, f"failed to start: {poll.reason}", now)
+                    self._fail(r, f"failed to start: {poll.reason}", now, poll.recurring)
             elif r.state == "ready" and now - r.last_health_at >= self._cfg.health_period_s:
                 poll = r.handle.poll_health()
                 if poll.done:
@@ -130,7 +146,7 @@ class DeploymentReconciler:
         surge = self._cfg.max_surge if old else 0
         room = want + surge - len(new) - len(old)
         to_start = min(want - len(new), room)
-        if to_start > 0 and now >= self.next_start_at:
+        if to_start > 0 and now >= self.next_start_at and not self.gave_up:
             if self.failures:
                 to_start = 1  # after a failure, probe with one replica at a time
             for _ in range(to_start):
@@ -182,16 +198,22 @@ class DeploymentReconciler:
             r.handle.stop()
             self._set_state(r, "stopped", now, "no longer needed")
 
-    def _fail(self, r: ReplicaRecord, reason: str, now: float) -> None:
+    def _fail(self, r: ReplicaRecord, reason: str, now: float, recurring: bool = False) -> None:
         r.handle.stop()
         self._set_state(r, "unhealthy", now, reason)
-        self._note_failure(f"{r.replica_id} {reason}", now)
+        self._note_failure(f"{r.replica_id} {reason}", now, recurring)
 
-    def _note_failure(self, reason: str, now: float) -> None:
+    def _note_failure(self, reason: str, now: float, recurring: bool = False) -> None:
         self.failures += 1
         delay = min(self._cfg.backoff_max_s, self._cfg.backoff_base_s * 2 ** (self.failures - 1))
         self.next_start_at = now + delay
         self.last_failure = reason
+        self.failure_kind = "recurring" if recurring else "transient"
+        if recurring:
+            self.recurring_failures += 1
+            if self.recurring_failures >= self._cfg.max_start_failures and not self.gave_up:
+                self.gave_up = True
+                self._log.error("deployment_failed", tries=self.recurring_failures, last_failure=reason)
 
     def _set_state(self, r: ReplicaRecord, state: ReplicaState, now: float, reason: str = "") -> None:
         r.state, r.reason, r.state_since = state, reason, now
@@ -212,6 +234,11 @@ class DeploymentReconciler:
 
     # -- reporting ---------------------------------------------------------------------------
 
+    def _next_start_in(self) -> float:
+        if not self.failures or self.gave_up:
+            return 0.0
+        return max(0.0, self.next_start_at - self._clock())
+
     def status(self) -> dict[str, Any]:
         spec = self.spec
         return {
@@ -222,7 +249,10 @@ class DeploymentReconciler:
             "replicas_desired": spec.replicas if spec else 0,
             "replicas_ready": len(self.ready_replicas()),
             "last_failure": self.last_failure or None,
-            "next_start_in_s": max(0.0, self.next_start_at - self._clock()) if self.failures else 0.0,
+            "failure_kind": self.failure_kind or None,
+            "failed": self.gave_up,
+            "start_failures": self.recurring_failures,
+            "next_start_in_s": self._next_start_in(),
             "replicas": [
                 {
                     "replica_id": r.replica_id,

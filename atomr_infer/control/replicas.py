@@ -23,6 +23,9 @@ class Poll:
     done: bool
     ok: bool = True
     reason: str = ""
+    # A start failure that will happen again with the same spec (the engine raised while
+    # starting), as opposed to a transient one (the actor died, a node went away).
+    recurring: bool = False
 
     @classmethod
     def pending(cls) -> Poll:
@@ -33,8 +36,8 @@ class Poll:
         return cls(True)
 
     @classmethod
-    def failed(cls, reason: str) -> Poll:
-        return cls(True, False, reason)
+    def failed(cls, reason: str, recurring: bool = False) -> Poll:
+        return cls(True, False, reason, recurring)
 
 
 class ReplicaHandle(Protocol):

@@ -13,6 +13,7 @@ the start of the next loop turn, i.e. within one engine step.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 import uuid
@@ -22,7 +23,7 @@ from typing import Any
 
 from atomr_infer.engine.device import resolve_device
 from atomr_infer.engine.protocol import Engine
-from atomr_infer.errors import EngineError, InvalidRequest, ReplicaUnavailable
+from atomr_infer.errors import EngineError, EngineStartFailed, InvalidRequest, ReplicaUnavailable
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import GAUGE_PERIOD_S, REPLICA_STATES, ReplicaMetrics, failure_reason
 from atomr_infer.replica.prompt import PromptBuilder
@@ -34,8 +35,12 @@ from atomr_infer.spec import Deployment, parse_deployment
 
 EngineFactoryFor = Callable[[Deployment, Callable[[str], None]], Engine]
 
-# A step that has not returned after this long means the engine is wedged.
-STUCK_AFTER_S = 120.0
+# A step-loop turn (taking submissions, one engine step, handing outputs over) that has not
+# ended after this long means the engine is wedged: its streams fail and health() fails, so
+# the manager replaces the replica. ATOMR_STEP_TIMEOUT_S overrides it (for engines whose
+# single step can legitimately run longer, e.g. a huge prefill on a slow device).
+DEFAULT_STEP_TIMEOUT_S = 30.0
+WATCHDOG_PERIOD_S = 1.0
 
 
 def _default_engine_factory(deployment: Deployment, progress: Callable[[str], None]) -> Engine:
@@ -52,8 +57,11 @@ class VllmReplica:
         deployment: Deployment | dict[str, Any],
         replica_id: str,
         engine_factory: EngineFactoryFor | None = None,
+        step_timeout_s: float | None = None,
     ) -> None:
         self._deployment = parse_deployment(deployment)
+        self._step_timeout_s = step_timeout_s or float(os.environ.get("ATOMR_STEP_TIMEOUT_S", DEFAULT_STEP_TIMEOUT_S))
+        self._wedged: EngineError | None = None  # set by the watchdog when the loop stops moving
         self._replica_id = replica_id
         self._device = resolve_device(self._deployment)
         self._log = get_logger(__name__, deployment=self._deployment.name, replica=replica_id)
@@ -61,6 +69,7 @@ class VllmReplica:
         self._stats = StatsCollector()
         self._metrics = ReplicaMetrics(self._deployment.name, replica_id)
         self._gauge_task: asyncio.Task[None] | None = None
+        self._watchdog_task: asyncio.Task[None] | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._draining = False
         self._stopped = False
@@ -181,17 +190,38 @@ class VllmReplica:
         phase = "unhealthy" if self._phase == "failed" else self._phase
         self._metrics.set_state(phase if phase in REPLICA_STATES else "starting")
 
+    def _check_progress(self) -> None:
+        """The watchdog's check: fail everything if the step loop stopped moving."""
+        if self._wedged is not None or self._stopped:
+            return
+        stuck = self._loop.stuck_for()
+        if stuck <= self._step_timeout_s:
+            return
+        self._wedged = EngineError(
+            f"{self!r} is wedged: its engine step has not returned for {stuck:.0f}s "
+            f"(limit {self._step_timeout_s:g}s, ATOMR_STEP_TIMEOUT_S)"
+        )
+        self._phase = "unhealthy"
+        self._log.error("engine_wedged", stuck_s=round(stuck, 1), open_streams=len(self._streams))
+        self._fail_all(self._wedged)
+
     async def _wait_ready(self, timeout: float | None) -> None:
         self._aloop = self._aloop or asyncio.get_running_loop()
         if self._gauge_task is None and self._metrics.enabled:
-            self._gauge_task = self._aloop.create_task(_publish_gauges_every(weakref.ref(self), GAUGE_PERIOD_S))
+            self._gauge_task = self._aloop.create_task(
+                _run_every(weakref.ref(self), GAUGE_PERIOD_S, VllmReplica._publish_gauges)
+            )
+        if self._watchdog_task is None:
+            self._watchdog_task = self._aloop.create_task(
+                _run_every(weakref.ref(self), WATCHDOG_PERIOD_S, VllmReplica._check_progress)
+            )
         if not self._ready.is_set():
             ok = await asyncio.to_thread(self._ready.wait, timeout)
             if not ok:
                 raise EngineError(f"{self!r} did not start within {timeout:.0f}s (now: {self._phase})")
         if self._start_error is not None:
             err = self._start_error
-            raise EngineError(f"{self!r} failed to start: {type(err).__name__}: {err}")
+            raise EngineStartFailed(f"{self!r} failed to start: {type(err).__name__}: {err}", _recurs(err))
 
     # -- actor API --------------------------------------------------------------------------
 
@@ -202,6 +232,7 @@ class VllmReplica:
             "replica_id": self._replica_id,
             "device": self._device,
             "max_model_len": self._max_model_len,
+            **_engine_memory(self._engine),
             **_placement(),
         }
 
@@ -215,6 +246,8 @@ class VllmReplica:
             await self._wait_ready(None)
             if self._loop.error is not None:
                 raise EngineError(f"{self!r} is unhealthy: {self._loop.error!r}")
+            if self._wedged is not None:
+                raise EngineError(f"{self!r} is unhealthy: {self._wedged}")
             assert self._prompts is not None  # set before the ready event
             prompt_ids = self._prompts.token_ids(req)
             params = self._prompts.sampling_params(req, len(prompt_ids), self._max_model_len)
@@ -250,9 +283,9 @@ class VllmReplica:
             raise EngineError(f"{self!r} engine failed: {self._loop.error!r}")
         if self._ready.is_set() and not self._loop.alive and not self._stopped:
             raise EngineError(f"{self!r} step loop is not running")
-        stuck = self._loop.stuck_for()
-        if stuck > STUCK_AFTER_S:
-            raise EngineError(f"{self!r} engine step has not returned for {stuck:.0f}s")
+        self._check_progress()
+        if self._wedged is not None:
+            raise self._wedged
         return {"phase": self._phase, "draining": self._draining, "in_flight": len(self._streams)}
 
     async def stats(self) -> ReplicaStats:
@@ -290,16 +323,19 @@ class VllmReplica:
         self._log.info("replica_stopped")
 
 
-async def _publish_gauges_every(replica_ref: weakref.ref[VllmReplica], period_s: float) -> None:
-    """Refresh a replica's gauges until it stops; holds only a weak reference to it."""
+async def _run_every(
+    replica_ref: weakref.ref[VllmReplica], period_s: float, check: Callable[[VllmReplica], None]
+) -> None:
+    """Call ``check(replica)`` every ``period_s`` until the replica stops; holds only a weak
+    reference, so the task never keeps a replica alive. A failing check logs and goes on."""
     while True:
         replica = replica_ref()
         if replica is None or replica._stopped:
             return
         try:
-            replica._publish_gauges()
-        except Exception as exc:  # noqa: BLE001 - metrics never take a replica down
-            replica._log.warning("metrics_refresh_failed", error=repr(exc))
+            check(replica)
+        except Exception as exc:  # noqa: BLE001 - metrics and the watchdog never take a replica down
+            replica._log.warning("periodic_check_failed", check=check.__name__, error=repr(exc))
         del replica
         await asyncio.sleep(period_s)
 
@@ -314,6 +350,26 @@ def _placement() -> dict[str, Any]:
         return {"node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
     except Exception:  # noqa: BLE001 - placement is informational
         return {}
+
+
+def _recurs(start_error: BaseException) -> bool:
+    """Whether starting again with the same spec fails the same way: yes, unless the network
+    (a hub download) or a timeout failed it."""
+    return not isinstance(start_error, ConnectionError | TimeoutError)
+
+
+def _engine_memory(engine: Engine | None) -> dict[str, Any]:
+    """dtype and KV-cache size as the engine settled them (vLLM's config), for status."""
+    config = getattr(engine, "vllm_config", None)
+    if config is None:
+        return {}
+    cache = config.cache_config
+    blocks = getattr(cache, "num_gpu_blocks", None)
+    return {
+        "dtype": str(config.model_config.dtype).removeprefix("torch."),
+        "kv_cache_bytes": getattr(cache, "kv_cache_memory_bytes", None),
+        "kv_cache_tokens": blocks * cache.block_size if blocks else None,
+    }
 
 
 def _engine_unfinished(engine: Engine | None) -> int | None:

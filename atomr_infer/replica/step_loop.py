@@ -51,7 +51,9 @@ class StepLoop:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
-        self.step_started_at: float | None = None  # set while inside engine.step()
+        # Set while the thread is in a turn (taking submissions, stepping, handing outputs
+        # over); None while it waits for work. A turn that never ends is a wedged engine.
+        self.turn_started_at: float | None = None
         self.last_step_at = time.monotonic()
         self.error: BaseException | None = None
 
@@ -77,8 +79,11 @@ class StepLoop:
             self._thread.join(timeout)
 
     def stuck_for(self) -> float:
-        """Seconds the current ``engine.step()`` call has been running (0 when not in one)."""
-        started = self.step_started_at
+        """Seconds the current turn has been running (0 while the loop waits for work).
+
+        Progress, not an answer to a call: a step that never returns, an ``add_request`` that
+        hangs, or outputs that cannot be handed over all show here while the thread is alive."""
+        started = self.turn_started_at
         return 0.0 if started is None else time.monotonic() - started
 
     def _drain_inbox(self, engine: Engine) -> None:
@@ -102,11 +107,11 @@ class StepLoop:
                 # Clear before draining: a submit that lands after the drain sets it again,
                 # so the wait below returns at once instead of missing it.
                 self._wake.clear()
+                self.turn_started_at = time.monotonic()
                 self._drain_inbox(engine)
                 if engine.has_unfinished_requests():
-                    started = self.step_started_at = time.monotonic()
+                    started = time.monotonic()
                     outputs = engine.step()
-                    self.step_started_at = None
                     self.steps += 1
                     self.last_step_at = time.monotonic()
                     if self._on_step is not None:
@@ -114,12 +119,13 @@ class StepLoop:
                     if outputs:
                         self._on_outputs(outputs)
                 else:
+                    self.turn_started_at = None
                     self._wake.wait()
         except BaseException as exc:  # noqa: BLE001 - the loop must report every failure
-            self.step_started_at = None
             self.error = exc
             self._on_error(exc)
         finally:
+            self.turn_started_at = None
             if self._engine is not None:
                 close_engine(self._engine)
 

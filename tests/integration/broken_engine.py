@@ -1,4 +1,4 @@
-"""A test engine with the real tokenizer whose ``step`` raises after a few steps.
+"""A test engine with the real tokenizer whose ``step`` raises, or blocks forever, after a few steps.
 
 Shipped to the Ray worker by value (cloudpickle), so the worker needs no access to tests/.
 """
@@ -26,6 +26,7 @@ class _Output:
 class BrokenEngine:
     model_dir: str
     fail_after_steps: int = 3
+    hang: bool = False  # block forever (releasing the GIL, as a stuck kernel would) instead of raising
     running: dict[str, int] = field(default_factory=dict)
     steps: int = 0
     _tokenizer: object = None
@@ -36,6 +37,10 @@ class BrokenEngine:
     def step(self):
         self.steps += 1
         if self.steps > self.fail_after_steps:
+            if self.hang:
+                import threading
+
+                threading.Event().wait()
             raise RuntimeError("simulated engine crash")
         return [_Output(rid, [_Completion("x", [42])]) for rid in self.running]
 
@@ -54,8 +59,8 @@ class BrokenEngine:
         return self._tokenizer
 
 
-def broken_engine_factory(model_dir: str, fail_after_steps: int = 3):
+def broken_engine_factory(model_dir: str, fail_after_steps: int = 3, hang: bool = False):
     def factory(deployment, progress):
-        return BrokenEngine(model_dir, fail_after_steps)
+        return BrokenEngine(model_dir, fail_after_steps, hang)
 
     return factory

@@ -197,3 +197,51 @@ def test_adopted_replicas_are_not_restarted():
     converge(clock, launcher, rec2)
     assert len(launcher.started) == 2
     assert ids(rec2) == ["r0", "r1"]
+
+
+def fail_start(clock, launcher, rec, recurring: bool) -> None:
+    """Let the next replica start, then fail its start; wait out the backoff."""
+    clock.advance(120.0)
+    rec.update()
+    launcher.started[-1].ready = Poll.failed("ValueError: not enough memory", recurring=recurring)
+    rec.update()
+
+
+def test_a_recurring_start_failure_gives_up_after_bounded_tries():
+    clock, launcher, rec = setup(replicas=1)
+    rec.update()
+    launcher.started[0].ready = Poll.failed("ValueError: max_model_len too large", recurring=True)
+    rec.update()
+    for _ in range(2):
+        fail_start(clock, launcher, rec, recurring=True)
+    assert len(launcher.started) == 3 and rec.gave_up
+    status = rec.status()
+    assert status["failed"] and status["failure_kind"] == "recurring" and status["start_failures"] == 3
+    assert status["next_start_in_s"] == 0.0 and "max_model_len" not in status["last_failure"]  # the last one
+    for _ in range(5):  # no more tries, however long we wait
+        clock.advance(120.0)
+        rec.update()
+    assert len(launcher.started) == 3
+    # Applying again (same spec) retries; a changed spec does too.
+    rec.retry()
+    rec.update()
+    assert len(launcher.started) == 4 and not rec.gave_up
+    for _ in range(3):
+        fail_start(clock, launcher, rec, recurring=True)
+    assert rec.gave_up
+    s = spec(replicas=1, runtime_config={"max_model_len": 1024})
+    rec.set_desired(s, 2, runtime_key(s, 0))
+    converge(clock, launcher, rec)
+    assert not rec.gave_up and ids(rec) and rec.observed_generation == 2
+
+
+def test_transient_failures_keep_backing_off_without_giving_up():
+    clock, launcher, rec = setup(replicas=1)
+    rec.update()
+    for _ in range(8):
+        fail_start(clock, launcher, rec, recurring=False)
+    assert not rec.gave_up and rec.status()["failure_kind"] == "transient"
+    assert rec.status()["next_start_in_s"] > 0
+    clock.advance(120.0)
+    converge(clock, launcher, rec)
+    assert ids(rec) and rec.failures == 0

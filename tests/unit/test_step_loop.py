@@ -175,5 +175,28 @@ def test_stuck_for_is_zero_outside_a_step(n_requests):
     for i in range(n_requests):
         loop.submit(str(i), "p", None)
     wait_until(lambda: not engine.running and engine.steps > 0)
+    wait_until(lambda: loop.stuck_for() == 0.0)  # idle: waiting for work is not being stuck
+    time.sleep(0.1)
     assert loop.stuck_for() == 0.0
+    loop.stop()
+
+
+def test_stuck_for_grows_while_a_step_never_returns():
+    release = threading.Event()
+
+    class HangingEngine(ScriptedEngine):
+        def step(self):
+            if self.steps == 1:
+                release.wait()
+            return super().step()
+
+    engine, rec = HangingEngine(tokens=5), Recorder()
+    loop = rec.loop(engine)
+    loop.start()
+    loop.submit("a", "p", None)
+    wait_until(lambda: loop.stuck_for() > 0.3)
+    assert loop.alive and not rec.errors  # alive, answering nothing: only progress tells
+    release.set()
+    wait_until(lambda: not engine.running)
+    wait_until(lambda: loop.stuck_for() == 0.0)
     loop.stop()
