@@ -3,6 +3,8 @@
 Three checks, each with the numbers and a hint when it fails:
 - gpus:   GPUs requested by every deployment (gpus x replicas) vs GPUs in the cluster;
 - memory: weights + KV cache for one max_model_len sequence vs per-GPU memory x utilization;
+          on CPU, the KV cache the replicas will size (``engine/cpu.py``) and their weights vs
+          the memory available on the manager's node (the head: where a one-box cluster runs);
 - spend:  GPU-hours x price vs ``budget.max_spend_per_hour_usd`` / ``max_spend_per_day_usd``.
 
 Pure functions over a ``ClusterView`` so they are unit-tested without Ray. Prices come from
@@ -18,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from atomr_infer.engine.cpu import size_kv_cache
 from atomr_infer.errors import BudgetExceeded, DeviceUnavailable
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
@@ -45,6 +48,7 @@ class ClusterView:
     accelerator_type: str | None = None  # e.g. "H100", from Ray's accelerator_type resources
     gpu_memory_bytes: int | None = None  # per GPU; None = unknown (memory check skipped)
     prices_usd: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_GPU_PRICES_USD))
+    cpu_memory_available_bytes: int | None = None  # None = unknown (CPU memory check skipped)
 
     def price_per_gpu_hour(self) -> float:
         key = self.accelerator_type or "default"
@@ -82,7 +86,8 @@ def gpus_needed(spec: Deployment, cluster: ClusterView, surge: int = 0) -> float
 
 
 def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: ClusterView, raise_on_fail: bool = True,
-                 weights_bytes: int | None = None, kv_bytes_per_token: int | None = None) -> BudgetVerdict:
+                 weights_bytes: int | None = None, kv_bytes_per_token: int | None = None,
+                 max_model_len: int | None = None) -> BudgetVerdict:
     """Run every check for ``spec`` given the other deployments' desired state.
 
     Raises ``DeviceUnavailable`` / ``BudgetExceeded`` on the first failing check unless
@@ -117,7 +122,7 @@ def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: Cluste
         cfg = spec.runtime_config
         util = cfg.gpu_memory_utilization if cfg.gpu_memory_utilization is not None else 0.9
         offload = (cfg.cpu_offload_gb or 0) * GiB
-        kv = (kv_bytes_per_token or 0) * (cfg.max_model_len or 0)
+        kv = (kv_bytes_per_token or 0) * (max_model_len or cfg.max_model_len or 0)
         per_gpu_need = max(0.0, weights_bytes - offload) / spec.gpus + kv / spec.gpus
         per_gpu_have = cluster.gpu_memory_bytes * util
         ok = per_gpu_need <= per_gpu_have
@@ -129,6 +134,14 @@ def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: Cluste
                 "use a smaller variant, a quantized model (runtime_config.quantization), more gpus per replica, "
                 "runtime_config.cpu_offload_gb, or a lower max_model_len",
             )
+
+    if not uses_gpus(spec, cluster) and cluster.cpu_memory_available_bytes:
+        check, error = _cpu_memory(
+            spec, cluster.cpu_memory_available_bytes, weights_bytes, kv_bytes_per_token, max_model_len
+        )
+        checks.append(check)
+        if error is not None and raise_on_fail:
+            raise error
 
     # Spend
     hourly = need * cluster.price_per_gpu_hour()
@@ -151,6 +164,48 @@ def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: Cluste
             elif raise_on_fail:
                 raise BudgetExceeded(spec.name, "spend", round(cost, 2), limit, unit, hint)
     return BudgetVerdict(tuple(checks), tuple(warnings))
+
+
+def _cpu_memory(spec: Deployment, available: int, weights: int | None, kv_per_token: int | None,
+                max_model_len: int | None) -> tuple[Check, BudgetExceeded | None]:
+    """CPU replicas: each one's KV cache must fit as the replica will size it, and all of them together."""
+    max_len = max_model_len or spec.runtime_config.max_model_len
+    try:
+        size = size_kv_cache(spec, kv_bytes_per_token=kv_per_token, max_model_len=max_len,
+                             available_bytes=available, weights_bytes=weights)
+    except BudgetExceeded as exc:
+        return Check("memory", False, str(exc)), exc
+    # Sized replicas share the node: each needs its weights and at least what it cannot run without.
+    least_kv = size.bytes if size.explicit else (kv_per_token or 0) * (max_len or 0)
+    need = spec.replicas * ((weights or 0) + least_kv)
+    detail = f"{size}; {spec.replicas} x {((weights or 0) + least_kv) / GiB:.2f} GiB of {available / GiB:.1f} GiB free"
+    if need <= available:
+        return Check("memory", True, detail), None
+    error = BudgetExceeded(
+        spec.name, "memory", round(need / GiB, 2), round(available / GiB, 2), "GiB of CPU memory",
+        f"{spec.replicas} CPU replicas each need their weights and KV cache on this node; "
+        "lower replicas, runtime_config.max_model_len or runtime_config.cpu_kvcache_space_gb",
+    )
+    return Check("memory", False, detail), error
+
+
+def size_estimates(spec: Deployment, on_cpu: bool) -> tuple[int | None, int | None, int | None]:
+    """(weights bytes, KV-cache bytes per token, context length) when knowable without
+    downloading; on CPU the KV cache is counted in the dtype the replica will run."""
+    try:
+        from atomr_infer.engine.cpu import DTYPE_BYTES, cpu_dtype, has_native_bf16, model_max_len
+        from atomr_infer.models.estimate import estimate_for_spec, kv_cache_bytes_per_token, local_model_config
+
+        weights, kv = estimate_for_spec(spec.model, spec.runtime_config.hf_cache_dir)
+        config = local_model_config(spec.model, spec.runtime_config.hf_cache_dir)
+        max_len = spec.runtime_config.max_model_len or (model_max_len(config) if config else None)
+        if on_cpu and config is not None and kv is not None:
+            dtype = cpu_dtype(spec.runtime_config.dtype, has_native_bf16())
+            kv = kv_cache_bytes_per_token(config, DTYPE_BYTES.get(dtype, 2))
+        return weights, kv, max_len
+    except Exception as exc:  # noqa: BLE001 - unknown size skips the memory check
+        log.warning("size_estimate_failed", model=spec.model, error=repr(exc))
+        return None, None, None
 
 
 def prices_from_env(environ: dict[str, str] | None = None) -> dict[str, float]:

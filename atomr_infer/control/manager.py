@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from atomr_infer.cluster import MANAGER_NAME
-from atomr_infer.control.budget import BudgetVerdict, ClusterView, check_budget, prices_from_env, uses_gpus
+from atomr_infer.control.budget import (
+    BudgetVerdict,
+    ClusterView,
+    check_budget,
+    prices_from_env,
+    size_estimates,
+    uses_gpus,
+)
 from atomr_infer.control.plan import Plan, plan_apply, plan_remove
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
 from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
@@ -120,11 +127,14 @@ class DeploymentManager:
         resources = ray.cluster_resources()
         accel = next((k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")), None)
         mem = GPU_MEMORY_GIB.get(accel or "")
+        import psutil
+
         return ClusterView(
             total_gpus=float(resources.get("GPU", 0)),
             accelerator_type=accel,
             gpu_memory_bytes=mem * (1 << 30) if mem else None,
             prices_usd=prices_from_env(),
+            cpu_memory_available_bytes=psutil.virtual_memory().available,
         )
 
     def _new_reconciler(self, name: str, next_index: int = 0) -> DeploymentReconciler:
@@ -245,6 +255,12 @@ class DeploymentManager:
             plan = self._plan(deployment, current)
             if not plan.changed:
                 assert current is not None
+                if current.reconciler.gave_up:  # failed: applying it again is the way to retry
+                    action = f"retry after failure ({current.reconciler.last_failure})"
+                    current.reconciler.retry()
+                    self._kick.set()
+                    log.info("apply", deployment=deployment.name, actions=action)
+                    return ApplyResult(deployment.name, True, current.record.generation, (action,))
                 self._metrics.applied(deployment.name, "unchanged")
                 return ApplyResult(deployment.name, False, current.record.generation, ("unchanged",))
             try:
@@ -338,8 +354,9 @@ class DeploymentManager:
 
     def _check(self, spec: Deployment, raise_on_fail: bool) -> BudgetVerdict:
         others = [d.spec for n, d in self._desired.items() if n != spec.name]
-        weights, kv = _size_estimates(spec)
-        return check_budget(spec, others, self._cluster_view(), raise_on_fail, weights, kv)
+        cluster = self._cluster_view()
+        weights, kv, max_len = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
+        return check_budget(spec, others, cluster, raise_on_fail, weights, kv, max_len)
 
     @staticmethod
     def _check_engine_args(spec: Deployment) -> None:
@@ -375,14 +392,3 @@ class DeploymentManager:
         status["removing"] = d is None
         status["spec_hash"] = spec_hash(d.spec) if d else None
         return status
-
-
-def _size_estimates(spec: Deployment) -> tuple[int | None, int | None]:
-    """(weights bytes, KV-cache bytes per token) when knowable without downloading."""
-    try:
-        from atomr_infer.models.estimate import estimate_for_spec
-
-        return estimate_for_spec(spec.model, spec.runtime_config.hf_cache_dir)
-    except Exception as exc:  # noqa: BLE001 - unknown size skips the memory check
-        log.warning("size_estimate_failed", model=spec.model, error=repr(exc))
-        return None, None

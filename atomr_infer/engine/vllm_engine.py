@@ -9,10 +9,21 @@ defaults apply.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from atomr_infer.engine.cpu import (
+    DTYPE_BYTES,
+    KvCacheSize,
+    cpu_dtype,
+    explicit_kv_bytes,
+    has_native_bf16,
+    model_max_len,
+    size_kv_cache,
+)
 from atomr_infer.engine.device import Device, resolve_device
 from atomr_infer.errors import SpecError, SpecProblem
 from atomr_infer.log import get_logger
@@ -34,11 +45,20 @@ _PASS_THROUGH = (
     "limit_mm_per_prompt",
     "cpu_offload_gb",
 )
-GiB = 1 << 30
 
 
-def engine_args(deployment: Deployment, model_path: str, device: Device) -> dict[str, Any]:
-    """The keyword arguments for ``vllm.EngineArgs``."""
+def engine_args(
+    deployment: Deployment,
+    model_path: str,
+    device: Device,
+    kv_cache_bytes: int | None = None,
+    native_bf16: bool | None = None,
+) -> dict[str, Any]:
+    """The keyword arguments for ``vllm.EngineArgs``.
+
+    On ``cpu``: ``dtype`` auto/unset becomes the CPU's native one (``native_bf16``, read from
+    this CPU when None), and the KV cache is ``kv_cache_bytes`` (see ``engine/cpu.py``) unless
+    the spec sets it."""
     cfg = deployment.runtime_config
     args: dict[str, Any] = {
         "model": model_path,
@@ -53,9 +73,18 @@ def engine_args(deployment: Deployment, model_path: str, device: Device) -> dict
             args[name] = value
     if cfg.hf_cache_dir is not None:
         args["download_dir"] = cfg.hf_cache_dir
-    if device == "cpu" and cfg.cpu_kvcache_space_gb is not None:
+    if device == "cpu":
+        args["dtype"] = cpu_dtype(cfg.dtype, has_native_bf16() if native_bf16 is None else native_bf16)
+        if cfg.enforce_eager is None:
+            # vLLM 0.32's compiled CPU path answered the bundled model wrongly ("What is the
+            # capital of France?" -> "L'Étoile, la Marseillaise, …"; eager: "… is Paris.") and
+            # took 68 s to start instead of 15 s, for 1.10x the tok/s (AMD EPYC, avx512_bf16).
+            # Eager unless the spec asks for compilation (enforce_eager: false).
+            args["enforce_eager"] = True
         # The CPU backend's explicit KV-cache size (what VLLM_CPU_KVCACHE_SPACE sets).
-        args["kv_cache_memory_bytes"] = int(cfg.cpu_kvcache_space_gb * GiB)
+        explicit = explicit_kv_bytes(deployment)
+        if explicit is not None or kv_cache_bytes is not None:
+            args["kv_cache_memory_bytes"] = explicit if explicit is not None else kv_cache_bytes
     args.update(cfg.extra_engine_args)
     return args
 
@@ -106,7 +135,32 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
     from vllm.v1.engine.llm_engine import LLMEngine
 
     check_extra_engine_args(deployment, {f.name for f in dataclasses.fields(EngineArgs)})
-    args = engine_args(deployment, str(resolved.path), device)
-    log.info("engine_building", deployment=deployment.name, device=device, model=str(resolved.path))
-    say(f"starting vLLM engine on {device}")
+    kv = cpu_kv_cache(deployment, resolved.path) if device == "cpu" else None
+    args = engine_args(deployment, str(resolved.path), device, kv.bytes if kv else None)
+    log.info(
+        "engine_building", deployment=deployment.name, device=device, model=str(resolved.path),
+        dtype=args.get("dtype"), kv_cache=str(kv) if kv else None,
+    )
+    say(f"starting vLLM engine on {device}" + (f" ({args['dtype']}, {kv})" if kv else ""))
     return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+def cpu_kv_cache(deployment: Deployment, model_dir: Path) -> KvCacheSize:
+    """Size the KV cache of a CPU replica on the node it runs on (raises if it cannot fit)."""
+    import psutil
+
+    from atomr_infer.models.estimate import config_dtype_bytes, kv_cache_bytes_per_token, weights_bytes
+
+    config = json.loads((model_dir / "config.json").read_text())
+    dtype = cpu_dtype(deployment.runtime_config.dtype, has_native_bf16())
+    try:
+        per_token: int | None = kv_cache_bytes_per_token(config, DTYPE_BYTES.get(dtype, config_dtype_bytes(config)))
+    except ValueError:
+        per_token = None
+    return size_kv_cache(
+        deployment,
+        kv_bytes_per_token=per_token,
+        max_model_len=deployment.runtime_config.max_model_len or model_max_len(config),
+        available_bytes=psutil.virtual_memory().available,
+        weights_bytes=weights_bytes(model_dir),
+    )

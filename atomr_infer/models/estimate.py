@@ -220,19 +220,11 @@ def estimate_for_spec(model: str, cache_dir: str | None = None) -> tuple[int | N
     """
     from atomr_infer.models.bundled import bundled_model_dir, is_prepared
     from atomr_infer.models.registry import BUNDLED_MODELS, bundled_name
-    from atomr_infer.models.resolve import _cached_snapshot, hub_cache_dir, is_local_path
 
     bundled = bundled_name(model)
-    directory: Path | None = None
-    if bundled is not None:
-        candidate = bundled_model_dir(bundled)
-        if not is_prepared(candidate):
-            return BUNDLED_MODELS[bundled].parameters * 2, None
-        directory = candidate
-    elif is_local_path(model):
-        directory = Path(model).expanduser()
-    else:
-        directory = _cached_snapshot(model, hub_cache_dir(cache_dir))
+    if bundled is not None and not is_prepared(bundled_model_dir(bundled)):
+        return BUNDLED_MODELS[bundled].parameters * 2, None
+    directory = local_model_dir(model, cache_dir)
     if directory is None or not (directory / "config.json").is_file():
         return None, None
     config = _read_json(directory / "config.json")
@@ -241,3 +233,26 @@ def estimate_for_spec(model: str, cache_dir: str | None = None) -> tuple[int | N
     except ValueError:
         kv = None
     return weights_bytes(directory), kv
+
+
+def local_model_dir(model: str, cache_dir: str | None = None) -> Path | None:
+    """The model's directory on this machine, if it is here (never downloads)."""
+    from atomr_infer.models.bundled import bundled_model_dir, is_prepared
+    from atomr_infer.models.registry import bundled_name
+    from atomr_infer.models.resolve import _cached_snapshot, hub_cache_dir, is_local_path
+
+    bundled = bundled_name(model)
+    if bundled is not None:
+        candidate = bundled_model_dir(bundled)
+        return candidate if is_prepared(candidate) else None
+    if is_local_path(model):
+        return Path(model).expanduser()
+    return _cached_snapshot(model, hub_cache_dir(cache_dir))
+
+
+def local_model_config(model: str, cache_dir: str | None = None) -> dict[str, Any] | None:
+    """The model's ``config.json`` when the model is on this machine, else None."""
+    directory = local_model_dir(model, cache_dir)
+    if directory is None or not (directory / "config.json").is_file():
+        return None
+    return _read_json(directory / "config.json")

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from atomr_infer.engine.vllm_engine import GiB, engine_args, prepare_environment
+from atomr_infer.engine.cpu import GiB
+from atomr_infer.engine.vllm_engine import engine_args, prepare_environment
 from atomr_infer.spec import parse_deployment
 
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"

@@ -1,0 +1,137 @@
+"""vLLM's CPU backend sized for the machine it runs on: the dtype and the KV cache.
+
+dtype: ``auto`` (or unset) picks what the CPU computes natively: bfloat16 where it has bf16
+instructions (``avx512_bf16`` or AMX on x86, ``bf16`` on Arm), float32 elsewhere, where vLLM
+would otherwise run the model's bf16 weights through emulated kernels.
+
+Eager: unless the spec sets ``enforce_eager``, a CPU replica runs eager (see ``engine_args``).
+
+KV cache: vLLM's CPU backend by default reserves ``gpu_memory_utilization`` (0.92) of the
+node's memory and refuses to start when that much is not free, so a bare spec never starts on
+a machine that runs anything else. With no explicit size (``runtime_config.cpu_kvcache_space_gb``
+or ``extra_engine_args.kv_cache_memory_bytes``) a replica asks for what its limits can use,
+``max_model_len x max_num_seqs`` tokens, capped at ``KV_SHARE`` of the memory available after
+its weights. If not even one ``max_model_len`` sequence fits, or an explicit size cannot fit,
+the deployment is refused with the numbers (``BudgetExceeded``, check ``memory``), at admission
+by the manager and again by the replica on the node it landed on.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+
+from atomr_infer.errors import BudgetExceeded
+from atomr_infer.spec import Deployment
+
+GiB = 1 << 30
+# Share of a node's available memory (after the weights) one replica's KV cache may take when
+# no size is given; a few replicas fit on one node.
+KV_SHARE = 0.25
+# vLLM's default max_num_seqs on its CPU backend (EngineArgs: 256 per rank for the engine).
+VLLM_CPU_DEFAULT_MAX_NUM_SEQS = 256
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
+_X86_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (``flags`` on x86, ``Features`` on Arm)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def has_native_bf16(flags: set[str] | None = None, machine: str | None = None) -> bool:
+    flags = cpu_flags() if flags is None else flags
+    arch = machine or platform.machine()
+    if arch in ("aarch64", "arm64"):
+        return "bf16" in flags
+    return bool(flags & _X86_BF16_FLAGS)
+
+
+def cpu_dtype(requested: str | None, native_bf16: bool) -> str:
+    """The dtype a CPU replica runs: the spec's, or for ``auto``/unset the CPU's native one."""
+    if requested in (None, "auto"):
+        return "bfloat16" if native_bf16 else "float32"
+    return requested
+
+
+@dataclass(frozen=True)
+class KvCacheSize:
+    bytes: int
+    explicit: bool
+    detail: str  # how it was chosen, for progress lines, logs and status
+
+    def __str__(self) -> str:
+        return f"KV cache {self.bytes / GiB:.2f} GiB ({self.detail})"
+
+
+def explicit_kv_bytes(deployment: Deployment) -> int | None:
+    cfg = deployment.runtime_config
+    if cfg.cpu_kvcache_space_gb is not None:
+        return int(cfg.cpu_kvcache_space_gb * GiB)
+    raw = cfg.extra_engine_args.get("kv_cache_memory_bytes")
+    return int(raw) if isinstance(raw, int | float) and not isinstance(raw, bool) else None
+
+
+def size_kv_cache(
+    deployment: Deployment,
+    *,
+    kv_bytes_per_token: int | None,
+    max_model_len: int | None,
+    available_bytes: int,
+    weights_bytes: int | None,
+) -> KvCacheSize:
+    """The KV-cache size for one CPU replica, or ``BudgetExceeded`` when it cannot fit."""
+    free = max(0, available_bytes - (weights_bytes or 0))
+    explicit = explicit_kv_bytes(deployment)
+    one_seq = kv_bytes_per_token * max_model_len if kv_bytes_per_token and max_model_len else None
+    where = f"{available_bytes / GiB:.1f} GiB available" + (
+        f", {weights_bytes / GiB:.2f} GiB of it for weights" if weights_bytes else ""
+    )
+    if explicit is not None:
+        if explicit > free:
+            _refuse(deployment, explicit, free, f"the explicit KV cache does not fit in this node's memory ({where}); "
+                    "lower runtime_config.cpu_kvcache_space_gb or free memory")
+        if one_seq is not None and explicit < one_seq:
+            _refuse(deployment, one_seq, explicit, f"runtime_config.cpu_kvcache_space_gb holds fewer tokens than one "
+                    f"sequence of max_model_len {max_model_len}; raise it or lower runtime_config.max_model_len")
+        return KvCacheSize(explicit, True, "runtime_config.cpu_kvcache_space_gb")
+    cap = int(free * KV_SHARE)
+    if one_seq is None:  # the model's shape is unknown: take the share
+        return KvCacheSize(cap, False, f"{KV_SHARE:.0%} of {free / GiB:.1f} GiB free; model size unknown")
+    if one_seq > cap:
+        _refuse(deployment, one_seq, cap, f"one sequence of max_model_len {max_model_len} needs more than "
+                f"{KV_SHARE:.0%} of this node's free memory ({where}); lower runtime_config.max_model_len, "
+                "set runtime_config.cpu_kvcache_space_gb, or free memory")
+    seqs = deployment.runtime_config.max_num_seqs or VLLM_CPU_DEFAULT_MAX_NUM_SEQS
+    want = one_seq * seqs
+    per_token = f"{kv_bytes_per_token / 1024:.1f} KiB/token"
+    if want <= cap:
+        return KvCacheSize(want, False, f"max_num_seqs {seqs} x max_model_len {max_model_len} x {per_token}")
+    return KvCacheSize(
+        cap, False, f"{cap // one_seq} of max_num_seqs {seqs} full sequences: capped at {KV_SHARE:.0%} of "
+        f"{free / GiB:.1f} GiB free"
+    )
+
+
+def _refuse(deployment: Deployment, need: int, have: int, hint: str) -> None:
+    need_gib, have_gib = round(need / GiB, 2), round(have / GiB, 2)
+    raise BudgetExceeded(deployment.name, "memory", need_gib, have_gib, "GiB of CPU memory for the KV cache", hint)
+
+
+def model_max_len(config: dict[str, object]) -> int | None:
+    """The context length a model config declares (what vLLM uses when max_model_len is unset)."""
+    text = config.get("text_config")
+    for cfg in (config, text if isinstance(text, dict) else {}):
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+            value = cfg.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
