@@ -254,8 +254,9 @@ def test_ctrl_c_during_chat_aborts_the_request_in_the_engine(cli, smollm2):
         assert proc.poll() is None, proc.stderr.read()
         assert time.monotonic() < deadline, "no output from atomr chat"
         time.sleep(0.1)
-    streaming = cli.status("smollm2")["replicas"][0]
-    assert streaming["in_flight"] == 1
+    # Interrupt at once: asking `atomr status` first costs a CLI start, long enough on a fast CPU
+    # for the whole answer to finish. The abort count below shows it was still in the engine.
+    assert proc.poll() is None
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 130
     assert "interrupted" in proc.stderr.read()

@@ -149,15 +149,29 @@ def test_engine_config_change_rolls_without_failed_requests(manager, mgr, client
     assert set(after.values()).isdisjoint(before.values())
 
 
-def test_killed_replica_is_replaced_and_requests_rerouted(manager, mgr, client):
+def test_killed_replica_under_load_costs_no_later_request(manager, mgr, client):
+    ray.get(manager.apply.remote(spec(replicas=2, rc={"cpu_kvcache_space_gb": 0.25})))
     status = wait_converged(manager)
-    victim = next(r for r in status["replicas"] if r["state"] == "ready")
+    ready = [r for r in status["replicas"] if r["state"] == "ready"]
+    assert len(ready) == 2, status
+    victim = ready[0]
+    # Load on both replicas: long streams, each holding its replica until it is killed or ends.
+    long_req = {"messages": ASK, "max_tokens": 1500, "ignore_eos": True}
+    streams = [client.stream_chat(NAME, **long_req) for _ in range(6)]
+    for s in streams:
+        next(s)  # each has started on some replica
     ray.kill(ray.get_actor(victim["actor_name"], namespace="atomr"), no_restart=True)
+    # Every request sent while the other replica is ready succeeds, although the manager's
+    # table lists the dead replica until it notices.
+    answers = [client.chat(NAME, ASK, temperature=0, max_tokens=4) for _ in range(8)]
+    assert all(a.text for a in answers)
+    for s in streams:
+        s.close()
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         status = ray.get(manager.status.remote(NAME))
         ready = [r for r in status["replicas"] if r["state"] == "ready"]
-        if ready and all(r["actor_id"] != victim["actor_id"] for r in ready):
+        if len(ready) == 2 and all(r["actor_id"] != victim["actor_id"] for r in ready):
             break
         time.sleep(0.5)
     else:
@@ -165,6 +179,8 @@ def test_killed_replica_is_replaced_and_requests_rerouted(manager, mgr, client):
     # Why it was replaced stays visible in status.
     assert status["last_failure"].startswith(victim["replica_id"]), status["last_failure"]
     assert "Paris" in client.chat(NAME, ASK, temperature=0, max_tokens=24).text
+    ray.get(manager.apply.remote(spec(rc={"cpu_kvcache_space_gb": 0.25})))
+    wait_converged(manager)
 
 
 def call_manager(method, *args, timeout=120):

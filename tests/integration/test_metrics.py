@@ -166,7 +166,9 @@ def test_replica_log_has_lifecycle_lines_and_request_ids(smollm2_replica, smollm
     logs_dir = ray._private.worker.global_worker.node.get_logs_dir_path()
     request_id = f"metrics-log-{time.monotonic_ns()}"
     story = [{"role": "user", "content": "Tell me a long story."}]
-    gen = smollm2_replica.generate.remote({"messages": story, "max_tokens": 256, "request_id": request_id})
+    # Long enough, whatever the CPU's speed, that the cancel lands before the request ends.
+    long = {"messages": story, "max_tokens": 1800, "ignore_eos": True, "temperature": 0, "request_id": request_id}
+    gen = smollm2_replica.generate.remote(long)
     ray.get(next(gen))  # one chunk, then the caller leaves: the replica logs request_aborted at INFO
     ray.cancel(gen)
 
