@@ -193,15 +193,14 @@ def size_estimates(spec: Deployment, on_cpu: bool) -> tuple[int | None, int | No
     """(weights bytes, KV-cache bytes per token, context length) when knowable without
     downloading; on CPU the KV cache is counted in the dtype the replica will run."""
     try:
-        from atomr_infer.engine.cpu import DTYPE_BYTES, cpu_dtype, has_native_bf16, model_max_len
-        from atomr_infer.models.estimate import estimate_for_spec, kv_cache_bytes_per_token, local_model_config
+        from atomr_infer.engine.cpu import kv_bytes_per_token, model_max_len
+        from atomr_infer.models.estimate import estimate_for_spec, local_model_config
 
         weights, kv = estimate_for_spec(spec.model, spec.runtime_config.hf_cache_dir)
         config = local_model_config(spec.model, spec.runtime_config.hf_cache_dir)
         max_len = spec.runtime_config.max_model_len or (model_max_len(config) if config else None)
-        if on_cpu and config is not None and kv is not None:
-            dtype = cpu_dtype(spec.runtime_config.dtype, has_native_bf16())
-            kv = kv_cache_bytes_per_token(config, DTYPE_BYTES.get(dtype, 2))
+        if on_cpu and config is not None:
+            kv = kv_bytes_per_token(spec, config)
         return weights, kv, max_len
     except Exception as exc:  # noqa: BLE001 - unknown size skips the memory check
         log.warning("size_estimate_failed", model=spec.model, error=repr(exc))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
+from typing import Any
 
 from atomr_infer.errors import BudgetExceeded
 from atomr_infer.spec import Deployment
@@ -126,7 +127,18 @@ def _refuse(deployment: Deployment, need: int, have: int, hint: str) -> None:
     raise BudgetExceeded(deployment.name, "memory", need_gib, have_gib, "GiB of CPU memory for the KV cache", hint)
 
 
-def model_max_len(config: dict[str, object]) -> int | None:
+def kv_bytes_per_token(deployment: Deployment, config: dict[str, Any]) -> int | None:
+    """KV-cache bytes per token in the dtype a CPU replica of ``deployment`` runs on this CPU."""
+    from atomr_infer.models.estimate import config_dtype_bytes, kv_cache_bytes_per_token
+
+    dtype = cpu_dtype(deployment.runtime_config.dtype, has_native_bf16())
+    try:
+        return kv_cache_bytes_per_token(config, DTYPE_BYTES.get(dtype, config_dtype_bytes(config)))
+    except ValueError:  # the config lacks the shapes
+        return None
+
+
+def model_max_len(config: dict[str, Any]) -> int | None:
     """The context length a model config declares (what vLLM uses when max_model_len is unset)."""
     text = config.get("text_config")
     for cfg in (config, text if isinstance(text, dict) else {}):

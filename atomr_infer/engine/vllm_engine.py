@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from atomr_infer.engine.cpu import (
-    DTYPE_BYTES,
     KvCacheSize,
     cpu_dtype,
     explicit_kv_bytes,
     has_native_bf16,
+    kv_bytes_per_token,
     model_max_len,
     size_kv_cache,
 )
@@ -149,17 +149,12 @@ def cpu_kv_cache(deployment: Deployment, model_dir: Path) -> KvCacheSize:
     """Size the KV cache of a CPU replica on the node it runs on (raises if it cannot fit)."""
     import psutil
 
-    from atomr_infer.models.estimate import config_dtype_bytes, kv_cache_bytes_per_token, weights_bytes
+    from atomr_infer.models.estimate import weights_bytes
 
     config = json.loads((model_dir / "config.json").read_text())
-    dtype = cpu_dtype(deployment.runtime_config.dtype, has_native_bf16())
-    try:
-        per_token: int | None = kv_cache_bytes_per_token(config, DTYPE_BYTES.get(dtype, config_dtype_bytes(config)))
-    except ValueError:
-        per_token = None
     return size_kv_cache(
         deployment,
-        kv_bytes_per_token=per_token,
+        kv_bytes_per_token=kv_bytes_per_token(deployment, config),
         max_model_len=deployment.runtime_config.max_model_len or model_max_len(config),
         available_bytes=psutil.virtual_memory().available,
         weights_bytes=weights_bytes(model_dir),
