@@ -162,7 +162,10 @@ def test_status_shows_the_deployment_ready(cli, smollm2):
     header = next(line for line in lines if line.startswith("REPLICA"))
     assert header.split()[:3] == ["REPLICA", "STATE", "NODE"]
     row = next(line for line in lines if line.startswith("smollm2/r0"))
-    assert row.split()[1:2] == ["ready"] and " cpu " in row
+    assert row.split()[1:2] == ["ready"]
+    # The device with the dtype the replica chose, and its KV cache (smollm2.yaml sets 1 GiB).
+    assert " cpu/bfloat16 " in row or " cpu/float32 " in row, row
+    assert " 1.00 GiB, " in row and "k tokens" in row, row
     assert any(line.startswith("dashboard: http://127.0.0.1:") for line in lines)
 
     status = cli.status("smollm2")
