@@ -51,17 +51,10 @@ def spec():  # noqa: ANN201 - a Deployment
 
 def vllm_server_args(model_dir: str, port: int) -> list[str]:
     """The api_server flags equal to the engine arguments atomr builds for deployments/smollm2.yaml."""
-    from atomr_infer.engine.vllm_engine import engine_args
+    from atomr_infer.engine.vllm_engine import as_cli_flags, engine_args
 
-    args = engine_args(spec(), model_dir, "cpu")
     flags = ["--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME]
-    flags += ["--max-model-len", str(args["max_model_len"]), "--max-num-seqs", str(args["max_num_seqs"])]
-    flags += ["--dtype", args["dtype"], "--kv-cache-memory-bytes", str(args["kv_cache_memory_bytes"])]
-    if args.get("enforce_eager"):
-        flags.append("--enforce-eager")
-    if args.get("disable_log_stats"):
-        flags.append("--disable-log-stats")
-    return flags
+    return flags + as_cli_flags(engine_args(spec(), model_dir, "cpu"))
 
 
 def wait_http(url: str, proc: subprocess.Popen | None, log_path: str | None = None) -> None:

@@ -37,11 +37,10 @@ from atomr_infer.metrics import ManagerMetrics
 from atomr_infer.replica.request import Chunk
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
-from atomr_infer.spec import Deployment, normalized, parse_deployment, spec_hash
+from atomr_infer.spec import Deployment, normalized, parse_deployment, runtime_fields, spec_hash
 
 log = get_logger(__name__)
 RECONCILE_PERIOD_S = 1.0
-_RESTART_IRRELEVANT = ("serving", "budget", "idempotent", "replicas")
 # Per-GPU memory by Ray accelerator type, GiB (Ray does not report GPU memory itself).
 GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48, "A10G": 24, "L4": 24, "T4": 16}
 
@@ -67,7 +66,7 @@ class PlanResult:
 
 def runtime_key(spec: Deployment, nonce: int) -> str:
     """Hash of what a running replica depends on; a change means "replace the replicas"."""
-    data = {k: v for k, v in normalized(spec).items() if k not in _RESTART_IRRELEVANT}
+    data = runtime_fields(spec)
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
     return f"{digest}:{nonce}"
 

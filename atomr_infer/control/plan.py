@@ -3,19 +3,17 @@
 Pure: no Ray. ``plan_apply`` is used by ``manager.apply`` (to report actions) and by
 ``manager.plan`` / ``atomr deploy --dry-run`` (to show them without changing anything).
 
-Change classes (DESIGN.md decision 5):
-- in place: ``serving``, ``budget``, ``idempotent`` — no replica restarts;
+Change classes (DESIGN.md decision 5), the rule itself in ``spec.restarts_replicas``:
+- in place: ``serving`` (but ``serving.openai``), ``budget``, ``idempotent`` — no replica restarts;
 - scale: ``replicas`` — start or stop only the difference;
-- restart: anything else (model, engine config, gpus, device) — rolling replacement.
+- restart: anything else (model, engine config, gpus, device, vLLM's server options) — rolling.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from atomr_infer.spec import Deployment, FieldChange, spec_changes, spec_hash
-
-IN_PLACE_PREFIXES = ("serving", "budget", "idempotent")
+from atomr_infer.spec import Deployment, FieldChange, restarts_replicas, spec_changes, spec_hash
 
 
 @dataclass(frozen=True)
@@ -46,9 +44,9 @@ def _plural(n: int) -> str:
 
 def classify(changes: list[FieldChange]) -> tuple[list[FieldChange], list[FieldChange], list[FieldChange]]:
     """Split changes into (in place, scale, restart)."""
-    in_place = [c for c in changes if c.path.startswith(IN_PLACE_PREFIXES)]
     scale = [c for c in changes if c.path == "replicas"]
-    restart = [c for c in changes if c not in in_place and c not in scale]
+    restart = [c for c in changes if restarts_replicas(c.path)]
+    in_place = [c for c in changes if c not in restart and c not in scale]
     return in_place, scale, restart
 
 

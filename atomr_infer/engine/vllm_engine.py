@@ -44,7 +44,12 @@ _PASS_THROUGH = (
     "quantization",
     "limit_mm_per_prompt",
     "cpu_offload_gb",
+    "runner",
+    "convert",
 )
+# serving.openai fields that are engine settings in vLLM (the model config's sampling defaults,
+# the structured-outputs config's reasoning parser).
+_FROM_OPENAI = ("generation_config", "override_generation_config", "reasoning_parser")
 
 
 def engine_args(
@@ -71,6 +76,10 @@ def engine_args(
         value = getattr(cfg, name)
         if value is not None:
             args[name] = value
+    for name in _FROM_OPENAI:
+        value = getattr(deployment.serving.openai, name)
+        if value is not None:
+            args[name] = value
     if cfg.hf_cache_dir is not None:
         args["download_dir"] = cfg.hf_cache_dir
     if device == "cpu":
@@ -87,6 +96,31 @@ def engine_args(
             args["kv_cache_memory_bytes"] = explicit if explicit is not None else kv_cache_bytes
     args.update(cfg.extra_engine_args)
     return args
+
+
+def as_cli_flags(args: dict[str, Any]) -> list[str]:
+    """``EngineArgs`` keyword arguments as ``vllm serve`` flags (the same engine from the CLI)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    known = make_arg_parser(FlexibleArgumentParser())._option_string_actions
+    flags: list[str] = []
+    for key, value in args.items():
+        if key == "model":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            if "--no-" + flag[2:] in known:
+                flags.append("--no-" + flag[2:])
+            elif known[flag].default not in (False, None):
+                raise ValueError(f"{key}=False has no vllm serve flag")
+        elif isinstance(value, dict | list):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
 
 
 def check_extra_engine_args(deployment: Deployment, known: set[str]) -> None:

@@ -26,6 +26,14 @@ from atomr_infer.engine.protocol import Engine
 from atomr_infer.errors import EngineError, EngineStartFailed, InvalidRequest, ReplicaUnavailable
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import GAUGE_PERIOD_S, REPLICA_STATES, ReplicaMetrics, failure_reason
+from atomr_infer.replica.engine_info import (
+    engine_memory,
+    engine_unfinished,
+    kv_cache_usage,
+    placement,
+    start_failure_recurs,
+)
+from atomr_infer.replica.openai_app import HttpHead, HttpRequest, OpenAIApp
 from atomr_infer.replica.prompt import PromptBuilder
 from atomr_infer.replica.request import Chunk, GenerateRequest, Usage, parse_request
 from atomr_infer.replica.stats import ReplicaStats, StatsCollector
@@ -80,6 +88,10 @@ class VllmReplica:
         self._prompts: PromptBuilder | None = None
         self._max_model_len: int | None = None
         self._engine: Engine | None = None
+        self._app: OpenAIApp | None = None  # vLLM's OpenAI server, built once the engine is up
+        self._app_lock = asyncio.Lock()
+        # Only a vLLM engine carries what vLLM's server needs; test engines serve generate() alone.
+        self._has_openai_app = engine_factory is None
         factory = engine_factory or _default_engine_factory
         self._loop = StepLoop(
             engine_factory=lambda: factory(self._deployment, self._progress),
@@ -145,14 +157,10 @@ class VllmReplica:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted meanwhile
                 continue
-            completion = out.outputs[0]
-            token_ids = list(completion.token_ids)
-            finish = (completion.finish_reason or "stop") if out.finished else None
-            usage = Usage(stream.prompt_tokens, stream.completion_tokens + len(token_ids)) if finish else None
-            stream.put(Chunk(completion.text, token_ids, finish, usage))
-            if finish:
+            stream.put(out, sum(len(getattr(c, "token_ids", ())) for c in _completions(out)))
+            if out.finished:
                 self._stats.finished(stream)
-                self._request_finished(stream, finish)
+                self._request_finished(stream, _finish_reason(out))
 
     def _request_finished(self, s: RequestStream, finish: str) -> None:
         self._metrics.request_finished(
@@ -186,7 +194,7 @@ class VllmReplica:
 
     def _publish_gauges(self) -> None:
         waiting = sum(1 for s in self._streams.values() if s.first_token_at is None)
-        self._metrics.set_load(len(self._streams), waiting, _kv_cache_usage(self._engine))
+        self._metrics.set_load(len(self._streams), waiting, kv_cache_usage(self._engine))
         phase = "unhealthy" if self._phase == "failed" else self._phase
         self._metrics.set_state(phase if phase in REPLICA_STATES else "starting")
 
@@ -221,59 +229,115 @@ class VllmReplica:
                 raise EngineError(f"{self!r} did not start within {timeout:.0f}s (now: {self._phase})")
         if self._start_error is not None:
             err = self._start_error
-            raise EngineStartFailed(f"{self!r} failed to start: {type(err).__name__}: {err}", _recurs(err))
+            raise EngineStartFailed(f"{self!r} failed to start: {type(err).__name__}: {err}", start_failure_recurs(err))
 
     # -- actor API --------------------------------------------------------------------------
 
     async def ready(self, timeout: float | None = None) -> dict[str, Any]:
-        """Resolve once the engine has started; raise ``EngineError`` if it failed or timed out."""
+        """Resolve once the engine and vLLM's server app have started; raise ``EngineError`` if
+        either failed or the engine timed out."""
         await self._wait_ready(timeout)
+        if self._has_openai_app:
+            try:
+                await self._openai_app()
+            except Exception as exc:
+                raise EngineStartFailed(f"{self!r}: vLLM's OpenAI server failed to start: {exc!r}") from None
         return {
             "replica_id": self._replica_id,
             "device": self._device,
             "max_model_len": self._max_model_len,
-            **_engine_memory(self._engine),
-            **_placement(),
+            **engine_memory(self._engine),
+            **placement(),
         }
+
+    def _admit(self) -> None:
+        """Raise unless this replica takes new requests (the router retries ReplicaUnavailable)."""
+        if self._draining or self._stopped:
+            raise ReplicaUnavailable(f"{self!r} is {'stopped' if self._stopped else 'draining'}")
+        if self._loop.error is not None:
+            raise EngineError(f"{self!r} is unhealthy: {self._loop.error!r}")
+        if self._wedged is not None:
+            raise EngineError(f"{self!r} is unhealthy: {self._wedged}")
+
+    def _open(self, request_id: str, prompt_tokens: int, prompt: Any, params: Any, **options: Any) -> RequestStream:
+        """Register a stream, then submit its request to the step loop (in that order)."""
+        if request_id in self._streams:
+            raise InvalidRequest("request_id", f"{request_id!r} is already in flight on this replica")
+        stream = RequestStream(request_id, prompt_tokens)
+        self._streams[request_id] = stream  # registered before it can produce output
+        self._stats.started()
+        self._metrics.request_started()
+        self._log.debug("request_started", request_id=request_id, prompt_tokens=prompt_tokens)
+        self._loop.submit(request_id, prompt, params, **options)
+        return stream
+
+    def _close(self, stream: RequestStream) -> None:
+        """The consumer is done with ``stream``; abort it in the engine if it is still running."""
+        self._streams.pop(stream.request_id, None)
+        if not stream.finished:
+            self._loop.abort([stream.request_id])
+            self._stats.aborted()
+            self._metrics.request_failed("aborted")
+            self._log.info("request_aborted", request_id=stream.request_id)
+
+    # The engine client's gate (replica/engine_client.py): vLLM's serving layer submits here.
+    def submit(self, request: Any, prompt_text: str | None, prompt_tokens: int) -> RequestStream:
+        return self._open(request.request_id, prompt_tokens, request, request.params, prompt_text=prompt_text)
+
+    def finish(self, stream: RequestStream) -> None:
+        self._close(stream)
+
+    def dead_error(self) -> BaseException | None:
+        if self._loop.error is not None or self._wedged is not None:
+            return EngineError(f"{self!r} is unhealthy: {self._wedged or self._loop.error!r}")
+        return None
 
     async def generate(self, request: GenerateRequest | dict[str, Any]) -> AsyncIterator[Chunk]:
         """Stream ``Chunk``s for one request. Call as a Ray streaming generator."""
         req: GenerateRequest | None = None
         try:
             req = parse_request(request)
-            if self._draining or self._stopped:
-                raise ReplicaUnavailable(f"{self!r} is {'stopped' if self._stopped else 'draining'}")
+            self._admit()
             await self._wait_ready(None)
-            if self._loop.error is not None:
-                raise EngineError(f"{self!r} is unhealthy: {self._loop.error!r}")
-            if self._wedged is not None:
-                raise EngineError(f"{self!r} is unhealthy: {self._wedged}")
+            self._admit()
             assert self._prompts is not None  # set before the ready event
             prompt_ids = self._prompts.token_ids(req)
             params = self._prompts.sampling_params(req, len(prompt_ids), self._max_model_len)
-            request_id = req.request_id or uuid.uuid4().hex
-            if request_id in self._streams:
-                raise InvalidRequest("request_id", f"{request_id!r} is already in flight on this replica")
+            prompt = {"prompt_token_ids": prompt_ids}
+            stream = self._open(req.request_id or uuid.uuid4().hex, len(prompt_ids), prompt, params)
         except Exception as exc:
             self._metrics.request_failed(failure_reason(exc))
             self._log.debug("request_rejected", request_id=req and req.request_id, error=str(exc))
             raise
-        stream = RequestStream(request_id, len(prompt_ids))
-        self._streams[request_id] = stream  # registered before it can produce output
-        self._stats.started()
-        self._metrics.request_started()
-        self._log.debug("request_started", request_id=request_id, prompt_tokens=len(prompt_ids))
-        self._loop.submit(request_id, {"prompt_token_ids": prompt_ids}, params)
         try:
-            async for chunk in stream:
-                yield chunk
+            async for out in stream:
+                completion = out.outputs[0]
+                finish = (completion.finish_reason or "stop") if out.finished else None
+                usage = Usage(stream.prompt_tokens, stream.completion_tokens) if finish else None
+                yield Chunk(completion.text, list(completion.token_ids), finish, usage)
         finally:
-            self._streams.pop(request_id, None)
-            if not stream.finished:
-                self._loop.abort([request_id])
-                self._stats.aborted()
-                self._metrics.request_failed("aborted")
-                self._log.info("request_aborted", request_id=request_id)
+            self._close(stream)
+
+    async def http(self, request: HttpRequest) -> AsyncIterator[HttpHead | bytes]:
+        """One OpenAI API request, answered by vLLM's own server app: its head, then its body
+        as sent (SSE events while streaming). Call as a Ray streaming generator."""
+        self._admit()
+        await self._wait_ready(None)
+        self._admit()
+        app = await self._openai_app()
+        async for item in app.call(request):
+            yield item
+
+    async def _openai_app(self) -> OpenAIApp:
+        async with self._app_lock:
+            if self._app is None:
+                from atomr_infer.replica.engine_client import StepLoopEngineClient
+
+                assert self._engine is not None
+                client = StepLoopEngineClient(self._engine, self)
+                self._app = await OpenAIApp.build(client, self._deployment, self._engine.model_config.model)
+                self._log.info("openai_app_ready")
+        return self._app
 
     async def health(self) -> dict[str, Any]:
         """Raise ``EngineError`` if the engine failed or a step is stuck; else report the phase."""
@@ -295,9 +359,9 @@ class VllmReplica:
             waiting=waiting,
             phase=self._phase,
             uptime_s=self._uptime(),
-            kv_cache_usage=_kv_cache_usage(self._engine),
+            kv_cache_usage=kv_cache_usage(self._engine),
             steps=self._loop.steps,
-            engine_unfinished=_engine_unfinished(self._engine),
+            engine_unfinished=engine_unfinished(self._engine),
         )
 
     async def in_flight(self) -> int:
@@ -340,58 +404,14 @@ async def _run_every(
         await asyncio.sleep(period_s)
 
 
-def _placement() -> dict[str, Any]:
-    """Node and GPU ids as Ray sees them (empty outside a Ray worker)."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return {}
-        return {"node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
-    except Exception:  # noqa: BLE001 - placement is informational
-        return {}
+def _completions(out: Any) -> Any:
+    completions = getattr(out, "outputs", ())
+    return completions if isinstance(completions, list) else ()
 
 
-def _recurs(start_error: BaseException) -> bool:
-    """Whether starting again with the same spec fails the same way: yes, unless the network
-    (a hub download) or a timeout failed it."""
-    return not isinstance(start_error, ConnectionError | TimeoutError)
-
-
-def _engine_memory(engine: Engine | None) -> dict[str, Any]:
-    """dtype and KV-cache size as the engine settled them (vLLM's config), for status."""
-    config = getattr(engine, "vllm_config", None)
-    if config is None:
-        return {}
-    cache = config.cache_config
-    blocks = getattr(cache, "num_gpu_blocks", None)
-    return {
-        "dtype": str(config.model_config.dtype).removeprefix("torch."),
-        "kv_cache_bytes": getattr(cache, "kv_cache_memory_bytes", None),
-        "kv_cache_tokens": blocks * cache.block_size if blocks else None,
-    }
-
-
-def _engine_unfinished(engine: Engine | None) -> int | None:
-    count = getattr(engine, "get_num_unfinished_requests", None)
-    try:
-        return int(count()) if count is not None else None
-    except Exception:  # noqa: BLE001 - informational
-        return None
-
-
-def _kv_cache_usage(engine: Engine | None) -> float | None:
-    """Fraction of KV-cache blocks in use, from vLLM's metrics when the engine keeps them."""
-    get_metrics = getattr(engine, "get_metrics", None)
-    if get_metrics is None:
-        return None
-    try:
-        for metric in get_metrics():
-            if metric.name == "vllm:kv_cache_usage_perc":
-                return float(metric.value)
-    except Exception:  # noqa: BLE001 - stats are best effort
-        return None
-    return None
+def _finish_reason(out: Any) -> str:
+    completions = _completions(out)
+    return (completions[0].finish_reason if completions else None) or "stop"
 
 
 def replica_actor_class() -> Any:

@@ -64,8 +64,9 @@ class StepLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, request_id: str, prompt: Any, params: Any) -> None:
-        self._inbox.append(("add", request_id, prompt, params))
+    def submit(self, request_id: str, prompt: Any, params: Any, **options: Any) -> None:
+        """Add a request at the next turn: ``engine.add_request(request_id, prompt, params, **options)``."""
+        self._inbox.append(("add", request_id, prompt, params, options))
         self._wake.set()
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -90,9 +91,9 @@ class StepLoop:
         while self._inbox:
             item = self._inbox.popleft()
             if item[0] == "add":
-                _, request_id, prompt, params = item
+                _, request_id, prompt, params, options = item
                 try:
-                    engine.add_request(request_id, prompt, params)
+                    engine.add_request(request_id, prompt, params, **options)
                 except Exception as exc:  # a bad request fails alone
                     self._on_rejected(request_id, exc)
             else:

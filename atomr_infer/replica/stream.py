@@ -1,11 +1,11 @@
 """Per-request output streams between the step loop and the callers.
 
-A stream holds at most one pending ``Chunk``: if the consumer has not taken the last one when
-the next engine step delivers more, the two are merged (vLLM's ``RequestOutputCollector`` does
-the same). So memory per request is bounded by its own output, never by how far the consumer
-lags, and a caller receives at most one item per engine step. Streams are touched only from
-the actor's event loop thread; the step loop hands outputs over with one
-``call_soon_threadsafe`` per engine step, not one per request.
+A stream holds at most one pending vLLM ``RequestOutput``: if the consumer has not taken the
+last one when the next engine step delivers more, the two are merged (``RequestOutput.add``,
+as vLLM's ``RequestOutputCollector`` does). So memory per request is bounded by its own output,
+never by how far the consumer lags, and a caller receives at most one item per engine step.
+Streams are touched only from the actor's event loop thread; the step loop hands outputs over
+with one ``call_soon_threadsafe`` per engine step, not one per request.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-
-from atomr_infer.replica.request import Chunk
+from typing import Any
 
 
 class RequestStream:
@@ -38,29 +37,29 @@ class RequestStream:
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
-        self._pending: Chunk | None = None
+        self._pending: Any = None  # a RequestOutput (or any object with .add and .finished)
         self._error: BaseException | None = None
-        self._closed = False  # the final chunk or an error was put
+        self._closed = False  # the final output or an error was put
         self._ready = asyncio.Event()
 
     @property
     def finished(self) -> bool:
         return self._closed
 
-    def put(self, chunk: Chunk) -> None:
+    def put(self, output: Any, new_tokens: int) -> None:
         """Deliver one engine step's output for this request (merged if one is pending)."""
         if self._closed:
             return
         now = time.monotonic()
-        if chunk.token_ids:
-            self.completion_tokens += len(chunk.token_ids)
+        if new_tokens:
+            self.completion_tokens += new_tokens
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
         if self._pending is None:
-            self._pending = chunk
+            self._pending = output
         else:
-            self._pending.merge(chunk)
-        self._closed = chunk.finish_reason is not None
+            self._pending.add(output, aggregate=True)
+        self._closed = bool(output.finished)
         self._ready.set()
 
     def fail(self, error: BaseException) -> None:
@@ -70,16 +69,16 @@ class RequestStream:
         self._error, self._closed = error, True
         self._ready.set()
 
-    async def __aiter__(self) -> AsyncIterator[Chunk]:
+    async def __aiter__(self) -> AsyncIterator[Any]:
         while True:
             if self._pending is None and self._error is None:
                 # Single-threaded (event loop only), so nothing can slip in between.
                 self._ready.clear()
                 await self._ready.wait()
-            chunk, self._pending = self._pending, None
-            if chunk is not None:
-                yield chunk
-                if chunk.finish_reason is not None:
+            output, self._pending = self._pending, None
+            if output is not None:
+                yield output
+                if output.finished:
                     return
             elif self._error is not None:
                 raise self._error

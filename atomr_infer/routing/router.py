@@ -35,7 +35,6 @@ from atomr_infer.errors import (
     ReplicaUnavailable,
 )
 from atomr_infer.log import get_logger
-from atomr_infer.replica.request import Chunk
 from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 
@@ -140,12 +139,13 @@ class Router:
             except asyncio.TimeoutError:
                 table = await self.refresh(force=not usable)
 
-    async def stream(self, name: str, request: dict[str, Any]) -> AsyncIterator[Chunk]:
-        """Chunks of one request, routed by deployment name."""
+    async def stream(self, name: str, request: Any, method: str = "generate") -> AsyncIterator[Any]:
+        """What the replica's streaming ``method`` yields for ``request`` (``generate``: ``Chunk``s;
+        ``http``: an ``HttpHead``, then body bytes), routed by deployment name."""
         for attempt in range(1, MAX_ATTEMPTS + 1):
             dep, route = await self._route(name)
             self._in_flight[route.actor_name] += 1
-            gen = route.actor.generate.remote(request)
+            gen = getattr(route.actor, method).remote(request)
             sent = finished = False
             last_try = attempt == MAX_ATTEMPTS
             try:

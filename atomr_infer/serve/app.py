@@ -1,34 +1,34 @@
 """The OpenAI-compatible HTTP API: a Ray Serve ingress that routes by ``model`` = deployment name.
 
 Each ingress replica holds its own ``Router`` over a ``TableCache`` (the manager's routing
-table, pushed by long poll), so a request costs no manager round trip. Chunks are forwarded
-as they arrive. Client disconnect cancels the handler's task (Serve's proxy does this,
-streaming or not); the cancellation runs through the router's ``finally``, which cancels the
-replica's generator and so aborts the request in the engine within one step.
+table, pushed by long poll), so a request costs no manager round trip. The ingress reads only
+the body's ``model``; the replica runs the request through vLLM's own OpenAI server
+(replica/openai_app.py), whose status, headers and body come back unchanged, streamed as
+sent. Client disconnect cancels the handler's task (Serve's proxy does this, streaming or
+not); the cancellation runs through the router's ``finally``, which cancels the replica's
+generator and so aborts the request in the engine within one step.
 
-    POST /v1/chat/completions   POST /v1/completions   (SSE with stream=true)
-    GET  /v1/models             GET  /v1/models/{name} GET /health
+    POST /v1/chat/completions  /v1/completions  /v1/embeddings  /tokenize  /detokenize
+    GET  /v1/models            /v1/models/{name}  /health
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica
+from atomr_infer.errors import AtomrError, DeploymentNotFound, InvalidRequest, NoReadyReplica
 from atomr_infer.log import get_logger
+from atomr_infer.replica.openai_app import HttpRequest
 from atomr_infer.routing.router import Router
 from atomr_infer.serve.body import MAX_BODY_BYTES, parse_json, read_body
 from atomr_infer.serve.errors import ManagerUnreachable, http_error
-from atomr_infer.serve.protocol import parse_chat, parse_completion, to_generate_request
-from atomr_infer.serve.responses import ChatFormat, CompletionFormat, collect, sse_events
 from atomr_infer.serve.table_cache import TableCache
 
 log = get_logger(__name__)
@@ -38,8 +38,8 @@ MANAGER_CALL_TIMEOUT_S = 5.0
 api = FastAPI(title="atomr-infer OpenAI-compatible API", docs_url=None, redoc_url=None)
 
 
-def error_response(exc: BaseException, param_aliases: dict[str, str] | None = None) -> JSONResponse:
-    err = http_error(exc, param_aliases)
+def error_response(exc: BaseException) -> JSONResponse:
+    err = http_error(exc)
     if err.status >= 500:
         log.warning("request_failed", status=err.status, error=repr(exc))
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -62,6 +62,34 @@ class SSEResponse(StreamingResponse):
 async def _json_body(request: Request, max_bytes: int) -> Any:
     raw = await read_body(request.stream(), request.headers.get("content-length"), max_bytes)
     return parse_json(raw)
+
+
+# Set per connection by each server; never forwarded.
+_HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "host", "keep-alive"})
+
+
+def _model_of(data: Any) -> str:
+    """The deployment a request names: its ``model`` field."""
+    if not isinstance(data, dict):
+        raise InvalidRequest("body", f"expected a JSON object, got {type(data).__name__}")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("model", f"model must name a deployment (a non-empty string), got {model!r}")
+    return model
+
+
+async def _relay(items: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The replica's SSE bytes as they come; a failure mid-stream ends it with an error event."""
+    try:
+        async for chunk in items:
+            yield chunk
+    except Exception as exc:  # noqa: BLE001 - the status line is gone; tell the client in-band
+        err = http_error(exc)
+        log.warning("stream_failed", status=err.status, error=repr(exc))
+        yield err.sse()
+        yield b"data: [DONE]\n\n"
+    finally:
+        await items.aclose()
 
 
 def _model_card(status: dict[str, Any]) -> dict[str, Any]:
@@ -92,45 +120,58 @@ class OpenAIIngress:
         with contextlib.suppress(RuntimeError):  # the loop may be closed already
             self._tables.stop()
 
-    # -- generation --------------------------------------------------------------------------
+    # -- OpenAI API requests: routed by `model`, answered by vLLM's server in the replica ----
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, parse_chat, ChatFormat, "chatcmpl")
+        return await self._forward(request)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, parse_completion, CompletionFormat, "cmpl")
+        return await self._forward(request)
 
-    async def _generate(self, request: Request, parse: Callable[[Any], Any], fmt_cls: type, prefix: str) -> Response:
+    @api.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        return await self._forward(request)
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self._forward(request)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._forward(request)
+
+    async def _forward(self, request: Request) -> Response:
+        """Route by the body's ``model`` and return the replica's answer (vLLM's) unchanged.
+
+        Only ``model`` is read here; vLLM validates the rest, once, in the replica. Errors of
+        our own (the body, routing, capacity) keep the OpenAI error shape."""
         try:
-            req = parse(await _json_body(request, self._max_body_bytes))
+            raw = await read_body(request.stream(), request.headers.get("content-length"), self._max_body_bytes)
+            model = _model_of(parse_json(raw))
         except AtomrError as exc:
             return error_response(exc)
-        response_id = f"{prefix}-{uuid.uuid4().hex}"
-        fmt = fmt_cls(response_id, req.model, req.include_usage)
-        aliases = {"max_tokens": req.max_tokens_field}
-        chunks = self._router.stream(req.model, to_generate_request(req, response_id))
-        if not req.stream:
-            try:
-                async with contextlib.aclosing(chunks):  # a cancelled task closes it: abort in the engine
-                    body = await collect(chunks, fmt)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
-                return error_response(exc, aliases)
-            return JSONResponse(body)
-        # Wait for the first chunk before answering 200, so that routing and validation errors
-        # get their own status; it is sent the moment it arrives.
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS)
+        items = self._router.stream(model, HttpRequest(request.method, path, headers, raw), method="http")
         try:
-            first = await anext(chunks)
-        except StopAsyncIteration:
-            first = None
-        except Exception as exc:  # noqa: BLE001
-            await chunks.aclose()
-            return error_response(exc, aliases)
+            head = await anext(items)  # after routing and vLLM's validation: its status is known
+        except Exception as exc:  # noqa: BLE001 - routing and replica errors become OpenAI errors
+            await items.aclose()
+            return error_response(exc)
         except BaseException:
-            await chunks.aclose()
+            await items.aclose()
             raise
-        return SSEResponse(sse_events(chunks, first, fmt), headers={"Cache-Control": "no-cache"})
+        out_headers = {k: v for k, v in head.headers if k.lower() not in _HOP_HEADERS}
+        if out_headers.get("content-type", "").startswith("text/event-stream"):
+            return SSEResponse(_relay(items), status_code=head.status, headers=out_headers)
+        try:
+            async with contextlib.aclosing(items):  # a cancelled task closes it: abort in the engine
+                body = b"".join([chunk async for chunk in items])
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
+            return error_response(exc)
+        return Response(body, status_code=head.status, headers=out_headers)
 
     # -- models and health -------------------------------------------------------------------
 

@@ -64,15 +64,12 @@ def _retry_after(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
-def http_error(exc: BaseException, param_aliases: dict[str, str] | None = None) -> HttpError:
-    """Map an exception to its HTTP error; ``param_aliases`` renames fields to what the caller sent."""
+def http_error(exc: BaseException) -> HttpError:
+    """Map an exception to its HTTP error."""
     if isinstance(exc, RequestTooLarge):
         return HttpError(413, exc.message, "invalid_request_error", "body", "request_too_large")
     if isinstance(exc, InvalidRequest):
-        param = (param_aliases or {}).get(exc.field, exc.field)
-        message = exc.message.replace(f"{exc.field}=", f"{param}=") if param != exc.field else exc.message
-        code = "unknown_parameter" if message.startswith("unsupported field") else "invalid_value"
-        return HttpError(400, message, "invalid_request_error", param, code)
+        return HttpError(400, exc.message, "invalid_request_error", exc.field, "invalid_value")
     if isinstance(exc, DeploymentNotFound):
         return HttpError(404, str(exc), "invalid_request_error", "model", "model_not_found")
     if isinstance(exc, CapacityExhausted):

@@ -1,10 +1,20 @@
 """Deployment specs: the models, loading from YAML/dicts, and the canonical hash."""
 
-from atomr_infer.spec.deployment import Budget, Deployment, Serving, VllmConfig
-from atomr_infer.spec.hashing import FieldChange, normalized, spec_changes, spec_hash
+from atomr_infer.spec.deployment import Budget, Deployment, OpenAIServing, Serving, VllmConfig
+from atomr_infer.spec.hashing import (
+    FieldChange,
+    normalized,
+    restarts_replicas,
+    runtime_fields,
+    spec_changes,
+    spec_hash,
+)
 from atomr_infer.spec.loading import load_deployments, parse_deployment
 
 __all__ = [
+    "OpenAIServing",
+    "restarts_replicas",
+    "runtime_fields",
     "Budget",
     "Deployment",
     "FieldChange",

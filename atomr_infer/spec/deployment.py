@@ -72,6 +72,12 @@ class VllmConfig(_Strict):
     cpu_offload_gb: Annotated[Number, Field(ge=0, le=4096)] | None = Field(
         None, description="GiB of weights per GPU to keep in CPU memory."
     )
+    runner: Literal["auto", "generate", "pooling", "draft"] | None = Field(
+        None, description="vLLM's --runner: 'pooling' serves embeddings (/v1/embeddings)."
+    )
+    convert: Literal["auto", "none", "embed", "classify"] | None = Field(
+        None, description="vLLM's --convert: 'embed' runs a decoder model as an embedding model."
+    )
     cpu_kvcache_space_gb: Annotated[Number, Field(gt=0, le=4096)] | None = Field(
         None,
         description="KV-cache size in GiB for the CPU backend (device: cpu). Set it: vLLM's CPU "
@@ -97,8 +103,42 @@ class VllmConfig(_Strict):
         return self
 
 
+class OpenAIServing(_Strict):
+    """Options of vLLM's OpenAI server (``vllm serve``'s flags, in snake case). The replica runs
+    that server, so changing them restarts the replicas (rolling)."""
+
+    served_model_name: list[StrictStr] = Field(
+        default_factory=list,
+        description="More names the deployment answers to as the OpenAI `model` (its name always works).",
+    )
+    chat_template: StrictStr | None = Field(
+        None, description="A chat template (Jinja text or a file path) instead of the tokenizer's."
+    )
+    tool_call_parser: StrictStr | None = Field(
+        None, description="Parses tool calls out of the model's text, e.g. 'hermes', 'llama3_json', 'gemma4'."
+    )
+    enable_auto_tool_choice: StrictBool = Field(
+        False, description="Let the model decide to call tools (tool_choice: auto); needs tool_call_parser."
+    )
+    reasoning_parser: StrictStr | None = Field(
+        None, description="Splits reasoning from the answer (`reasoning_content`), e.g. 'deepseek_r1', 'gemma4'."
+    )
+    generation_config: StrictStr | None = Field(
+        None, description="Default sampling: 'auto' (the model's generation_config.json), 'vllm', or a folder."
+    )
+    override_generation_config: dict[StrictStr, Any] | None = Field(
+        None, description="Default sampling values over the generation config, e.g. {temperature: 0.6}."
+    )
+
+    @model_validator(mode="after")
+    def _auto_needs_parser(self) -> OpenAIServing:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise FieldValueError("tool_call_parser", "is required when enable_auto_tool_choice is true")
+        return self
+
+
 class Serving(_Strict):
-    """Per-replica admission limits. Changing them never restarts a replica."""
+    """Per-replica admission limits (changed in place) and vLLM's OpenAI server options."""
 
     max_concurrent: Annotated[StrictInt, Field(ge=1, le=65_536)] = Field(
         32, description="Requests one replica runs at once; more wait or are rejected."
@@ -106,6 +146,7 @@ class Serving(_Strict):
     on_capacity_exhausted: Literal["queue", "reject"] = Field(
         "queue", description="'queue' waits for a free slot; 'reject' fails at once (HTTP 429)."
     )
+    openai: OpenAIServing = Field(default_factory=OpenAIServing, description="vLLM's OpenAI server options.")
 
 
 class Budget(_Strict):

@@ -18,6 +18,28 @@ def normalized(spec: Deployment) -> dict[str, Any]:
     return spec.model_dump(mode="json")
 
 
+# What a running replica does not depend on: changed in place, or by starting/stopping
+# replicas. Everything else restarts it (rolling): the model, the engine config, and vLLM's
+# OpenAI server options under serving.openai, which the replica's server is built with.
+_NOT_RESTARTING = ("serving", "budget", "idempotent", "replicas")
+_RESTARTING_ANYWAY = ("serving.openai",)
+
+
+def restarts_replicas(path: str) -> bool:
+    """Whether a change of the field at dotted ``path`` needs the replicas replaced."""
+    if any(path == p or path.startswith(p + ".") for p in _RESTARTING_ANYWAY):
+        return True
+    return not any(path == p or path.startswith(p + ".") for p in _NOT_RESTARTING)
+
+
+def runtime_fields(spec: Deployment) -> dict[str, Any]:
+    """The part of the normalized spec a running replica depends on (``restarts_replicas``)."""
+    data = normalized(spec)
+    kept = {k: v for k, v in data.items() if k not in _NOT_RESTARTING}
+    kept["serving.openai"] = data["serving"]["openai"]
+    return kept
+
+
 def spec_hash(spec: Deployment) -> str:
     """SHA-256 of the normalized spec as canonical JSON (sorted keys, no whitespace)."""
     blob = json.dumps(normalized(spec), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
@@ -42,7 +64,7 @@ def spec_changes(old: Deployment, new: Deployment) -> list[FieldChange]:
 
 
 # Free-form mappings are compared whole: their keys are not spec fields.
-_OPAQUE = ("extra_engine_args", "limit_mm_per_prompt")
+_OPAQUE = ("extra_engine_args", "limit_mm_per_prompt", "override_generation_config")
 
 
 def _diff(a: Any, b: Any, prefix: str, out: list[FieldChange]) -> None:

@@ -128,14 +128,13 @@ def test_unknown_model_is_404(client):
 def test_over_the_context_is_400_naming_the_limit(client, smollm2, field):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=smollm2, messages=CHAT, **{field: 4000})
-    err = error_of(info.value)
-    assert err["param"] == field and err["type"] == "invalid_request_error"
-    assert "max_model_len=2048" in err["message"] and f"{field}=4000" in err["message"]
+    err = error_of(info.value)  # vLLM's own error, as `vllm serve` answers it
+    assert err["param"] == field and "2048" in err["message"] and "4000" in err["message"]
 
 
 @pytest.mark.parametrize(
     ("kwargs", "param"),
-    [({"temperature": 5}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens")],
+    [({"temperature": 5}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens")],
 )
 def test_bad_values_are_400_naming_the_param(client, smollm2, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
@@ -144,15 +143,16 @@ def test_bad_values_are_400_naming_the_param(client, smollm2, kwargs, param):
     assert err["param"] == param and param in err["message"]
 
 
-def test_unsupported_fields_are_400_naming_them(client, smollm2):
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=smollm2, messages=CHAT, logprobs=True, extra_body={"best_of": 2})
-    err = error_of(info.value)
-    assert err["param"] in ("logprobs", "best_of") and err["code"] == "unknown_parameter"
-    assert "'logprobs'" in err["message"] and "'best_of'" in err["message"]
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=smollm2, prompt="hi", echo=True)
-    assert error_of(info.value)["param"] == "echo"
+def test_fields_vllm_serve_accepts_are_served(client, smollm2):
+    # Each of these was a 400 from our own request layer before vLLM's served in the replica.
+    resp = client.chat.completions.create(
+        model=smollm2, messages=CHAT, max_tokens=8, n=2, seed=3, logprobs=True, top_logprobs=2,
+        presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"42": -100},
+        response_format={"type": "json_object"}, extra_body={"min_p": 0.05, "repetition_penalty": 1.1},
+    )
+    assert len(resp.choices) == 2 and resp.choices[0].logprobs.content
+    echo = client.completions.create(model=smollm2, prompt="Paris is", max_tokens=4, echo=True)
+    assert echo.choices[0].text.startswith("Paris is")
 
 
 HOSTILE = [
@@ -162,7 +162,6 @@ HOSTILE = [
     (b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "NaN"),
     (b'{"model": "smollm2", "messages": [], "max_tokens": Infinity}', "Infinity"),
     (b'{"model": 5, "messages": "hi"}', "model"),
-    (b'{"model": "smollm2", "messages": [{"role": "user", "content": {"a": 1}}]}', "content"),
     (b'["not", "an", "object"]', ""),
     (b"null", ""),
 ]
@@ -185,6 +184,9 @@ def test_hostile_bodies_are_4xx_with_an_openai_error_and_the_ingress_keeps_servi
     chunked = (big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20))  # no Content-Length
     resp = httpx.post(f"{openai_server.base_url}/completions", content=chunked, headers=headers, timeout=60)
     assert resp.status_code == 413
+    # A well-formed body with a wrong type inside is vLLM's to refuse, as `vllm serve` does.
+    wrong = b'{"model": "smollm2", "messages": [{"role": "user", "content": {"a": 1}}]}'
+    assert httpx.post(url, content=wrong, headers=headers, timeout=30).status_code == 400
     answer = client.chat.completions.create(model=smollm2, messages=CHAT, max_tokens=8)
     assert answer.choices[0].message.content
 

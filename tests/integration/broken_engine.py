@@ -21,6 +21,12 @@ class _Output:
     outputs: list[_Completion]
     finished: bool = False
 
+    def add(self, later, aggregate):  # as vLLM's RequestOutput.add merges deltas
+        self.outputs[0].text += later.outputs[0].text
+        self.outputs[0].token_ids = self.outputs[0].token_ids + later.outputs[0].token_ids
+        self.outputs[0].finish_reason = later.outputs[0].finish_reason
+        self.finished = later.finished
+
 
 @dataclass
 class BrokenEngine:
@@ -31,7 +37,7 @@ class BrokenEngine:
     steps: int = 0
     _tokenizer: object = None
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, **options):
         self.running[request_id] = 0
 
     def step(self):

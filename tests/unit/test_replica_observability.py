@@ -36,13 +36,28 @@ class CharTokenizer:
 
 
 @dataclass
+class Output:
+    """The parts of vLLM's RequestOutput a replica reads, merging deltas as it does."""
+
+    request_id: str
+    outputs: list
+    finished: bool
+
+    def add(self, later, aggregate):
+        self.outputs[0].text += later.outputs[0].text
+        self.outputs[0].token_ids = self.outputs[0].token_ids + later.outputs[0].token_ids
+        self.outputs[0].finish_reason = later.outputs[0].finish_reason
+        self.finished = later.finished
+
+
+@dataclass
 class ScriptedEngine:
     """One token per step for every running request; finishes at ``max_tokens`` ("length")."""
 
     running: dict[str, list[int]] = field(default_factory=dict)  # id -> [emitted, max_tokens]
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, **options):
         self.running[request_id] = [0, params.max_tokens]
 
     def step(self):
@@ -52,7 +67,7 @@ class ScriptedEngine:
             state[0] += 1
             done = state[0] >= state[1]
             completion = SimpleNamespace(text="x", token_ids=[120], finish_reason="length" if done else None)
-            outs.append(SimpleNamespace(request_id=rid, outputs=[completion], finished=done))
+            outs.append(Output(request_id=rid, outputs=[completion], finished=done))
             if done:
                 del self.running[rid]
         return outs

@@ -52,12 +52,26 @@ FULL: dict[str, Any] = {
         "quantization": "fp8",
         "limit_mm_per_prompt": {"image": 2},
         "cpu_offload_gb": 4.0,
+        "runner": "generate",
+        "convert": "none",
         "cpu_kvcache_space_gb": 2.0,
         "extra_engine_args": {"swap_space": 8},
     },
     "gpus": 2,
     "replicas": 3,
-    "serving": {"max_concurrent": 16, "on_capacity_exhausted": "reject"},
+    "serving": {
+        "max_concurrent": 16,
+        "on_capacity_exhausted": "reject",
+        "openai": {
+            "served_model_name": ["gemma"],
+            "chat_template": "{{ messages }}",
+            "tool_call_parser": "gemma4",
+            "enable_auto_tool_choice": True,
+            "reasoning_parser": "gemma4",
+            "generation_config": "vllm",
+            "override_generation_config": {"temperature": 0.6},
+        },
+    },
     "budget": {"max_spend_per_hour_usd": 5.0, "max_spend_per_day_usd": 100.0, "on_exceeded": "warn"},
     "idempotent": False,
 }
@@ -65,6 +79,7 @@ FULL: dict[str, Any] = {
 # Leaves whose other valid value cannot be derived from the current one alone.
 _OTHER_VALUE: dict[str, Any] = {
     "runtime_config.tensor_parallel_size": FULL["gpus"],  # unset in FULL; only gpus' value is valid
+    "serving.openai.served_model_name": ["gemma", "gemma-4"],
 }
 
 

@@ -28,7 +28,7 @@ class ScriptedEngine:
     aborted: list[str] = field(default_factory=list)
     threads: set[str] = field(default_factory=set)
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, **options):
         self.threads.add(threading.current_thread().name)
         if prompt == "bad":
             raise ValueError("prompt too long")

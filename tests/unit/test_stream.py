@@ -1,14 +1,25 @@
-"""Per-request streams: bounded by merging, one item per step, errors after pending output."""
+"""Per-request streams: bounded by merging, one item per step, errors after pending output.
+
+The items are vLLM's own ``RequestOutput`` deltas, merged by vLLM's ``RequestOutput.add``."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from vllm.outputs import CompletionOutput, RequestOutput
 
 from atomr_infer.errors import EngineError
-from atomr_infer.replica.request import Chunk, Usage
 from atomr_infer.replica.stream import RequestStream
+
+
+def delta(text: str, token_ids: list[int], finish: str | None = None) -> RequestOutput:
+    completion = CompletionOutput(0, text, token_ids, None, None, finish_reason=finish)
+    return RequestOutput("r", None, [1], None, [completion], finished=finish is not None)
+
+
+def put(stream: RequestStream, text: str, token_ids: list[int], finish: str | None = None) -> None:
+    stream.put(delta(text, token_ids, finish), len(token_ids))
 
 
 def collect(stream: RequestStream):
@@ -21,17 +32,17 @@ def collect(stream: RequestStream):
 def test_lagging_consumer_gets_merged_deltas():
     async def main():
         s = RequestStream("r", prompt_tokens=4)
-        s.put(Chunk("Hel", [1]))
-        s.put(Chunk("lo", [2]))
-        s.put(Chunk(" there", [3], "stop", Usage(4, 3)))
-        return await collect(s)
+        put(s, "Hel", [1])
+        put(s, "lo", [2])
+        put(s, " there", [3], "stop")
+        return await collect(s), s
 
-    chunks = asyncio.run(main())
-    assert len(chunks) == 1
-    assert chunks[0].text_delta == "Hello there"
-    assert chunks[0].token_ids == [1, 2, 3]
-    assert chunks[0].finish_reason == "stop"
-    assert chunks[0].usage == Usage(4, 3)
+    outs, s = asyncio.run(main())
+    assert len(outs) == 1
+    assert outs[0].outputs[0].text == "Hello there"
+    assert list(outs[0].outputs[0].token_ids) == [1, 2, 3]
+    assert outs[0].outputs[0].finish_reason == "stop" and outs[0].finished
+    assert (s.prompt_tokens, s.completion_tokens) == (4, 3)
 
 
 def test_prompt_consumer_gets_each_step_separately():
@@ -41,11 +52,11 @@ def test_prompt_consumer_gets_each_step_separately():
 
         async def consume():
             async for c in s:
-                got.append(c.text_delta)
+                got.append(c.outputs[0].text)
 
         task = asyncio.create_task(consume())
         for piece, fin in (("a", None), ("b", None), ("c", "length")):
-            s.put(Chunk(piece, [0], fin))
+            put(s, piece, [0], fin)
             await asyncio.sleep(0)  # let the consumer run, as a real step would
             await asyncio.sleep(0)
         await task
@@ -59,12 +70,12 @@ def test_prompt_consumer_gets_each_step_separately():
 def test_error_is_raised_after_pending_output():
     async def main():
         s = RequestStream("r", prompt_tokens=1)
-        s.put(Chunk("partial", [5]))
+        put(s, "partial", [5])
         s.fail(EngineError("engine died"))
         got = []
         with pytest.raises(EngineError, match="engine died"):
             async for c in s:
-                got.append(c.text_delta)
+                got.append(c.outputs[0].text)
         return got
 
     assert asyncio.run(main()) == ["partial"]
@@ -73,10 +84,10 @@ def test_error_is_raised_after_pending_output():
 def test_nothing_is_accepted_after_the_end():
     async def main():
         s = RequestStream("r", prompt_tokens=1)
-        s.put(Chunk("x", [1], "stop"))
-        s.put(Chunk("late", [2]))
+        put(s, "x", [1], "stop")
+        put(s, "late", [2])
         s.fail(EngineError("late error"))
         return await collect(s)
 
-    chunks = asyncio.run(main())
-    assert [c.text_delta for c in chunks] == ["x"]
+    outs = asyncio.run(main())
+    assert [c.outputs[0].text for c in outs] == ["x"]

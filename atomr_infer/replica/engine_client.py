@@ -1,0 +1,210 @@
+"""vLLM's ``EngineClient`` over a replica's step loop, so vLLM's own OpenAI serving classes run
+in the replica while one thread still owns and steps the engine.
+
+vLLM's serving layer (chat, completions, embeddings, tokenize; ``vllm serve`` uses the same
+classes over ``AsyncLLM``) reads ``model_config``, ``vllm_config``, ``renderer`` and
+``input_processor`` at start, and per request calls ``generate`` / ``encode``, reads
+``errored`` / ``dead_error`` and ``check_admission``. That is all it needs of an engine
+(counted in vLLM 0.32); the rest of the protocol answers "not supported".
+
+Each request is processed into an ``EngineCoreRequest`` here, on the actor's event loop, as
+``AsyncLLM.add_request`` does (the input processor only reads configs and the tokenizer);
+the step-loop thread adds it to the engine, so the output processor and the engine core are
+touched by that thread alone. Outputs come back through the replica's per-request streams.
+Cancellation (a client that left) aborts the request in the engine within one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from typing import Any, Protocol
+
+from vllm.engine.protocol import EngineClient
+from vllm.renderers.inputs.preprocess import extract_prompt_components
+from vllm.v1.engine import EngineCoreRequest
+
+from atomr_infer.replica.stream import RequestStream
+
+
+class RequestGate(Protocol):
+    """The replica's side: open a stream and submit to the step loop; abort; health."""
+
+    def submit(self, request: EngineCoreRequest, prompt_text: str | None, prompt_tokens: int) -> RequestStream: ...
+
+    def finish(self, stream: RequestStream) -> None:
+        """The consumer is done with ``stream`` (finished, failed or gone: abort if still running)."""
+
+    def dead_error(self) -> BaseException | None: ...
+
+
+class StepLoopEngineClient(EngineClient):
+    def __init__(self, engine: Any, gate: RequestGate) -> None:
+        self.vllm_config = engine.vllm_config
+        self.model_config = engine.model_config
+        self.renderer = engine.renderer
+        self.input_processor = engine.input_processor
+        self._supported_tasks = tuple(engine.get_supported_tasks())
+        self._gate = gate
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._gate.dead_error() is None
+
+    @property
+    def is_stopped(self) -> bool:
+        return not self.is_running
+
+    @property
+    def errored(self) -> bool:
+        return self._gate.dead_error() is not None
+
+    @property
+    def dead_error(self) -> BaseException:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        return self._gate.dead_error() or EngineDeadError()
+
+    async def get_supported_tasks(self) -> tuple[Any, ...]:
+        return self._supported_tasks
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def _process(self, request_id: str, prompt: Any, params: Any, **kw: Any) -> tuple[EngineCoreRequest, Any]:
+        """``EngineCoreRequest`` and prompt text, as ``AsyncLLM.add_request`` makes them."""
+        if self.errored:
+            raise self.dead_error
+        if isinstance(prompt, EngineCoreRequest):
+            return prompt, kw.get("prompt_text")
+        options = dict(
+            supported_tasks=self._supported_tasks,
+            lora_request=kw.get("lora_request"),
+            tokenization_kwargs=kw.get("tokenization_kwargs"),
+            trace_headers=kw.get("trace_headers"),
+            priority=kw.get("priority", 0),
+            session_id=kw.get("session_id"),
+            kv_hints=kw.get("kv_hints"),
+        )
+        if isinstance(prompt, dict) and "type" in prompt:  # rendered: nothing blocking left
+            request = self.input_processor.process_inputs(request_id, prompt, params, **options)
+        else:
+            request = await self.input_processor.process_inputs_async(request_id, prompt, params, **options)
+        prompt_text, _, _ = extract_prompt_components(self.model_config, prompt)
+        return request, prompt_text
+
+    async def _stream(self, request: EngineCoreRequest, prompt_text: str | None) -> AsyncGenerator[Any, None]:
+        prompt_tokens = len(request.prompt_token_ids or ())
+        stream = self._gate.submit(request, prompt_text, prompt_tokens)
+        try:
+            async for output in stream:
+                yield output
+        finally:  # also on cancellation and GeneratorExit: abort in the engine if still running
+            self._gate.finish(stream)
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        request_id: str,
+        *,
+        prompt_text: str | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        data_parallel_rank: int | None = None,
+        session_id: str | None = None,
+        kv_hints: Any = None,
+        reasoning_ended: bool | None = None,
+        reasoning_parser_kwargs: dict[str, Any] | None = None,
+    ) -> AsyncGenerator[Any, None]:
+        request, text = await self._process(
+            request_id, prompt, sampling_params, prompt_text=prompt_text, lora_request=lora_request,
+            tokenization_kwargs=tokenization_kwargs, trace_headers=trace_headers, priority=priority,
+            session_id=session_id, kv_hints=kv_hints,
+        )
+        if reasoning_ended is not None:
+            request.reasoning_ended = reasoning_ended
+        if reasoning_parser_kwargs is not None:
+            request.reasoning_parser_kwargs = reasoning_parser_kwargs
+        async for output in self._stream(request, text):
+            yield output
+
+    async def encode(
+        self,
+        prompt: Any,
+        pooling_params: Any,
+        request_id: str,
+        lora_request: Any = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        reasoning_ended: bool | None = None,
+    ) -> AsyncGenerator[Any, None]:
+        request, text = await self._process(
+            request_id, prompt, pooling_params, lora_request=lora_request, trace_headers=trace_headers,
+            priority=priority, tokenization_kwargs=tokenization_kwargs,
+        )
+        async for output in self._stream(request, text):
+            yield output
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        pass  # the stream's consumer aborts when it leaves (_stream's finally)
+
+    # -- the rest of the protocol: not what a replica's serving layer needs ------------------
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise self.dead_error
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def do_log_stats(self) -> None:
+        return None
+
+    async def notify_kv_transfer_request_rejected(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    async def start_profile(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("profiling is not available through an atomr replica")
+
+    async def stop_profile(self) -> None:
+        raise NotImplementedError("profiling is not available through an atomr replica")
+
+    async def reset_mm_cache(self) -> None:
+        return None
+
+    async def reset_encoder_cache(self) -> None:
+        return None
+
+    async def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        return False
+
+    async def sleep(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("sleep mode is not available through an atomr replica")
+
+    async def release_kv_cache_memory(self) -> None:
+        raise NotImplementedError("sleep mode is not available through an atomr replica")
+
+    async def wake_up(self, *args: Any, **kwargs: Any) -> bool:
+        return False
+
+    async def is_sleeping(self) -> bool:
+        return False
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        raise NotImplementedError("LoRA adapters are not supported by atomr replicas yet")
+
+    async def pause_generation(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("pausing is not available through an atomr replica")
+
+    async def resume_generation(self) -> None:
+        return None
+
+    async def is_paused(self) -> bool:
+        return False
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        return None

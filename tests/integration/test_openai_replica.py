@@ -1,0 +1,89 @@
+"""vLLM's own OpenAI server in the replica: requests sent to ``VllmReplica.http`` as the ingress
+sends them, answered by vLLM's app over the replica's step loop (real Ray, real vLLM on CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+
+from atomr_infer.replica.openai_app import HttpHead, HttpRequest
+
+pytestmark = pytest.mark.integration
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+JSON = (("content-type", "application/json"),)
+
+
+def call(replica, path: str, body: dict) -> tuple[HttpHead, bytes]:
+    request = HttpRequest("POST", path, JSON, json.dumps(body).encode())
+    items = [ray.get(ref) for ref in replica.http.remote(request)]
+    head, *chunks = items
+    assert isinstance(head, HttpHead)
+    return head, b"".join(chunks)
+
+
+def test_chat_answers_with_vllms_response(smollm2_replica):
+    head, body = call(smollm2_replica, "/v1/chat/completions",
+                      {"model": "smollm2", "messages": CHAT, "temperature": 0, "max_tokens": 16})
+    assert head.status == 200, body
+    data = json.loads(body)
+    assert data["object"] == "chat.completion" and "Paris" in data["choices"][0]["message"]["content"]
+
+
+def test_streaming_chat_is_sse_from_vllm(smollm2_replica):
+    head, body = call(smollm2_replica, "/v1/chat/completions", {
+        "model": "smollm2", "messages": CHAT, "temperature": 0, "max_tokens": 16, "stream": True,
+        "stream_options": {"include_usage": True},
+    })
+    assert head.status == 200 and ("content-type", "text/event-stream; charset=utf-8") in head.headers
+    events = [e.removeprefix("data: ") for e in body.decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert usage["completion_tokens"] > 0
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-2])
+    assert "Paris" in text
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"42": -100}},
+        {"logprobs": True, "top_logprobs": 2},
+        {"n": 2, "seed": 7, "temperature": 1.0},
+        {"response_format": {"type": "json_object"}},
+        {"min_p": 0.1, "repetition_penalty": 1.1},
+    ],
+)
+def test_fields_our_old_layer_refused_are_served(smollm2_replica, extra):
+    head, body = call(smollm2_replica, "/v1/chat/completions",
+                      {"model": "smollm2", "messages": CHAT, "max_tokens": 8, **extra})
+    assert head.status == 200, body
+    data = json.loads(body)
+    assert len(data["choices"]) == extra.get("n", 1)
+
+
+def test_vllms_errors_come_back_unchanged(smollm2_replica):
+    head, body = call(smollm2_replica, "/v1/chat/completions",
+                      {"model": "smollm2", "messages": CHAT, "temperature": -1})
+    assert head.status == 400
+    assert json.loads(body)["error"]["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cancelling_the_call_aborts_the_request_in_the_engine(smollm2_replica, stream):
+    import time
+
+    body = {"model": "smollm2", "messages": CHAT, "max_tokens": 1800, "ignore_eos": True, "stream": stream}
+    before = ray.get(smollm2_replica.stats.remote()).requests_aborted
+    gen = smollm2_replica.http.remote(HttpRequest("POST", "/v1/chat/completions", JSON, json.dumps(body).encode()))
+    deadline = time.monotonic() + 10
+    while ray.get(smollm2_replica.in_flight.remote()) != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ray.cancel(gen)
+    deadline = time.monotonic() + 5
+    while ray.get(smollm2_replica.in_flight.remote()) != 0:
+        assert time.monotonic() < deadline, "not aborted"
+        time.sleep(0.05)
+    assert ray.get(smollm2_replica.stats.remote()).requests_aborted == before + 1

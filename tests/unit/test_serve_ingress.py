@@ -1,0 +1,67 @@
+"""The ingress's own part of the HTTP API (no Ray): routing by ``model``, our errors as OpenAI
+errors, and a replica failure in the middle of a stream. Everything else is vLLM's, in the
+replica (tests/integration/test_openai_replica.py, tests/e2e/test_conformance.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from atomr_infer.errors import (
+    CapacityExhausted,
+    DeploymentNotFound,
+    EngineError,
+    InvalidRequest,
+    NoReadyReplica,
+)
+from atomr_infer.serve.app import _model_of, _relay
+from atomr_infer.serve.errors import ManagerUnreachable, http_error
+
+
+def test_error_statuses_and_bodies():
+    cases = {
+        DeploymentNotFound("x", ["smollm2"]): (404, "model_not_found"),
+        InvalidRequest("temperature", "bad"): (400, "invalid_value"),
+        CapacityExhausted("x", 1, 2.5): (429, "capacity_exhausted"),
+        NoReadyReplica("x", 3.0): (503, "no_ready_replica"),
+        ManagerUnreachable("restarting"): (503, "manager_unreachable"),
+        EngineError("boom"): (500, "engine_error"),
+        RuntimeError("bug"): (500, "internal_error"),
+    }
+    for exc, (status, code) in cases.items():
+        err = http_error(exc)
+        assert (err.status, err.code) == (status, code), exc
+        assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+    assert http_error(CapacityExhausted("x", 1, 2.5)).headers == {"Retry-After": "3"}
+    assert http_error(InvalidRequest("temperature", "bad")).param == "temperature"
+
+
+def test_the_model_field_names_the_deployment():
+    assert _model_of({"model": "smollm2", "messages": []}) == "smollm2"
+    for body, field in (({"messages": []}, "model"), ({"model": 5}, "model"), ({"model": ""}, "model"),
+                        (["x"], "body"), (None, "body")):
+        with pytest.raises(InvalidRequest) as info:
+            _model_of(body)
+        assert info.value.field == field
+
+
+def test_a_replica_failure_mid_stream_ends_with_an_error_event_then_done():
+    closed = []
+
+    async def items():
+        try:
+            yield b'data: {"a": 1}\n\n'
+            raise EngineError("replica atomr:d:r0 died mid-request")
+        finally:
+            closed.append(True)
+
+    async def main():
+        return [e async for e in _relay(items())]
+
+    events = asyncio.run(main())
+    assert events[0] == b'data: {"a": 1}\n\n'
+    error = json.loads(events[1].removeprefix(b"data: "))["error"]
+    assert error["code"] == "engine_error" and "died mid-request" in error["message"]
+    assert events[2] == b"data: [DONE]\n\n" and closed == [True]
