@@ -28,7 +28,7 @@ from atomr_infer.control.budget import (
     size_estimates,
     uses_gpus,
 )
-from atomr_infer.control.plan import Plan, plan_apply, plan_remove
+from atomr_infer.control.plan import Plan, check_names, plan_apply, plan_remove
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
 from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
 from atomr_infer.control.store import DeploymentRecord, StateStore
@@ -231,7 +231,8 @@ class DeploymentManager:
                 ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor()) for r in d.reconciler.ready_replicas()
             )
             s = d.spec.serving
-            deployments[name] = DeploymentRoute(name, s.max_concurrent, s.on_capacity_exhausted, ready)
+            aliases = tuple(s.openai.served_model_name)
+            deployments[name] = DeploymentRoute(name, s.max_concurrent, s.on_capacity_exhausted, ready, aliases)
         self._table = RoutingTable(self._table.version + 1, deployments)
         self._table_changed.set()
         self._table_changed = asyncio.Event()
@@ -263,6 +264,7 @@ class DeploymentManager:
                 self._metrics.applied(deployment.name, "unchanged")
                 return ApplyResult(deployment.name, False, current.record.generation, ("unchanged",))
             try:
+                check_names(deployment, [d.spec for n, d in self._desired.items() if n != deployment.name])
                 verdict = self._check(deployment, raise_on_fail=True)
                 self._check_engine_args(deployment)
             except Exception as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from atomr_infer.errors import SpecError, SpecProblem
 from atomr_infer.spec import Deployment, FieldChange, restarts_replicas, spec_changes, spec_hash
 
 
@@ -74,3 +75,14 @@ def plan_remove(old: Deployment | None, name: str) -> Plan:
     if old is None:
         return Plan(name, False, (Action("noop", f"no deployment named {name!r}; nothing to remove"),))
     return Plan(name, True, (Action("remove", f"drain and remove {_plural(old.replicas)}"),))
+
+
+def check_names(spec: Deployment, others: list[Deployment]) -> None:
+    """A name or alias answers for one deployment only: the OpenAI ``model`` routes by it."""
+    taken = {o.name: o.name for o in others}
+    for other in others:
+        taken.update({alias: other.name for alias in other.serving.openai.served_model_name})
+    for name in (spec.name, *spec.serving.openai.served_model_name):
+        if name in taken:
+            problem = f"{name!r} already names deployment {taken[name]!r}"
+            raise SpecError([SpecProblem(spec.name, "serving.openai.served_model_name", problem)])

@@ -25,11 +25,14 @@ from atomr_infer.engine.cpu import (
     size_kv_cache,
 )
 from atomr_infer.engine.device import Device, resolve_device
-from atomr_infer.errors import SpecError, SpecProblem
+from atomr_infer.errors import EngineError, SpecError, SpecProblem
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
 
 log = get_logger(__name__)
+# The vLLM releases atomr-infer is tested with (pyproject's cpu and gpu extras pin the same):
+# the replica runs vLLM's own OpenAI server and engine internals, which change between minors.
+SUPPORTED_VLLM = ">=0.32,<0.33"
 
 # VllmConfig fields passed to EngineArgs under the same name.
 _PASS_THROUGH = (
@@ -123,6 +126,18 @@ def as_cli_flags(args: dict[str, Any]) -> list[str]:
     return flags
 
 
+def check_vllm_version(installed: str, supported: str = SUPPORTED_VLLM) -> None:
+    """Refuse a vLLM outside the tested range, naming both (a replica fails to start)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    if Version(Version(installed).base_version) not in SpecifierSet(supported):
+        raise EngineError(
+            f"vLLM {installed} is installed where this replica runs, but atomr-infer supports vllm{supported} "
+            f"(hint: `make setup` installs it, or pip install 'vllm{supported}')"
+        )
+
+
 def check_extra_engine_args(deployment: Deployment, known: set[str]) -> None:
     """Reject ``extra_engine_args`` keys that ``EngineArgs`` does not have."""
     problems = []
@@ -165,9 +180,11 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
     say(f"resolving model {deployment.model}")
     resolved = resolve_model(deployment.model, cache_dir=deployment.runtime_config.hf_cache_dir, progress=say)
 
+    import vllm
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    check_vllm_version(vllm.__version__)
     check_extra_engine_args(deployment, {f.name for f in dataclasses.fields(EngineArgs)})
     kv = cpu_kv_cache(deployment, resolved.path) if device == "cpu" else None
     args = engine_args(deployment, str(resolved.path), device, kv.bytes if kv else None)

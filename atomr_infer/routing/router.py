@@ -111,10 +111,10 @@ class Router:
         deadline = started + self._wait_s  # for a ready replica to appear
         queue_deadline = None if self._queue_timeout_s is None else started + self._queue_timeout_s
         table = await self.refresh()
-        if name not in table.deployments:
+        if table.find(name) is None:
             table = await self.refresh(force=True)
         while True:
-            dep = table.deployments.get(name)
+            dep = table.find(name)
             if dep is None:
                 raise DeploymentNotFound(name, sorted(table.deployments))
             usable = [r for r in dep.replicas if r.actor_name not in self._excluded]

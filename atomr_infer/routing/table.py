@@ -19,9 +19,17 @@ class DeploymentRoute:
     max_concurrent: int
     on_capacity_exhausted: str  # "queue" | "reject"
     replicas: tuple[ReplicaRoute, ...] = ()  # ready replicas only
+    aliases: tuple[str, ...] = ()  # serving.openai.served_model_name: more names it answers to
 
 
 @dataclass(frozen=True)
 class RoutingTable:
     version: int
     deployments: dict[str, DeploymentRoute] = field(default_factory=dict)
+
+    def find(self, name: str) -> DeploymentRoute | None:
+        """The deployment called ``name``, or answering to it as an alias."""
+        found = self.deployments.get(name)
+        if found is None:
+            found = next((d for d in self.deployments.values() if name in d.aliases), None)
+        return found

@@ -49,6 +49,29 @@ def test_runtime_key_ignores_in_place_and_scale_fields():
     assert runtime_key(base, 0) != runtime_key(base, 1)
 
 
+def test_vllm_server_options_roll_the_replicas_and_plan_agrees_with_the_runtime_key():
+    base = spec()
+    changed = spec(serving={"openai": {"tool_call_parser": "hermes", "enable_auto_tool_choice": True}})
+    plan = plan_apply(base, changed)
+    assert plan.restart and "serving.openai.tool_call_parser" in plan.summary
+    assert runtime_key(base, 0) != runtime_key(changed, 0)  # the replicas do roll
+    limits = spec(serving={"max_concurrent": 3, "on_capacity_exhausted": "reject"})
+    assert not plan_apply(base, limits).restart and runtime_key(base, 0) == runtime_key(limits, 0)
+
+
+def test_a_name_or_alias_answers_for_one_deployment_only():
+    from atomr_infer.control.plan import check_names
+    from atomr_infer.errors import SpecError
+
+    other = Deployment.model_validate(
+        {"name": "other", "model": "org/m", "serving": {"openai": {"served_model_name": ["shared"]}}}
+    )
+    check_names(spec(serving={"openai": {"served_model_name": ["mine"]}}), [other])
+    for clash in ("shared", "other"):
+        with pytest.raises(SpecError, match=f"'{clash}' already names deployment 'other'"):
+            check_names(spec(serving={"openai": {"served_model_name": [clash]}}), [other])
+
+
 def test_remove_plans():
     assert not plan_remove(None, "x").changed
     assert plan_remove(spec(replicas=3), "d").summary == "drain and remove 3 replicas"

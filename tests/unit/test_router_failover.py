@@ -135,3 +135,21 @@ def test_when_every_replica_is_gone_the_request_waits_for_a_replacement():
         return await asyncio.wait_for(task, 5)
 
     assert asyncio.run(main()) == "from r2"
+
+
+def test_an_alias_routes_to_its_deployment():
+    replica = FakeReplica("r0")
+    table = RoutingTable(1, {"d": DeploymentRoute("d", 8, "queue", (route(replica),), aliases=("smol", "tiny"))})
+
+    async def source(version):
+        return table if version != table.version else None
+
+    async def main():
+        router = Router(source)
+        return [await text_of_model(router, name) for name in ("d", "smol", "tiny")]
+
+    assert asyncio.run(main()) == ["from r0"] * 3
+
+
+async def text_of_model(router: Router, name: str) -> str:
+    return "".join([c.text_delta async for c in router.stream(name, {"prompt": "hi"})])

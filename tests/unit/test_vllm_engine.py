@@ -56,3 +56,17 @@ def test_the_user_may_override_the_core_process_choice(clean_env: pytest.MonkeyP
 def test_hf_cache_dir_is_exported_before_vllm_is_imported(clean_env: pytest.MonkeyPatch) -> None:
     prepare_environment(deployment(hf_cache_dir="/data/hf"), "cpu")
     assert os.environ["HF_HUB_CACHE"] == "/data/hf"
+
+
+def test_a_vllm_outside_the_tested_range_is_refused_naming_both_versions() -> None:
+    from atomr_infer.engine.vllm_engine import SUPPORTED_VLLM, check_vllm_version
+    from atomr_infer.errors import EngineError
+
+    for ok in ("0.32.0", "0.32.3", "0.32.0+cpu"):
+        check_vllm_version(ok)
+    with pytest.raises(EngineError) as info:
+        check_vllm_version("0.33.0")
+    assert "0.33.0" in str(info.value) and SUPPORTED_VLLM in str(info.value)
+    import vllm
+
+    check_vllm_version(vllm.__version__)  # what make setup installed is in the range
