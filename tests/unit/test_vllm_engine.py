@@ -70,3 +70,19 @@ def test_a_vllm_outside_the_tested_range_is_refused_naming_both_versions() -> No
     import vllm
 
     check_vllm_version(vllm.__version__)  # what make setup installed is in the range
+
+
+def test_unknown_parser_names_are_refused_with_a_suggestion() -> None:
+    from atomr_infer.engine.vllm_engine import check_server_options
+    from atomr_infer.errors import SpecError
+
+    def with_openai(**openai):
+        return parse_deployment({"name": "d", "model": "org/m", "serving": {"openai": openai}})
+
+    ok = with_openai(tool_call_parser="hermes", enable_auto_tool_choice=True, reasoning_parser="gemma4")
+    check_server_options(ok)
+    with pytest.raises(SpecError) as info:
+        check_server_options(with_openai(tool_call_parser="hermess", reasoning_parser="gemma5"))
+    fields = [p.field for p in info.value.problems]
+    assert fields == ["serving.openai.tool_call_parser", "serving.openai.reasoning_parser"]
+    assert "did you mean 'hermes'?" in str(info.value) and "'gemma5'" in str(info.value)
