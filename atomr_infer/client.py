@@ -1,36 +1,92 @@
-"""``Client``: call deployments by name from Python, routed straight to replicas.
+"""``Client``: the OpenAI API of your deployments from Python, routed straight to replicas.
 
     client = atomr_infer.Client()
-    print(client.chat("smollm2", [{"role": "user", "content": "Hi"}]).text)
+    reply = client.chat("smollm2", [{"role": "user", "content": "Hi"}], max_tokens=32)
+    print(reply.choices[0].message.content)
     for chunk in client.stream_chat("smollm2", messages):
-        print(chunk.text_delta, end="", flush=True)
+        print(chunk.choices[0].delta.content or "", end="", flush=True)
+
+Keyword arguments are the fields of the OpenAI request (``temperature``, ``tools``,
+``response_format``, vLLM's ``top_k``, ``ignore_eos``, …), checked by name here: a misspelt
+field raises ``TypeError`` in the caller, before anything is routed. Values are checked once,
+by vLLM in the replica, which answers with vLLM's own response types (``ChatCompletionResponse``,
+``ChatCompletionStreamResponse``, ``CompletionResponse``, ``EmbeddingResponse``), the same
+bodies ``atomr serve`` returns. Errors raise atomr's typed errors (``InvalidRequest`` for
+vLLM's 400s, naming the field).
 
 The client holds its own ``Router`` (cached routing table, power-of-two choices), so requests
-go from this process to a replica without passing through the manager. The async methods
-(``acomplete``, ``achat``, ``astream_chat``) run on the caller's event loop; the sync ones
-run on a private loop thread. Leaving a stream early (``break``, an exception, Ctrl-C)
-aborts the request in the engine.
+go from this process to a replica without passing through the manager or an HTTP server. The
+async methods run on the caller's event loop; the sync ones on a private loop thread. Leaving
+a stream early (``break``, an exception, Ctrl-C) aborts the request in the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import difflib
+import json
 import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from atomr_infer.replica.request import Chunk, Usage
+from atomr_infer.errors import AtomrError, EngineError, InvalidRequest, RequestError
+from atomr_infer.replica.openai_app import HttpHead, HttpRequest
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import RoutingTable
 
+_JSON = (("content-type", "application/json"),)
+
 
 @dataclass(frozen=True)
-class Completion:
-    text: str
-    finish_reason: str | None
-    usage: Usage | None
+class _Endpoint:
+    path: str
+    request: str  # vLLM's request model, "module:Class"
+    response: str
+    chunk: str | None  # the streamed chunk model, if the endpoint streams
+
+    def model(self, which: str) -> Any:
+        import importlib
+
+        module, _, cls = getattr(self, which).partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+_CHAT = "vllm.entrypoints.openai.chat_completion.protocol"
+_COMPLETION = "vllm.entrypoints.openai.completion.protocol"
+_EMBED = "vllm.entrypoints.pooling.embed.protocol"
+CHAT = _Endpoint("/v1/chat/completions", f"{_CHAT}:ChatCompletionRequest", f"{_CHAT}:ChatCompletionResponse",
+                 f"{_CHAT}:ChatCompletionStreamResponse")
+COMPLETION = _Endpoint("/v1/completions", f"{_COMPLETION}:CompletionRequest", f"{_COMPLETION}:CompletionResponse",
+                       f"{_COMPLETION}:CompletionStreamResponse")
+EMBEDDING = _Endpoint("/v1/embeddings", f"{_EMBED}:EmbeddingCompletionRequest", f"{_EMBED}:EmbeddingResponse", None)
+
+
+def _body(endpoint: _Endpoint, name: str, fields: dict[str, Any]) -> bytes:
+    """The request body, after checking every field name against vLLM's request model."""
+    known = set(endpoint.model("request").model_fields)
+    for key in fields:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"{endpoint.path}: unknown request field {key!r}{hint}")
+    return json.dumps({"model": name, **fields}).encode()
+
+
+def _error(status: int, body: bytes) -> AtomrError:
+    """vLLM's error response as atomr's typed error."""
+    try:
+        info = json.loads(body)["error"]
+        message, param = str(info.get("message")), info.get("param")
+    except (ValueError, KeyError, TypeError):
+        message, param = body.decode(errors="replace")[:500], None
+    if status in (400, 422):
+        return InvalidRequest(param or "request", message)
+    if status < 500:
+        return RequestError(f"HTTP {status}: {message}")
+    return EngineError(f"HTTP {status}: {message}")
 
 
 class Client:
@@ -55,20 +111,55 @@ class Client:
 
     # -- async -------------------------------------------------------------------------------
 
-    async def astream(self, name: str, request: dict[str, Any]) -> AsyncIterator[Chunk]:
-        """Chunks of one request (a ``GenerateRequest`` as a dict)."""
-        async for chunk in self._router().stream(name, request):
+    async def _send(self, endpoint: _Endpoint, name: str, fields: dict[str, Any]) -> Any:
+        request = HttpRequest("POST", endpoint.path, _JSON, _body(endpoint, name, fields))
+        async with contextlib.aclosing(self._router().stream(name, request, method="http")) as items:
+            head: HttpHead = await anext(items)
+            body = b"".join([piece async for piece in items])
+        if head.status != 200:
+            raise _error(head.status, body)
+        return endpoint.model("response").model_validate_json(body)
+
+    async def _stream(self, endpoint: _Endpoint, name: str, fields: dict[str, Any]) -> AsyncIterator[Any]:
+        request = HttpRequest("POST", endpoint.path, _JSON, _body(endpoint, name, {**fields, "stream": True}))
+        chunk_model = endpoint.model("chunk")
+        async with contextlib.aclosing(self._router().stream(name, request, method="http")) as items:
+            head: HttpHead = await anext(items)
+            if head.status != 200:
+                raise _error(head.status, b"".join([piece async for piece in items]))
+            pending = b""
+            async for piece in items:
+                pending += piece
+                while b"\n\n" in pending:
+                    event, pending = pending.split(b"\n\n", 1)
+                    data = event.removeprefix(b"data: ").strip()
+                    if data == b"[DONE]":
+                        return
+                    parsed = json.loads(data)
+                    if "error" in parsed:  # vLLM's in-band error after the stream started
+                        raise _error(int(parsed["error"].get("code") or 500), data)
+                    yield chunk_model.model_validate(parsed)
+
+    async def achat(self, name: str, messages: list[dict[str, Any]], **fields: Any) -> Any:
+        """vLLM's ``ChatCompletionResponse`` for ``messages``."""
+        return await self._send(CHAT, name, {"messages": messages, **fields})
+
+    async def astream_chat(self, name: str, messages: list[dict[str, Any]], **fields: Any) -> AsyncIterator[Any]:
+        """vLLM's ``ChatCompletionStreamResponse`` chunks, as the engine produces them."""
+        async for chunk in self._stream(CHAT, name, {"messages": messages, **fields}):
             yield chunk
 
-    async def astream_chat(self, name: str, messages: list[dict[str, str]], **sampling: Any) -> AsyncIterator[Chunk]:
-        async for chunk in self.astream(name, {"messages": messages, **sampling}):
+    async def acomplete(self, name: str, prompt: str | list[str], **fields: Any) -> Any:
+        """vLLM's ``CompletionResponse`` for ``prompt`` (a string, or several)."""
+        return await self._send(COMPLETION, name, {"prompt": prompt, **fields})
+
+    async def astream_complete(self, name: str, prompt: str | list[str], **fields: Any) -> AsyncIterator[Any]:
+        async for chunk in self._stream(COMPLETION, name, {"prompt": prompt, **fields}):
             yield chunk
 
-    async def achat(self, name: str, messages: list[dict[str, str]], **sampling: Any) -> Completion:
-        return await _collect(self.astream(name, {"messages": messages, **sampling}))
-
-    async def acomplete(self, name: str, prompt: str, **sampling: Any) -> Completion:
-        return await _collect(self.astream(name, {"prompt": prompt, **sampling}))
+    async def aembed(self, name: str, input: str | list[str], **fields: Any) -> Any:  # noqa: A002 - OpenAI's name
+        """vLLM's ``EmbeddingResponse`` (a deployment with ``runtime_config.runner: pooling``)."""
+        return await self._send(EMBEDDING, name, {"input": input, **fields})
 
     # -- sync --------------------------------------------------------------------------------
 
@@ -79,14 +170,22 @@ class Client:
                 threading.Thread(target=self._loop.run_forever, name="atomr-client", daemon=True).start()
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def complete(self, name: str, prompt: str, **sampling: Any) -> Completion:
-        return self._run(self.acomplete(name, prompt, **sampling)).result()
+    def chat(self, name: str, messages: list[dict[str, Any]], **fields: Any) -> Any:
+        return self._run(self.achat(name, messages, **fields)).result()
 
-    def chat(self, name: str, messages: list[dict[str, str]], **sampling: Any) -> Completion:
-        return self._run(self.achat(name, messages, **sampling)).result()
+    def complete(self, name: str, prompt: str | list[str], **fields: Any) -> Any:
+        return self._run(self.acomplete(name, prompt, **fields)).result()
 
-    def stream(self, name: str, request: dict[str, Any]) -> Iterator[Chunk]:
-        agen = self.astream(name, request)
+    def embed(self, name: str, input: str | list[str], **fields: Any) -> Any:  # noqa: A002
+        return self._run(self.aembed(name, input, **fields)).result()
+
+    def stream_chat(self, name: str, messages: list[dict[str, Any]], **fields: Any) -> Iterator[Any]:
+        return self._sync(self.astream_chat(name, messages, **fields))
+
+    def stream_complete(self, name: str, prompt: str | list[str], **fields: Any) -> Iterator[Any]:
+        return self._sync(self.astream_complete(name, prompt, **fields))
+
+    def _sync(self, agen: AsyncIterator[Any]) -> Iterator[Any]:
         try:
             while True:
                 try:
@@ -96,21 +195,10 @@ class Client:
         finally:
             # Runs on break, errors and KeyboardInterrupt: closing the async generator makes
             # the router cancel the replica's generator, which aborts the engine request.
-            self._run(agen.aclose()).result(timeout=10)
-
-    def stream_chat(self, name: str, messages: list[dict[str, str]], **sampling: Any) -> Iterator[Chunk]:
-        return self.stream(name, {"messages": messages, **sampling})
+            self._run(agen.aclose()).result(timeout=10)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
 
-
-async def _collect(chunks: AsyncIterator[Chunk]) -> Completion:
-    parts: list[str] = []
-    last: Chunk | None = None
-    async for chunk in chunks:
-        parts.append(chunk.text_delta)
-        last = chunk
-    return Completion("".join(parts), last.finish_reason if last else None, last.usage if last else None)

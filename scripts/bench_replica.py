@@ -5,7 +5,8 @@
 
 (a) raw ``vllm.LLM.generate`` of N prompts x T tokens (ignore_eos), in its own process;
 (b) the same N requests sent concurrently to a ``VllmReplica`` actor from this driver;
-(c) the same through ``atomr_infer.Client`` (manager routing table → router → replica).
+(c) the same through ``atomr_infer.Client`` (manager routing table → router → the replica's
+    vLLM OpenAI server, streamed completions as ``atomr serve`` answers them).
 All three use identical engine arguments (deployments/smollm2.yaml); (a) is ``vllm.LLM`` as a
 user gets it (its engine core in a process of its own), while the replica of (b) and (c) runs
 the core in its step loop's thread, as atomr does on CPU. Prints output tokens/s
@@ -23,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -59,6 +61,7 @@ def raw_main(sizes: list[int], tokens: int) -> None:
 
 
 async def through(stream_fn, n: int, tokens: int) -> float:
+    """Output tokens/s of n concurrent requests; stream_fn(request) yields objects with token_ids."""
     async def one(p: str) -> int:
         count = 0
         async for chunk in stream_fn({"prompt": p, "max_tokens": tokens, "ignore_eos": True, "temperature": 0}):
@@ -113,15 +116,22 @@ def main() -> None:
             async for ref in replica.generate.remote(req):
                 yield await ref
 
+        async def via_client(req):
+            # The OpenAI path (vLLM's serving layer in the replica, SSE back): count the usage.
+            prompt = req.pop("prompt")
+            async for chunk in client.astream_complete(d.name, prompt, **req, stream_options={"include_usage": True}):
+                if chunk.usage is not None:
+                    yield types.SimpleNamespace(token_ids=range(chunk.usage.completion_tokens))
+
         async def run_all():
             await through(via_replica, 4, 8)  # warm up both paths
-            await through(lambda r: client.astream(d.name, r), 4, 8)
+            await through(via_client, 4, 8)
             rep, cli = {}, {}
             for n in sizes:
                 rep[n] = await through(via_replica, n, opts.tokens)
                 print(f"(b) VllmReplica actor, {n} prompts: {rep[n]:.1f} tok/s", flush=True)
             for n in sizes:
-                cli[n] = await through(lambda r: client.astream(d.name, r), n, opts.tokens)
+                cli[n] = await through(via_client, n, opts.tokens)
                 print(f"(c) Client (router), {n} prompts: {cli[n]:.1f} tok/s", flush=True)
             return rep, cli
 

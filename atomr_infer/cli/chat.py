@@ -143,11 +143,14 @@ async def _stream(client: Any, name: str, messages: list[dict[str, str]], sampli
 
     async def consume() -> None:
         async for chunk in client.astream_chat(name, messages, **sampling):
-            if chunk.text_delta:
-                sys.stdout.write(chunk.text_delta)
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            if choice.delta.content:
+                sys.stdout.write(choice.delta.content)
                 sys.stdout.flush()
-                parts.append(chunk.text_delta)
-            finish[0] = chunk.finish_reason or finish[0]
+                parts.append(choice.delta.content)
+            finish[0] = choice.finish_reason or finish[0]
 
     loop = asyncio.get_running_loop()
     task = loop.create_task(consume())

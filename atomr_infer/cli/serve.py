@@ -28,7 +28,8 @@ def serve_command(
         server = run_server(host, port, address, blocking=True, replica_wait_s=replica_wait)
     except Exception as exc:  # noqa: BLE001 - one line, the CLI's exit codes
         fail(exc)
-    out.print(f"OpenAI-compatible API at {server.url} (routes /v1/chat/completions, /v1/completions, /v1/models)")
+    routes = "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /tokenize, /detokenize"
+    out.print(f"OpenAI-compatible API at {server.url} (routes {routes})")
     out.print(f'openai client: OpenAI(base_url="{server.base_url}", api_key="unused")')
     out.print("Ctrl-C to stop.")
     stop = threading.Event()

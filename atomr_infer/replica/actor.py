@@ -5,9 +5,17 @@ the engine. Requests enter through the loop's inbox; each engine step's outputs 
 with a single ``call_soon_threadsafe`` and are spread over the per-request streams. A stream
 is registered *before* its request is submitted, so no output can arrive for an unknown id.
 
+Two ways in, one engine and one step loop behind both:
+- ``http(HttpRequest)``: the OpenAI API. vLLM's own server app runs in the replica over an
+  engine client that submits to the step loop (replica/openai_app.py, engine_client.py); the
+  HTTP ingress and ``Client`` use it, so every field ``vllm serve`` accepts works.
+- ``generate(request)``: token-level ``Chunk``s for a prompt or messages, with our own small
+  request type. It needs only the four-method engine contract (engine/protocol.py), so an engine
+  that is not vLLM, or a test's scripted engine, is served through it.
+
 Cancellation: when the caller cancels the Ray generator (``ray.cancel``), Ray cancels the
-``generate`` coroutine; its ``finally`` aborts the request in the engine, which happens at
-the start of the next loop turn, i.e. within one engine step.
+method's coroutine; its ``finally`` aborts the request in the engine, which happens at the
+start of the next loop turn, i.e. within one engine step.
 """
 
 from __future__ import annotations
@@ -34,11 +42,12 @@ from atomr_infer.replica.engine_info import (
     start_failure_recurs,
 )
 from atomr_infer.replica.openai_app import HttpHead, HttpRequest, OpenAIApp
+from atomr_infer.replica.periodic import run_every
 from atomr_infer.replica.prompt import PromptBuilder
 from atomr_infer.replica.request import Chunk, GenerateRequest, Usage, parse_request
 from atomr_infer.replica.stats import ReplicaStats, StatsCollector
 from atomr_infer.replica.step_loop import StepLoop
-from atomr_infer.replica.stream import RequestStream
+from atomr_infer.replica.stream import RequestStream, finish_reason, new_tokens
 from atomr_infer.spec import Deployment, parse_deployment
 
 EngineFactoryFor = Callable[[Deployment, Callable[[str], None]], Engine]
@@ -157,10 +166,10 @@ class VllmReplica:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted meanwhile
                 continue
-            stream.put(out, sum(len(getattr(c, "token_ids", ())) for c in _completions(out)))
+            stream.put(out, new_tokens(out))
             if out.finished:
                 self._stats.finished(stream)
-                self._request_finished(stream, _finish_reason(out))
+                self._request_finished(stream, finish_reason(out))
 
     def _request_finished(self, s: RequestStream, finish: str) -> None:
         self._metrics.request_finished(
@@ -217,11 +226,11 @@ class VllmReplica:
         self._aloop = self._aloop or asyncio.get_running_loop()
         if self._gauge_task is None and self._metrics.enabled:
             self._gauge_task = self._aloop.create_task(
-                _run_every(weakref.ref(self), GAUGE_PERIOD_S, VllmReplica._publish_gauges)
+                run_every(weakref.ref(self), GAUGE_PERIOD_S, VllmReplica._publish_gauges)
             )
         if self._watchdog_task is None:
             self._watchdog_task = self._aloop.create_task(
-                _run_every(weakref.ref(self), WATCHDOG_PERIOD_S, VllmReplica._check_progress)
+                run_every(weakref.ref(self), WATCHDOG_PERIOD_S, VllmReplica._check_progress)
             )
         if not self._ready.is_set():
             ok = await asyncio.to_thread(self._ready.wait, timeout)
@@ -385,33 +394,6 @@ class VllmReplica:
         if self._metrics.enabled:
             self._publish_gauges()
         self._log.info("replica_stopped")
-
-
-async def _run_every(
-    replica_ref: weakref.ref[VllmReplica], period_s: float, check: Callable[[VllmReplica], None]
-) -> None:
-    """Call ``check(replica)`` every ``period_s`` until the replica stops; holds only a weak
-    reference, so the task never keeps a replica alive. A failing check logs and goes on."""
-    while True:
-        replica = replica_ref()
-        if replica is None or replica._stopped:
-            return
-        try:
-            check(replica)
-        except Exception as exc:  # noqa: BLE001 - metrics and the watchdog never take a replica down
-            replica._log.warning("periodic_check_failed", check=check.__name__, error=repr(exc))
-        del replica
-        await asyncio.sleep(period_s)
-
-
-def _completions(out: Any) -> Any:
-    completions = getattr(out, "outputs", ())
-    return completions if isinstance(completions, list) else ()
-
-
-def _finish_reason(out: Any) -> str:
-    completions = _completions(out)
-    return (completions[0].finish_reason if completions else None) or "stop"
 
 
 def replica_actor_class() -> Any:

@@ -82,3 +82,17 @@ class RequestStream:
                     return
             elif self._error is not None:
                 raise self._error
+
+
+def new_tokens(output: Any) -> int:
+    """Tokens an engine step's output adds (DELTA: this step's; FINAL_ONLY: all)."""
+    completions = getattr(output, "outputs", ())
+    if not isinstance(completions, list):  # a pooling output: no generated tokens
+        return 0
+    return sum(len(getattr(c, "token_ids", ())) for c in completions)
+
+
+def finish_reason(output: Any) -> str:
+    completions = getattr(output, "outputs", ())
+    first = completions[0] if isinstance(completions, list) and completions else None
+    return getattr(first, "finish_reason", None) or "stop"

@@ -39,7 +39,7 @@ def test_bare_cpu_spec_deploys_sizes_itself_and_answers(manager, smollm2):
             answer = client.chat(name, [{"role": "user", "content": "What is the capital of France?"}], max_tokens=16)
         finally:
             client.close()
-        assert answer.text and answer.usage.completion_tokens > 0
+        assert answer.choices[0].message.content and answer.usage.completion_tokens > 0
     finally:
         ray.get(manager.remove.remote(name))
 

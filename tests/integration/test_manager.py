@@ -41,6 +41,11 @@ def live_ids(status) -> dict[str, str]:
     return {r["replica_id"]: r["actor_id"] for r in status["replicas"] if r["state"] in ("starting", "ready")}
 
 
+def text(reply) -> str:
+    """The answer in a chat completion (vLLM's ChatCompletionResponse)."""
+    return reply.choices[0].message.content
+
+
 def raised(fn) -> BaseException:
     with pytest.raises(Exception) as info:
         fn()
@@ -77,7 +82,7 @@ def test_apply_twice_keeps_the_same_actors(manager, mgr, client):
     result = ray.get(manager.apply.remote(d))
     assert not result.changed and result.generation == 1 and result.actions == ("unchanged",)
     assert live_ids(ray.get(manager.status.remote(NAME))) == before
-    assert "Paris" in client.chat(NAME, ASK, temperature=0, max_tokens=24).text
+    assert "Paris" in text(client.chat(NAME, ASK, temperature=0, max_tokens=24))
 
 
 def test_plan_reports_and_changes_nothing(manager, mgr):
@@ -164,7 +169,7 @@ def test_killed_replica_under_load_costs_no_later_request(manager, mgr, client):
     # Every request sent while the other replica is ready succeeds, although the manager's
     # table lists the dead replica until it notices.
     answers = [client.chat(NAME, ASK, temperature=0, max_tokens=4) for _ in range(8)]
-    assert all(a.text for a in answers)
+    assert all(text(a) for a in answers)
     for s in streams:
         s.close()
     deadline = time.monotonic() + 300
@@ -178,7 +183,7 @@ def test_killed_replica_under_load_costs_no_later_request(manager, mgr, client):
         raise AssertionError(f"not replaced: {status}")
     # Why it was replaced stays visible in status.
     assert status["last_failure"].startswith(victim["replica_id"]), status["last_failure"]
-    assert "Paris" in client.chat(NAME, ASK, temperature=0, max_tokens=24).text
+    assert "Paris" in text(client.chat(NAME, ASK, temperature=0, max_tokens=24))
     ray.get(manager.apply.remote(spec(rc={"cpu_kvcache_space_gb": 0.25})))
     wait_converged(manager)
 
@@ -200,7 +205,7 @@ def test_killed_manager_comes_back_and_adopts_replicas(manager, mgr, client):
     client.chat(NAME, ASK, max_tokens=2)  # the client now holds a routing table
     ray.kill(manager, no_restart=False)  # Ray restarts it (max_restarts=-1)
     # Replicas keep serving while the manager is down: the client's cached table still works.
-    assert "Paris" in client.chat(NAME, ASK, temperature=0, max_tokens=24).text
+    assert "Paris" in text(client.chat(NAME, ASK, temperature=0, max_tokens=24))
     status = call_manager(manager.status, NAME)
     assert live_ids(status) == before  # same actor ids: adopted, not restarted
     assert status["generation"] >= 1
