@@ -112,7 +112,7 @@ def test_request_metrics_match_what_the_client_received(smollm2, smollm2_replica
     assert delta("ray_atomr_prompt_tokens_total") == prompt_tokens
     assert delta("ray_atomr_requests_started_total") == n
     assert delta("ray_atomr_requests_finished_total") == n
-    reasons = {c.finish_reason for c in completions}
+    reasons = {c.choices[0].finish_reason for c in completions}
     assert sum(delta("ray_atomr_requests_finished_total", finish_reason=r) for r in reasons) == n
     assert delta(ttft) == n
     assert delta("ray_atomr_e2e_request_latency_seconds_count") == n
