@@ -64,9 +64,9 @@ COMPLETION = _Endpoint("/v1/completions", f"{_COMPLETION}:CompletionRequest", f"
 EMBEDDING = _Endpoint("/v1/embeddings", f"{_EMBED}:EmbeddingCompletionRequest", f"{_EMBED}:EmbeddingResponse", None)
 
 
-def _body(endpoint: _Endpoint, name: str, fields: dict[str, Any]) -> bytes:
+def _body(endpoint: _Endpoint, name: str, fields: dict[str, Any], check: bool = True) -> bytes:
     """The request body, after checking every field name against vLLM's request model."""
-    known = set(endpoint.model("request").model_fields)
+    known = set(endpoint.model("request").model_fields) if check else set(fields)
     for key in fields:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
@@ -120,9 +120,12 @@ class Client:
             raise _error(head.status, body)
         return endpoint.model("response").model_validate_json(body)
 
-    async def _stream(self, endpoint: _Endpoint, name: str, fields: dict[str, Any]) -> AsyncIterator[Any]:
-        request = HttpRequest("POST", endpoint.path, _JSON, _body(endpoint, name, {**fields, "stream": True}))
-        chunk_model = endpoint.model("chunk")
+    async def _stream(
+        self, endpoint: _Endpoint, name: str, fields: dict[str, Any], typed: bool = True
+    ) -> AsyncIterator[Any]:
+        body = _body(endpoint, name, {**fields, "stream": True}, check=typed)
+        request = HttpRequest("POST", endpoint.path, _JSON, body)
+        chunk_model = endpoint.model("chunk") if typed else None
         async with contextlib.aclosing(self._router().stream(name, request, method="http")) as items:
             head: HttpHead = await anext(items)
             if head.status != 200:
@@ -138,7 +141,7 @@ class Client:
                     parsed = json.loads(data)
                     if "error" in parsed:  # vLLM's in-band error after the stream started
                         raise _error(int(parsed["error"].get("code") or 500), data)
-                    yield chunk_model.model_validate(parsed)
+                    yield chunk_model.model_validate(parsed) if chunk_model is not None else parsed
 
     async def achat(self, name: str, messages: list[dict[str, Any]], **fields: Any) -> Any:
         """vLLM's ``ChatCompletionResponse`` for ``messages``."""
@@ -147,6 +150,14 @@ class Client:
     async def astream_chat(self, name: str, messages: list[dict[str, Any]], **fields: Any) -> AsyncIterator[Any]:
         """vLLM's ``ChatCompletionStreamResponse`` chunks, as the engine produces them."""
         async for chunk in self._stream(CHAT, name, {"messages": messages, **fields}):
+            yield chunk
+
+    async def astream_chat_events(
+        self, name: str, messages: list[dict[str, Any]], **fields: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The same chunks as plain JSON dicts, fields unchecked: for light callers (``atomr
+        chat``) that should not import vLLM (seconds, on a small machine) to print text."""
+        async for chunk in self._stream(CHAT, name, {"messages": messages, **fields}, typed=False):
             yield chunk
 
     async def acomplete(self, name: str, prompt: str | list[str], **fields: Any) -> Any:

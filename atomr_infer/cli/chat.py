@@ -142,15 +142,16 @@ async def _stream(client: Any, name: str, messages: list[dict[str, str]], sampli
     """Run the stream as a task that Ctrl-C cancels; True if it was interrupted."""
 
     async def consume() -> None:
-        async for chunk in client.astream_chat(name, messages, **sampling):
-            if not chunk.choices:
+        async for chunk in client.astream_chat_events(name, messages, **sampling):
+            if not chunk.get("choices"):
                 continue
-            choice = chunk.choices[0]
-            if choice.delta.content:
-                sys.stdout.write(choice.delta.content)
+            choice = chunk["choices"][0]
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                sys.stdout.write(text)
                 sys.stdout.flush()
-                parts.append(choice.delta.content)
-            finish[0] = choice.finish_reason or finish[0]
+                parts.append(text)
+            finish[0] = choice.get("finish_reason") or finish[0]
 
     loop = asyncio.get_running_loop()
     task = loop.create_task(consume())

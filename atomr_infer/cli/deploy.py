@@ -103,8 +103,9 @@ def _wait(manager, names: list[str], timeout: float) -> int:  # noqa: ANN001
         return EXIT_OK
     for name, reason in outcome.failed.items():
         then = (
-            "it will recur, so the manager stopped retrying: fix the spec and deploy it again"
-            if name in outcome.gave_up
+            "the engine refused this spec, so it will recur: the manager tries 3 times and stops; "
+            "fix the spec and deploy it again"
+            if name in outcome.recurring
             else f"the manager retries with backoff, `atomr remove {name}` stops it"
         )
         report(AtomrError(f"deployment {name!r} failed: {reason} (hint: `atomr logs {name}`; {then})"))

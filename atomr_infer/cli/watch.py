@@ -27,7 +27,7 @@ POLL_S = 0.5
 class Outcome:
     ready: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # name -> reason
-    gave_up: list[str] = field(default_factory=list)  # failed for good: the manager stopped retrying
+    recurring: list[str] = field(default_factory=list)  # failures that will recur: the manager stops retrying
     pending: list[str] = field(default_factory=list)  # still not ready at the timeout
 
 
@@ -124,8 +124,8 @@ def wait_for(manager: Any, names: list[str], timeout_s: float) -> Outcome:
                     outcome.ready.append(name)
                 elif (reason := watch.failure(s)) is not None:
                     outcome.failed[name] = reason
-                    if s.get("failed"):
-                        outcome.gave_up.append(name)
+                    if s.get("failed") or s.get("failure_kind") == "recurring":
+                        outcome.recurring.append(name)
                 else:
                     outcome.pending.append(name)
             if not outcome.pending or time.monotonic() >= deadline:
