@@ -154,6 +154,28 @@ def replica_stats(replicas: list[dict[str, Any]], timeout_s: float = 2.0) -> dic
     return stats
 
 
+def waiting_reasons(replicas: list[dict[str, Any]], stats: dict[str, Any]) -> dict[str, str]:
+    """Why a starting replica that does not answer has not started: Ray has not placed its
+    actor yet (no node has the CPUs or GPUs it reserves). By actor name; best effort."""
+    pending = [r for r in replicas if r.get("state") == "starting" and r["actor_name"] not in stats]
+    if not pending:
+        return {}
+    try:
+        import ray
+        from ray.util.state import get_actor
+
+        gcs = ray.get_runtime_context().gcs_address  # else the state API guesses among local clusters
+        reasons = {}
+        for r in pending:
+            actor = get_actor(r["actor_id"], address=gcs, timeout=5) if r.get("actor_id") else None
+            if actor is not None and actor.state == "PENDING_CREATION":
+                need = ", ".join(f"{v:g} {k}" for k, v in sorted((actor.required_resources or {}).items()))
+                reasons[r["actor_name"]] = f"waiting for a node with {need} free" if need else "waiting to be placed"
+        return reasons
+    except Exception:  # noqa: BLE001 - informational: without it the state just reads "starting"
+        return {}
+
+
 def node_ips() -> dict[str, str]:
     """Node id → IP address, for the NODE column."""
     try:

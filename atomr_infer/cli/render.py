@@ -92,8 +92,10 @@ def replica_rows(
     nodes: dict[str, str],
     dashboard: str | None,
     now: float | None = None,
+    waiting: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """One flat dict per replica: what ``atomr status`` shows and ``--json`` prints."""
+    """One flat dict per replica: what ``atomr status`` shows and ``--json`` prints.
+    ``waiting``: why a starting replica has no phase yet (``common.waiting_reasons``)."""
     now = time.time() if now is None else now
     rows = []
     for s in statuses:
@@ -107,7 +109,7 @@ def replica_rows(
                     "actor_name": r["actor_name"],
                     "state": r["state"],
                     "reason": r.get("reason"),
-                    "phase": st.phase if st is not None else None,
+                    "phase": st.phase if st is not None else (waiting or {}).get(r["actor_name"]),
                     "generation": r["generation"],
                     "node_id": r.get("node_id"),
                     "node": nodes.get(r.get("node_id") or ""),

@@ -49,7 +49,8 @@ def status_command(
     replicas = [r for s in statuses for r in s["replicas"]]
     stats = common.replica_stats(replicas) if replicas else {}
     dashboard = common.dashboard_url()
-    rows = render.replica_rows(statuses, stats, common.node_ips(), dashboard)
+    waiting = common.waiting_reasons(replicas, stats)
+    rows = render.replica_rows(statuses, stats, common.node_ips(), dashboard, waiting=waiting)
     if as_json:
         data = [
             {

@@ -21,6 +21,7 @@ from atomr_infer.cli import common, render
 from atomr_infer.cli.app import out
 
 POLL_S = 0.5
+WAITING_AFTER_S = 5.0  # ask Ray why a replica is not placed only once placing it takes this long
 
 
 @dataclass
@@ -41,6 +42,7 @@ class _Watch:
         self.started = time.monotonic()
         self.first: dict[str, dict[str, Any] | None] = {}
         self.seen: dict[str, str] = {}  # replica key -> last printed state line
+        self.waiting: dict[str, str] = {}  # actor name -> why it is not placed yet
 
     def poll(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         import ray
@@ -48,7 +50,10 @@ class _Watch:
         refs = [self.manager.status.remote(n) for n in self.names]
         statuses = [s for s in ray.get(refs, timeout=30) if s is not None]
         replicas = [r for s in statuses for r in s["replicas"]]
-        return statuses, common.replica_stats(replicas, timeout_s=1.0)
+        stats = common.replica_stats(replicas, timeout_s=1.0)
+        if time.monotonic() - self.started > WAITING_AFTER_S:  # placing an actor takes a moment
+            self.waiting = common.waiting_reasons(replicas, stats)
+        return statuses, stats
 
     def failure(self, s: dict[str, Any]) -> str | None:
         """A failure that happened after the deploy began, else None."""
@@ -59,7 +64,7 @@ class _Watch:
         return None
 
     def lines(self, statuses: list[dict[str, Any]], stats: dict[str, Any]) -> list[Text]:
-        rows = render.replica_rows(statuses, stats, {}, None)
+        rows = render.replica_rows(statuses, stats, {}, None, waiting=self.waiting)
         elapsed = time.monotonic() - self.started
         out_lines = render.deployments_lines(statuses)
         if rows:
@@ -70,7 +75,7 @@ class _Watch:
     def changes(self, statuses: list[dict[str, Any]], stats: dict[str, Any]) -> list[str]:
         """Lines for what changed since the last poll (non-terminal output)."""
         news = []
-        for r in render.replica_rows(statuses, stats, {}, None):
+        for r in render.replica_rows(statuses, stats, {}, None, waiting=self.waiting):
             key = f"{r['deployment']}/{r['replica']}"
             if r["state"] == "starting" and r.get("phase") == "ready":
                 continue  # the engine is up; the manager marks it ready on its next pass

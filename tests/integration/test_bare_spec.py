@@ -76,3 +76,33 @@ def test_a_start_failure_that_will_recur_stops_retrying(manager):
         assert not ray.get(manager.status.remote(name))["failed"]
     finally:
         ray.get(manager.remove.remote(name))
+
+
+def test_a_replica_no_node_can_place_says_what_it_waits_for(manager, ray_cluster):
+    import atomr_infer.cli.app  # noqa: F401 - the CLI's modules import each other (issue 15): app first
+    from atomr_infer.cli import common
+
+    # Something outside atomr holds every free CPU: the replica's actor cannot be placed.
+    free = int(ray.available_resources().get("CPU", 0))
+    hog = ray.remote(num_cpus=free)(_Idle).remote() if free else None
+    name = "unplaceable"
+    try:
+        ray.get(manager.apply.remote(bare(name)))
+        deadline = time.monotonic() + 60
+        while True:
+            status = ray.get(manager.status.remote(name))
+            reasons = common.waiting_reasons(status["replicas"], {})
+            if reasons:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(1)
+        assert reasons == {f"atomr:{name}:r0": "waiting for a node with 1 CPU free"}, reasons
+    finally:
+        ray.get(manager.remove.remote(name))
+        if hog is not None:
+            ray.kill(hog)
+
+
+class _Idle:
+    def ping(self) -> str:
+        return "ok"
