@@ -59,11 +59,6 @@ class SSEResponse(StreamingResponse):
                 await aclose()
 
 
-async def _json_body(request: Request, max_bytes: int) -> Any:
-    raw = await read_body(request.stream(), request.headers.get("content-length"), max_bytes)
-    return parse_json(raw)
-
-
 # Set per connection by each server; never forwarded.
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "host", "keep-alive"})
 
