@@ -52,8 +52,8 @@ def test_wedged_step_fails_open_streams_and_health(ray_cluster, bundled_model_di
         for gen in gens:
             err = drain(gen)
             assert isinstance(err, EngineError) and "wedged" in str(err), repr(err)
-        # Found by the watchdog within the limit plus its period (and Ray's hops), not never.
-        assert time.monotonic() - started < STEP_TIMEOUT_S + 15
+        # Found by the watchdog, well within the minute the issue allows (its limit here is 3 s).
+        assert time.monotonic() - started < 60
         with pytest.raises(Exception) as info:
             ray.get(actor.health.remote(), timeout=10)  # health answers: it says the engine is stuck
         assert isinstance(unwrap(info.value), EngineError) and "has not returned" in str(unwrap(info.value))
