@@ -57,7 +57,6 @@ class DeploymentReconciler:
         self.replicas: list[ReplicaRecord] = []
         self.failures = 0
         self.recurring_failures = 0  # start failures that will recur, since the last success
-        self.gave_up = False  # failed: stopped starting replicas until the spec changes
         self.failure_kind = ""  # "recurring" | "transient", of the last failure
         self.next_start_at = 0.0
         self.last_failure = ""
@@ -77,13 +76,19 @@ class DeploymentReconciler:
         """Start again after the deployment failed (or clear the failure count)."""
         if self.gave_up:
             self._log.info("deployment_retry", last_failure=self.last_failure)
-        self.gave_up, self.failures, self.recurring_failures, self.next_start_at = False, 0, 0, 0.0
+        self.failures, self.recurring_failures, self.next_start_at = 0, 0, 0.0
 
     def adopt(self, record: ReplicaRecord) -> None:
         """Take over a replica found alive after a manager restart."""
         self.replicas.append(record)
         index = int(record.replica_id.lstrip("r") or 0)
         self._next_index = max(self._next_index, index + 1)
+
+    @property
+    def gave_up(self) -> bool:
+        """Failed: a start failure recurred ``max_start_failures`` times; nothing more is started
+        until the spec changes or is applied again."""
+        return self.recurring_failures >= self._cfg.max_start_failures
 
     @property
     def finished_removing(self) -> bool:
@@ -211,8 +216,7 @@ class DeploymentReconciler:
         self.failure_kind = "recurring" if recurring else "transient"
         if recurring:
             self.recurring_failures += 1
-            if self.recurring_failures >= self._cfg.max_start_failures and not self.gave_up:
-                self.gave_up = True
+            if self.recurring_failures == self._cfg.max_start_failures:
                 self._log.error("deployment_failed", tries=self.recurring_failures, last_failure=reason)
 
     def _set_state(self, r: ReplicaRecord, state: ReplicaState, now: float, reason: str = "") -> None:
