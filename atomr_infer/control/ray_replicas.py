@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from atomr_infer.cluster import NAMESPACE
 from atomr_infer.control.replicas import Poll
+from atomr_infer.engine.cpu import cpu_reservation
 from atomr_infer.errors import AtomrError, EngineStartFailed
 from atomr_infer.log import get_logger
 from atomr_infer.replica import replica_actor_class
@@ -168,7 +169,7 @@ class RayReplicaLauncher:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg)
             options.update(num_gpus=deployment.gpus, num_cpus=1)
         else:
-            options.update(num_gpus=0, num_cpus=1)
+            options.update(num_gpus=0, num_cpus=cpu_reservation(deployment))
         actor = replica_actor_class().options(**options).remote(
             deployment.model_dump(mode="json"), replica_id, **self._replica_kwargs
         )

@@ -18,11 +18,13 @@ from typing import Any
 from atomr_infer.engine.cpu import (
     KvCacheSize,
     cpu_dtype,
+    cpu_threads,
     explicit_kv_bytes,
     has_native_bf16,
     kv_bytes_per_token,
     model_max_len,
     size_kv_cache,
+    use_cpu_threads,
 )
 from atomr_infer.engine.device import Device, resolve_device
 from atomr_infer.errors import EngineError, SpecError, SpecProblem
@@ -208,12 +210,15 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
     check_vllm_version(vllm.__version__)
     check_extra_engine_args(deployment, {f.name for f in dataclasses.fields(EngineArgs)})
     kv = cpu_kv_cache(deployment, resolved.path) if device == "cpu" else None
+    threads = cpu_threads(deployment) if device == "cpu" else None
+    if threads is not None:
+        use_cpu_threads(threads)
     args = engine_args(deployment, str(resolved.path), device, kv.bytes if kv else None)
     log.info(
         "engine_building", deployment=deployment.name, device=device, model=str(resolved.path),
-        dtype=args.get("dtype"), kv_cache=str(kv) if kv else None,
+        dtype=args.get("dtype"), kv_cache=str(kv) if kv else None, threads=threads,
     )
-    say(f"starting vLLM engine on {device}" + (f" ({args['dtype']}, {kv})" if kv else ""))
+    say(f"starting vLLM engine on {device}" + (f" ({args['dtype']}, {threads} threads, {kv})" if kv else ""))
     return LLMEngine.from_engine_args(EngineArgs(**args))
 
 

@@ -83,6 +83,12 @@ class VllmConfig(_Strict):
         description="KV-cache size in GiB for the CPU backend (device: cpu). Set it: vLLM's CPU "
         "default asks for more memory than a small machine has.",
     )
+    cpu_threads: Annotated[StrictInt, Field(ge=1, le=1024)] | None = Field(
+        None,
+        description="Threads the model computes on for the CPU backend (torch/OpenMP); the "
+        "replica reserves as many Ray CPUs. Unset: the node's cores shared among the "
+        "deployment's replicas, with 1 Ray CPU reserved so that small machines still place them.",
+    )
     extra_engine_args: dict[StrictStr, Any] = Field(
         default_factory=dict,
         description="Any other vLLM EngineArgs field, passed through as is. Checked against "
@@ -91,7 +97,7 @@ class VllmConfig(_Strict):
 
     @model_validator(mode="after")
     def _no_shadowing(self) -> VllmConfig:
-        typed = set(type(self).model_fields) - {"extra_engine_args", "cpu_kvcache_space_gb"}
+        typed = set(type(self).model_fields) - {"extra_engine_args", "cpu_kvcache_space_gb", "cpu_threads"}
         owned = {name: f"runtime_config.{name}" for name in typed} | _ENGINE_ARGS_OWNED
         clash = sorted(set(owned) & set(self.extra_engine_args))
         if clash:

@@ -100,3 +100,16 @@ def test_context_length_comes_from_the_model_config_when_unset():
     assert model_max_len({"max_position_embeddings": 8192}) == 8192
     assert model_max_len({"text_config": {"max_position_embeddings": 32768}}) == 32768
     assert model_max_len({}) is None
+
+
+def test_cpu_threads_share_the_node_among_replicas_unless_the_spec_sets_them():
+    from atomr_infer.engine.cpu import cpu_reservation, cpu_threads
+
+    lone = parse_deployment({"name": "a", "model": "m", "device": "cpu"})
+    pair = parse_deployment({"name": "a", "model": "m", "device": "cpu", "replicas": 2})
+    three = parse_deployment({"name": "a", "model": "m", "device": "cpu", "replicas": 3})
+    assert (cpu_threads(lone, cores=8), cpu_threads(pair, cores=8), cpu_threads(three, cores=2)) == (8, 4, 1)
+    assert cpu_reservation(lone) == 1  # auto: placement as before, threads from the node
+    pinned = parse_deployment({"name": "a", "model": "m", "device": "cpu", "runtime_config": {"cpu_threads": 3}})
+    assert (cpu_threads(pinned, cores=16), cpu_reservation(pinned)) == (3, 3)
+    assert "cpu_threads" not in engine_args(pinned, "/m", "cpu", native_bf16=True)  # not a vLLM EngineArgs field

@@ -80,6 +80,7 @@ FULL: dict[str, Any] = {
 _OTHER_VALUE: dict[str, Any] = {
     "runtime_config.tensor_parallel_size": FULL["gpus"],  # unset in FULL; only gpus' value is valid
     "serving.openai.served_model_name": ["gemma", "gemma-4"],
+    "runtime_config.cpu_threads": 2,
 }
 
 
