@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Throughput of a VllmReplica (and the Client's router) against raw ``vllm.LLM``, in one run.
 
-    .venv/bin/python scripts/bench_replica.py [--sizes 64,256] [--tokens 64]
+    .venv/bin/python scripts/bench_replica.py [--sizes 64,256,1024:32] [--tokens 64]
+
+A size is N prompts, or N:T for N prompts of T tokens each (else --tokens).
 
 (a) raw ``vllm.LLM.generate`` of N prompts x T tokens (ignore_eos), in its own process;
 (b) the same N requests sent concurrently to a ``VllmReplica`` actor from this driver;
@@ -40,7 +42,16 @@ def spec():
     return load_deployments(os.path.join(REPO, "deployments", "smollm2.yaml"))[0]
 
 
-def raw_main(sizes: list[int], tokens: int) -> None:
+def parse_sizes(text: str, tokens: int) -> dict[int, int]:
+    """"64,1024:32" -> {64: tokens, 1024: 32}: prompts -> tokens per prompt."""
+    out = {}
+    for item in text.split(","):
+        n, _, t = item.partition(":")
+        out[int(n)] = int(t) if t else tokens
+    return out
+
+
+def raw_main(sizes: dict[int, int]) -> None:
     """Child process: raw vllm.LLM throughput for each size, as one JSON line."""
     from vllm import LLM, SamplingParams
 
@@ -49,10 +60,10 @@ def raw_main(sizes: list[int], tokens: int) -> None:
 
     args = engine_args(spec(), str(prepare_bundled("smollm2-135m-instruct")), "cpu")
     llm = LLM(**args)
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
-    llm.generate(["warm up"], params, use_tqdm=False)
+    llm.generate(["warm up"], SamplingParams(max_tokens=8), use_tqdm=False)
     out = {}
-    for n in sizes:
+    for n, tokens in sizes.items():
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
         started = time.perf_counter()
         results = llm.generate(prompts(n), params, use_tqdm=False)
         elapsed = time.perf_counter() - started
@@ -75,16 +86,16 @@ async def through(stream_fn, n: int, tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="64,256")
+    ap.add_argument("--sizes", default="64,256,1024:32")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--raw-child", action="store_true", help=argparse.SUPPRESS)
     opts = ap.parse_args()
-    sizes = [int(s) for s in opts.sizes.split(",")]
+    sizes = parse_sizes(opts.sizes, opts.tokens)
     if opts.raw_child:
-        raw_main(sizes, opts.tokens)
+        raw_main(sizes)
         return
 
-    print(f"(a) raw vllm.LLM, {opts.tokens} tokens per prompt ...", flush=True)
+    print(f"(a) raw vllm.LLM, {', '.join(f'{n}x{t}' for n, t in sizes.items())} prompts x tokens ...", flush=True)
     child = subprocess.run(
         [sys.executable, __file__, "--raw-child", "--sizes", opts.sizes, "--tokens", str(opts.tokens)],
         capture_output=True, text=True, check=True,
@@ -127,11 +138,11 @@ def main() -> None:
             await through(via_replica, 4, 8)  # warm up both paths
             await through(via_client, 4, 8)
             rep, cli = {}, {}
-            for n in sizes:
-                rep[n] = await through(via_replica, n, opts.tokens)
+            for n, tokens in sizes.items():
+                rep[n] = await through(via_replica, n, tokens)
                 print(f"(b) VllmReplica actor, {n} prompts: {rep[n]:.1f} tok/s", flush=True)
-            for n in sizes:
-                cli[n] = await through(via_client, n, opts.tokens)
+            for n, tokens in sizes.items():
+                cli[n] = await through(via_client, n, tokens)
                 print(f"(c) Client (router), {n} prompts: {cli[n]:.1f} tok/s", flush=True)
             return rep, cli
 
