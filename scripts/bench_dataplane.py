@@ -1,0 +1,225 @@
+#!/usr/bin/env python
+"""The data plane's own cost, on any CPU: an emulated engine at GPU rates behind a replica.
+
+    .venv/bin/python scripts/bench_dataplane.py [--streams 64,256,1024] [--step-ms 10]
+        [--tokens 200] [--paths router,client,http]
+
+The replica runs ``atomr_infer.engine.emulated``: vLLM's real front half (tokenizer, output
+processing, and vLLM's OpenAI server in the replica) over a core that steps every
+``--step-ms`` and emits one token for every running request. So the ideal rate is
+streams / step time whatever the CPU, and delivered/ideal is what the rest costs. For each
+number of streams, that many streamed completions of ``--tokens`` tokens are sent at once:
+- local: vLLM's OpenAI server over the same engine in this process, no transport at all (a
+  ``VllmReplica`` object, not an actor): the ceiling of vLLM's own front half on this CPU;
+- router: through a ``Router`` (what the Client and the ingress use), the SSE bytes counted
+  from the usage chunk without parsing every event;
+- tokens: through a ``Router`` to the replica's token-level path (``Chunk``s, no OpenAI serving
+  layer): what is left is vLLM's output processing and the transport;
+- client: ``Client.astream_complete`` (vLLM's chunk types, every event parsed);
+- http: ``atomr serve`` (Serve's proxy and our ingress) with httpx, like ``router``.
+delivered = completion tokens / wall time from the first request sent to the last token;
+ideal = tokens x step time (every stream running from the start). Compare ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+NAME = "emulated"
+
+
+def usage_tokens(tail: bytes) -> int:
+    """completion_tokens of the stream's usage chunk (the last data event before [DONE])."""
+    events = [e for e in tail.split(b"\n\n") if e.startswith(b"data: {")]
+    return int(json.loads(events[-1][6:])["usage"]["completion_tokens"])
+
+
+def body(i: int, tokens: int) -> bytes:
+    return json.dumps({
+        "model": NAME, "prompt": f"request {i}", "max_tokens": tokens, "stream": True,
+        "stream_options": {"include_usage": True},
+    }).encode()
+
+
+async def via_router(router, i: int, tokens: int) -> int:
+    from atomr_infer.replica.openai_app import HttpRequest
+
+    request = HttpRequest("POST", "/v1/completions", (("content-type", "application/json"),), body(i, tokens))
+    tail = b""
+    async for piece in router.stream(NAME, request, method="http"):
+        if isinstance(piece, bytes):
+            tail = (tail + piece)[-4096:]
+    return usage_tokens(tail)
+
+
+async def via_local(replica, i: int, tokens: int) -> int:
+    from atomr_infer.replica.openai_app import HttpRequest
+
+    request = HttpRequest("POST", "/v1/completions", (("content-type", "application/json"),), body(i, tokens))
+    tail = b""
+    async for piece in replica.http(request):
+        if isinstance(piece, bytes):
+            tail = (tail + piece)[-4096:]
+    return usage_tokens(tail)
+
+
+async def local_arm(model_dir: str, step_s: float, sizes: list[int], tokens: int) -> dict[int, float]:
+    """delivered/ideal with no transport: a VllmReplica object in this process."""
+    from atomr_infer.engine.emulated import emulated_engine_factory
+    from atomr_infer.replica.actor import VllmReplica
+
+    replica = VllmReplica(spec_of(model_dir), "local", engine_factory=emulated_engine_factory(model_dir, step_s))
+    await replica.ready(300)
+    try:
+        await measure(lambda i, t: via_local(replica, i, t), 4, 8, step_s)
+        out = {}
+        for n in sizes:
+            out[n] = await measure(lambda i, t: via_local(replica, i, t), n, tokens, step_s)
+            report("local", n, out[n], step_s)
+        return out
+    finally:
+        await replica.shutdown()
+
+
+def spec_of(model_dir: str):
+    from atomr_infer.spec import parse_deployment
+
+    return parse_deployment({"name": NAME, "model": model_dir, "device": "cpu", "serving": {"max_concurrent": 4096}})
+
+
+def report(path: str, n: int, ratio: float, step_s: float) -> None:
+    rate, ideal = ratio * n / step_s, n / step_s
+    print(f"{path:>7} {n:>5} streams: delivered/ideal {ratio:.3f} ({rate:,.0f} of {ideal:,.0f} tok/s)", flush=True)
+
+
+async def via_tokens(router, i: int, tokens: int) -> int:
+    """The token-level path (``Chunk``s: no OpenAI serving layer in the replica)."""
+    request = {"prompt": f"request {i}", "max_tokens": tokens, "ignore_eos": True}
+    return sum([len(chunk.token_ids) async for chunk in router.stream(NAME, request)])
+
+
+async def via_client(client, i: int, tokens: int) -> int:
+    count = 0
+    async for chunk in client.astream_complete(NAME, f"request {i}", max_tokens=tokens,
+                                               stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            count = chunk.usage.completion_tokens
+    return count
+
+
+async def via_http(http, url: str, i: int, tokens: int) -> int:
+    tail = b""
+    async with http.stream("POST", url, content=body(i, tokens), headers={"content-type": "application/json"}) as r:
+        r.raise_for_status()
+        async for piece in r.aiter_raw():
+            tail = (tail + piece)[-4096:]
+    return usage_tokens(tail)
+
+
+async def measure(one, streams: int, tokens: int, step_s: float) -> float:
+    """delivered / ideal for ``streams`` concurrent requests of ``tokens`` tokens."""
+    started = time.perf_counter()
+    counts = await asyncio.gather(*(one(i, tokens) for i in range(streams)))
+    elapsed = time.perf_counter() - started
+    assert all(c == tokens for c in counts), f"short streams: {sorted(set(counts))}"
+    return (tokens * step_s) / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", default="64,256,1024")
+    ap.add_argument("--step-ms", type=float, default=10.0)
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--paths", default="local,router,client,http")
+    ap.add_argument("--port", type=int, default=8011)
+    opts = ap.parse_args()
+    sizes = [int(s) for s in opts.streams.split(",")]
+    paths = opts.paths.split(",")
+    step_s = opts.step_ms / 1000
+
+    import httpx
+    import ray
+
+    from atomr_infer.client import Client
+    from atomr_infer.cluster import MANAGER_NAME, NAMESPACE
+    from atomr_infer.control.manager import DeploymentManager
+    from atomr_infer.control.ray_replicas import RayReplicaLauncher
+    from atomr_infer.control.store import MemoryStore
+    from atomr_infer.engine.emulated import emulated_engine_factory
+    from atomr_infer.models import prepare_bundled
+    from atomr_infer.routing.router import Router
+    model_dir = str(prepare_bundled("smollm2-135m-instruct"))
+    results: dict[str, dict[int, float]] = {}
+    if "local" in paths:
+        results["local"] = asyncio.run(local_arm(model_dir, step_s, sizes, opts.tokens))
+    remote = [p for p in paths if p != "local"]
+    os.environ.pop("RAY_ADDRESS", None)
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR")
+    server = None
+    try:
+        launcher = RayReplicaLauncher(lambda spec: False,
+                                      replica_kwargs={"engine_factory": emulated_engine_factory(model_dir, step_s)})
+        manager = ray.remote(DeploymentManager).options(
+            name=MANAGER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000,
+        ).remote(launcher=launcher, store=MemoryStore())
+        ray.get(manager.apply.remote(spec_of(model_dir)))
+        ray.get(manager.wait_ready.remote(NAME, 300))
+        client = Client(manager=manager)
+        if "http" in remote:
+            from atomr_infer.serve.server import run_server
+
+            server = run_server(port=opts.port)
+        url = f"http://127.0.0.1:{opts.port}/v1/completions"
+
+        async def run_all() -> dict[str, dict[int, float]]:
+            router = Router(lambda v: manager.routing_table.remote(v))
+            limits = httpx.Limits(max_connections=max(sizes) + 8, max_keepalive_connections=max(sizes) + 8)
+            async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+                arms = {
+                    "router": lambda i, t: via_router(router, i, t),
+                    "tokens": lambda i, t: via_tokens(router, i, t),
+                    "client": lambda i, t: via_client(client, i, t),
+                    "http": lambda i, t: via_http(http, url, i, t),
+                }
+                for path in remote:  # warm up every path once
+                    await measure(arms[path], 4, 8, step_s)
+                out: dict[str, dict[int, float]] = {p: {} for p in remote}
+                for n in sizes:
+                    for path in remote:
+                        before = sum(c.batches for c in router._channels.values())
+                        out[path][n] = await measure(arms[path], n, opts.tokens, step_s)
+                        report(path, n, out[path][n], step_s)
+                        if path in ("router", "tokens"):
+                            batches = sum(c.batches for c in router._channels.values()) - before
+                            print(f"         {batches} channel messages, {n * opts.tokens / max(1, batches):.1f} "
+                                  f"tokens per message ({batches / (opts.tokens * step_s * n / n):.0f}/s ideal-time)")
+                return out
+
+        results.update(asyncio.run(run_all()))
+    finally:
+        if server is not None:
+            from atomr_infer.serve.server import stop_server
+
+            stop_server(server)
+        ray.shutdown()
+
+    print(f"\nemulated engine, {opts.step_ms:g} ms per step, {opts.tokens} tokens per stream")
+    print(f"{'streams':>8} " + " ".join(f"{p:>8}" for p in paths))
+    for n in sizes:
+        print(f"{n:>8} " + " ".join(f"{results[p][n]:>8.3f}" for p in paths))
+    for path in paths:
+        for n in sizes:
+            print(f"ratio {path} delivered/ideal @ {n}: {results[path][n]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
