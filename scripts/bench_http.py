@@ -14,7 +14,7 @@ fixed input/output lengths, ``--ignore-eos``, greedy, at each ``--loads`` concur
 only one is under load at a time: runs alternate between them (A B, then B A, ...) so that
 drifting background load hits both alike.
 Prints each run, then the medians over rounds of output tokens/s, TTFT p50/p95 and ITL p50
-for both, the ratios, and issue 14's targets (tokens/s >= 0.97x at c=16 and c=64; TTFT p50
+for both, the ratios, each stack's memory (PSS), and issue 14's targets (tokens/s >= 0.97x at c=16 and c=64; TTFT p50
 within +5 ms at c=1; ITL p50 within 1.05x). An idle engine costs (almost) no CPU. Machines
 here are noisy: compare ratios.
 """
@@ -95,6 +95,22 @@ def atomr_server() -> Iterator[str]:
             ray.get(manager.remove.remote(deployment.name))
     finally:
         ray.shutdown()
+
+
+def stack_pss_gib() -> dict[str, float]:
+    """Memory (PSS, GiB) of each stack: ``vllm serve``'s process group, and every other process
+    this script started (Ray's head, the manager, the replica, Serve's proxy and ingress) for
+    atomr. This script itself is counted for neither."""
+    import psutil
+
+    me = psutil.Process()
+    groups = {p.pid for p in me.children() if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())}
+    out = {"vllm": 0.0, "atomr": 0.0}
+    for proc in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            pss = proc.memory_full_info().pss
+            out["vllm" if os.getpgid(proc.pid) in groups else "atomr"] += pss / 2**30
+    return out
 
 
 def load(base_url: str, model_dir: str, concurrency: int, prompts: int, opts: argparse.Namespace) -> dict[str, Any]:
@@ -193,7 +209,11 @@ def main_cli() -> None:
                     result = load(urls[name], model_dir, concurrency, prompts, opts)
                     runs.setdefault((name, concurrency), []).append(result)
                     print(line(name, concurrency, result), flush=True)
+        memory = stack_pss_gib()  # after serving, both still up
     report(runs)
+    gap = memory["atomr"] - memory["vllm"]
+    print(f"memory (PSS) after the runs: vllm serve {memory['vllm']:.2f} GiB, atomr serve (Ray included) "
+          f"{memory['atomr']:.2f} GiB: {gap:+.2f} GiB  target: within +0.5 GiB  {verdict(gap <= 0.5)}")
     loadavg = "/".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"\n(total {time.monotonic() - started:.0f}s; load average at the end {loadavg} on {os.cpu_count()} CPUs)")
 
