@@ -181,6 +181,19 @@ class CapacityExhausted(RoutingError):
         )
 
 
+class ReplicaBusy(RoutingError):
+    """A replica refused a request at its own limit; the router counts it as full and routes again."""
+
+    retryable = True
+
+    def __init__(self, replica: str, limit: int) -> None:
+        super().__init__(replica, limit)
+        self.replica, self.limit = replica, limit
+
+    def __str__(self) -> str:
+        return f"{self.replica} is at its limit of {self.limit} concurrent requests (serving.max_concurrent)"
+
+
 class EngineError(AtomrError):
     """The engine failed. Every open stream of the replica receives this error."""
 

@@ -5,7 +5,9 @@ the engine. Requests enter through the loop's inbox; each engine step's outputs 
 with a single ``call_soon_threadsafe`` and are spread over the per-request streams. A stream
 is registered *before* its request is submitted, so no output can arrive for an unknown id.
 
-Two ways in, one engine and one step loop behind both:
+Routers reach it over channels (replica/channel.py): ``open`` admits and starts a request,
+``channel`` streams batches of every request a router opened, ``cancel`` aborts. A request is
+one of two kinds, one engine and one step loop behind both:
 - ``http(HttpRequest)``: the OpenAI API. vLLM's own server app runs in the replica over an
   engine client that submits to the step loop (replica/openai_app.py, engine_client.py); the
   HTTP ingress and ``Client`` use it, so every field ``vllm serve`` accepts works.
@@ -13,9 +15,10 @@ Two ways in, one engine and one step loop behind both:
   request type. It needs only the four-method engine contract (engine/protocol.py), so an engine
   that is not vLLM, or a test's scripted engine, is served through it.
 
-Cancellation: when the caller cancels the Ray generator (``ray.cancel``), Ray cancels the
-method's coroutine; its ``finally`` aborts the request in the engine, which happens at the
-start of the next loop turn, i.e. within one engine step.
+Both are also Ray streaming methods of their own (tests, benchmarks). Cancellation: cancelling
+the request's task (``cancel``, a channel that went away, or ``ray.cancel`` of a direct call)
+runs its ``finally``, which aborts the request in the engine at the start of the next loop
+turn, i.e. within one engine step.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from typing import Any
 
 from atomr_infer.engine.device import resolve_device
 from atomr_infer.engine.protocol import Engine
-from atomr_infer.errors import EngineError, EngineStartFailed, InvalidRequest, ReplicaUnavailable
+from atomr_infer.errors import EngineError, EngineStartFailed, InvalidRequest, ReplicaBusy, ReplicaUnavailable
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import GAUGE_PERIOD_S, REPLICA_STATES, ReplicaMetrics, failure_reason
+from atomr_infer.replica.channel import Batch, ChannelHub
 from atomr_infer.replica.engine_info import (
     engine_memory,
     engine_unfinished,
@@ -41,13 +45,14 @@ from atomr_infer.replica.engine_info import (
     placement,
     start_failure_recurs,
 )
+from atomr_infer.replica.open_streams import OpenStreams
 from atomr_infer.replica.openai_app import HttpHead, HttpRequest, OpenAIApp
 from atomr_infer.replica.periodic import run_every
 from atomr_infer.replica.prompt import PromptBuilder
 from atomr_infer.replica.request import Chunk, GenerateRequest, Usage, parse_request
 from atomr_infer.replica.stats import ReplicaStats, StatsCollector
 from atomr_infer.replica.step_loop import StepLoop
-from atomr_infer.replica.stream import RequestStream, finish_reason, new_tokens
+from atomr_infer.replica.stream import RequestStream
 from atomr_infer.spec import Deployment, parse_deployment
 
 EngineFactoryFor = Callable[[Deployment, Callable[[str], None]], Engine]
@@ -82,7 +87,7 @@ class VllmReplica:
         self._replica_id = replica_id
         self._device = resolve_device(self._deployment)
         self._log = get_logger(__name__, deployment=self._deployment.name, replica=replica_id)
-        self._streams: dict[str, RequestStream] = {}
+        self._channels = ChannelHub()
         self._stats = StatsCollector()
         self._metrics = ReplicaMetrics(self._deployment.name, replica_id)
         self._gauge_task: asyncio.Task[None] | None = None
@@ -99,8 +104,9 @@ class VllmReplica:
         self._engine: Engine | None = None
         self._app: OpenAIApp | None = None  # vLLM's OpenAI server, built once the engine is up
         self._app_lock = asyncio.Lock()
-        # Only a vLLM engine carries what vLLM's server needs; test engines serve generate() alone.
-        self._has_openai_app = engine_factory is None
+        # Set once the engine is up: only a vLLM engine carries what vLLM's server needs (an
+        # emulated one does too); test engines with the bare contract serve generate() alone.
+        self._has_openai_app = False
         factory = engine_factory or _default_engine_factory
         self._loop = StepLoop(
             engine_factory=lambda: factory(self._deployment, self._progress),
@@ -111,6 +117,7 @@ class VllmReplica:
             name=f"atomr-step-loop-{replica_id}",
             on_step=self._metrics.engine_step if self._metrics.enabled else None,
         )
+        self._streams = OpenStreams(self._loop, self._stats, self._metrics, self._log)
         self._log.info("replica_starting", device=self._device, model=self._deployment.model)
         self._loop.start()
 
@@ -126,6 +133,7 @@ class VllmReplica:
     def _on_engine_ready(self, engine: Engine) -> None:
         self._engine = engine
         self._prompts = PromptBuilder(engine.get_tokenizer(), self._log)
+        self._has_openai_app = all(hasattr(engine, a) for a in ("vllm_config", "input_processor", "renderer"))
         model_config = getattr(engine, "model_config", None)
         self._max_model_len = getattr(model_config, "max_model_len", None) or (
             self._deployment.runtime_config.max_model_len
@@ -137,7 +145,7 @@ class VllmReplica:
     def _on_outputs(self, outputs: list[Any]) -> None:
         aloop = self._aloop
         if aloop is not None and not aloop.is_closed():
-            aloop.call_soon_threadsafe(self._dispatch, outputs)
+            aloop.call_soon_threadsafe(self._streams.dispatch, outputs)
 
     def _on_loop_error(self, exc: BaseException) -> None:
         if not self._ready.is_set():
@@ -151,59 +159,21 @@ class VllmReplica:
         error = EngineError(f"engine failed on {self!r}: {type(exc).__name__}: {exc}")
         aloop = self._aloop
         if aloop is not None and not aloop.is_closed():
-            aloop.call_soon_threadsafe(self._fail_all, error)
+            aloop.call_soon_threadsafe(self._streams.fail_all, error)
 
     def _on_rejected(self, request_id: str, exc: BaseException) -> None:
         error: BaseException = InvalidRequest("prompt", str(exc)) if isinstance(exc, ValueError) else exc
         aloop = self._aloop
         if aloop is not None and not aloop.is_closed():
-            aloop.call_soon_threadsafe(self._fail_one, request_id, error)
+            aloop.call_soon_threadsafe(self._streams.fail_one, request_id, error)
 
     # -- event-loop side --------------------------------------------------------------------
-
-    def _dispatch(self, outputs: list[Any]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:  # aborted meanwhile
-                continue
-            stream.put(out, new_tokens(out))
-            if out.finished:
-                self._stats.finished(stream)
-                self._request_finished(stream, finish_reason(out))
-
-    def _request_finished(self, s: RequestStream, finish: str) -> None:
-        self._metrics.request_finished(
-            finish, s.prompt_tokens, s.completion_tokens, s.submitted_at, s.first_token_at, s.last_token_at
-        )
-        self._log.debug(
-            "request_finished",
-            request_id=s.request_id,
-            finish_reason=finish,
-            prompt_tokens=s.prompt_tokens,
-            completion_tokens=s.completion_tokens,
-            ttft_s=None if s.first_token_at is None else round(s.first_token_at - s.submitted_at, 4),
-            e2e_s=round(time.monotonic() - s.submitted_at, 4),
-        )
-
-    def _fail_one(self, request_id: str, error: BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None and not stream.finished:
-            stream.fail(error)
-            self._metrics.request_failed(failure_reason(error))
-            self._log.debug("request_failed", request_id=request_id, error=str(error))
-
-    def _fail_all(self, error: BaseException) -> None:
-        for stream in list(self._streams.values()):
-            if not stream.finished:
-                stream.fail(error)
-                self._metrics.request_failed(failure_reason(error))
 
     def _uptime(self) -> float:
         return time.time() - self._started_at
 
     def _publish_gauges(self) -> None:
-        waiting = sum(1 for s in self._streams.values() if s.first_token_at is None)
-        self._metrics.set_load(len(self._streams), waiting, kv_cache_usage(self._engine))
+        self._metrics.set_load(len(self._streams), self._streams.waiting, kv_cache_usage(self._engine))
         phase = "unhealthy" if self._phase == "failed" else self._phase
         self._metrics.set_state(phase if phase in REPLICA_STATES else "starting")
 
@@ -220,7 +190,7 @@ class VllmReplica:
         )
         self._phase = "unhealthy"
         self._log.error("engine_wedged", stuck_s=round(stuck, 1), open_streams=len(self._streams))
-        self._fail_all(self._wedged)
+        self._streams.fail_all(self._wedged)
 
     async def _wait_ready(self, timeout: float | None) -> None:
         self._aloop = self._aloop or asyncio.get_running_loop()
@@ -268,33 +238,12 @@ class VllmReplica:
         if self._wedged is not None:
             raise EngineError(f"{self!r} is unhealthy: {self._wedged}")
 
-    def _open(self, request_id: str, prompt_tokens: int, prompt: Any, params: Any, **options: Any) -> RequestStream:
-        """Register a stream, then submit its request to the step loop (in that order)."""
-        if request_id in self._streams:
-            raise InvalidRequest("request_id", f"{request_id!r} is already in flight on this replica")
-        stream = RequestStream(request_id, prompt_tokens)
-        self._streams[request_id] = stream  # registered before it can produce output
-        self._stats.started()
-        self._metrics.request_started()
-        self._log.debug("request_started", request_id=request_id, prompt_tokens=prompt_tokens)
-        self._loop.submit(request_id, prompt, params, **options)
-        return stream
-
-    def _close(self, stream: RequestStream) -> None:
-        """The consumer is done with ``stream``; abort it in the engine if it is still running."""
-        self._streams.pop(stream.request_id, None)
-        if not stream.finished:
-            self._loop.abort([stream.request_id])
-            self._stats.aborted()
-            self._metrics.request_failed("aborted")
-            self._log.info("request_aborted", request_id=stream.request_id)
-
     # The engine client's gate (replica/engine_client.py): vLLM's serving layer submits here.
     def submit(self, request: Any, prompt_text: str | None, prompt_tokens: int) -> RequestStream:
-        return self._open(request.request_id, prompt_tokens, request, request.params, prompt_text=prompt_text)
+        return self._streams.open(request.request_id, prompt_tokens, request, request.params, prompt_text=prompt_text)
 
     def finish(self, stream: RequestStream) -> None:
-        self._close(stream)
+        self._streams.close(stream)
 
     def dead_error(self) -> BaseException | None:
         if self._loop.error is not None or self._wedged is not None:
@@ -313,7 +262,7 @@ class VllmReplica:
             prompt_ids = self._prompts.token_ids(req)
             params = self._prompts.sampling_params(req, len(prompt_ids), self._max_model_len)
             prompt = {"prompt_token_ids": prompt_ids}
-            stream = self._open(req.request_id or uuid.uuid4().hex, len(prompt_ids), prompt, params)
+            stream = self._streams.open(req.request_id or uuid.uuid4().hex, len(prompt_ids), prompt, params)
         except Exception as exc:
             self._metrics.request_failed(failure_reason(exc))
             self._log.debug("request_rejected", request_id=req and req.request_id, error=str(exc))
@@ -325,7 +274,7 @@ class VllmReplica:
                 usage = Usage(stream.prompt_tokens, stream.completion_tokens) if finish else None
                 yield Chunk(completion.text, list(completion.token_ids), finish, usage)
         finally:
-            self._close(stream)
+            self._streams.close(stream)
 
     async def http(self, request: HttpRequest) -> AsyncIterator[HttpHead | bytes]:
         """One OpenAI API request, answered by vLLM's own server app: its head, then its body
@@ -336,6 +285,41 @@ class VllmReplica:
         app = await self._openai_app()
         async for item in app.call(request):
             yield item
+
+    # -- channels: how routers reach the replica --------------------------------------------
+
+    async def open(self, channel_id: str, request_id: str, method: str, request: Any, limit: int | None = None) -> int:
+        """Admit one request and run it into the caller's channel (``generate`` or ``http``).
+        Returns the requests now open here. Raises ``ReplicaBusy`` at ``limit`` (the routing
+        table's ``serving.max_concurrent``, which changes in place; else this replica's spec),
+        counted over every router; ``ReplicaUnavailable`` when draining or stopped."""
+        self._admit()
+        limit = limit or self._deployment.serving.max_concurrent
+        if self._channels.open_requests >= limit:
+            raise ReplicaBusy(repr(self), limit)
+        serve = self._serve_http if method == "http" else self._serve_generate
+        self._channels.get(channel_id).start(request_id, lambda put: serve(request, put))
+        return self._channels.open_requests
+
+    async def _serve_http(self, request: HttpRequest, put: Callable[[Any], None]) -> None:
+        await self._wait_ready(None)
+        self._admit()
+        app = await self._openai_app()
+        await app.run(request, put)
+
+    async def _serve_generate(self, request: Any, put: Callable[[Any], None]) -> None:
+        async for chunk in self.generate(request):
+            put(chunk)
+
+    async def channel(self, channel_id: str) -> AsyncIterator[Batch]:
+        """The output of every request opened on ``channel_id``, in batches. Call as a Ray
+        streaming generator, once per router; closing it cancels that router's requests."""
+        async for batch in self._channels.stream(channel_id):
+            yield batch
+
+    async def cancel(self, channel_id: str, request_ids: list[str]) -> None:
+        """The router's consumers left: abort these requests."""
+        self._channels.cancel(channel_id, request_ids)
 
     async def _openai_app(self) -> OpenAIApp:
         async with self._app_lock:
@@ -362,10 +346,9 @@ class VllmReplica:
         return {"phase": self._phase, "draining": self._draining, "in_flight": len(self._streams)}
 
     async def stats(self) -> ReplicaStats:
-        waiting = sum(1 for s in self._streams.values() if s.first_token_at is None)
         return self._stats.snapshot(
             in_flight=len(self._streams),
-            waiting=waiting,
+            waiting=self._streams.waiting,
             phase=self._phase,
             uptime_s=self._uptime(),
             kv_cache_usage=kv_cache_usage(self._engine),
@@ -389,7 +372,7 @@ class VllmReplica:
     async def shutdown(self) -> None:
         """Fail what is still open, stop the step loop and free the engine."""
         self._stopped, self._draining, self._phase = True, True, "stopped"
-        self._fail_all(ReplicaUnavailable(f"{self!r} was shut down"))
+        self._streams.fail_all(ReplicaUnavailable(f"{self!r} was shut down"))
         await asyncio.to_thread(self._loop.stop, 30.0)
         if self._metrics.enabled:
             self._publish_gauges()

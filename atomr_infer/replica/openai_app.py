@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from argparse import Namespace
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,8 +67,8 @@ def server_flags(deployment: Deployment) -> list[str]:
     return flags
 
 
-_END = object()
 APP_WIND_DOWN_S = 30.0
+Put = Callable[["HttpHead | bytes"], None]
 
 
 class OpenAIApp:
@@ -86,11 +86,11 @@ class OpenAIApp:
         await init_app_state(client, app.state, args, tasks)
         return cls(app)
 
-    async def call(self, request: HttpRequest) -> AsyncIterator[HttpHead | bytes]:
-        """Run one request through the app: the head, then the body as it is sent. Body pieces
-        that arrived while the consumer was busy are joined, so a slow consumer gets fewer,
-        larger pieces rather than a growing backlog of small ones."""
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+    async def run(self, request: HttpRequest, put: Put) -> None:
+        """Run one request through the app, handing ``put`` its head, then each body piece as
+        the app sends it (no queue in between: the caller batches). Returns when the response
+        is complete. Cancelled, it tells the app the client left and lets it wind down."""
+        loop = asyncio.get_running_loop()
         gone = asyncio.Event()  # the consumer left: the app hears it as a client disconnect
         delivered = False
 
@@ -103,44 +103,17 @@ class OpenAIApp:
             return {"type": "http.disconnect"}
 
         async def send(message: dict[str, Any]) -> None:
-            queue.put_nowait(message)
+            if gone.is_set():
+                return
+            if message["type"] == "http.response.start":
+                heads = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", ()))
+                put(HttpHead(message["status"], heads))
+            elif message["type"] == "http.response.body" and message.get("body"):
+                put(message["body"])
 
-        async def run() -> None:
-            try:
-                await self._app(_scope(request), receive, send)
-                queue.put_nowait(_END)
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-                queue.put_nowait(exc)
-                raise
-
-        task = asyncio.get_running_loop().create_task(run())
-        held: list[Any] = []  # an item taken from the queue while joining, not a body piece
+        task = loop.create_task(self._app(_scope(request), receive, send))
         try:
-            while True:
-                item = held.pop() if held else await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item is _END:
-                    return
-                if item["type"] == "http.response.start":
-                    heads = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in item.get("headers", ()))
-                    yield HttpHead(item["status"], heads)
-                    continue
-                if item["type"] != "http.response.body":
-                    continue
-                chunks, more = [item.get("body", b"")], item.get("more_body", False)
-                while more and not queue.empty():
-                    nxt = queue.get_nowait()
-                    if not (isinstance(nxt, dict) and nxt["type"] == "http.response.body"):
-                        held.append(nxt)
-                        break
-                    chunks.append(nxt.get("body", b""))
-                    more = nxt.get("more_body", False)
-                data = b"".join(chunks)
-                if data:
-                    yield data
-                if not more:
-                    return
+            await asyncio.shield(task)
         finally:
             if not task.done():
                 # vLLM's handlers run in a task of their own and stop on a disconnect message
@@ -148,7 +121,36 @@ class OpenAIApp:
                 # the caller: say the client left, and let the app wind down (which aborts the
                 # request in the engine). A last resort if it does not.
                 gone.set()
-                asyncio.get_running_loop().call_later(APP_WIND_DOWN_S, task.cancel)
+                loop.call_later(APP_WIND_DOWN_S, task.cancel)
+
+    async def call(self, request: HttpRequest) -> AsyncIterator[HttpHead | bytes]:
+        """``run`` as an iterator: the head, then the body; pieces that arrived while the
+        consumer was busy are joined, so a slow consumer gets fewer, larger pieces."""
+        pending: list[Any] = []
+        ready = asyncio.Event()
+
+        def put(item: HttpHead | bytes) -> None:
+            pending.append(item)
+            ready.set()
+
+        runner = asyncio.get_running_loop().create_task(self.run(request, put))
+        runner.add_done_callback(lambda _: ready.set())
+        try:
+            while True:
+                await ready.wait()
+                ready.clear()
+                items, pending[:] = pending[:], []
+                head = [i for i in items if isinstance(i, HttpHead)]
+                body = b"".join(i for i in items if isinstance(i, bytes))
+                for item in head:
+                    yield item
+                if body:
+                    yield body
+                if runner.done() and not pending:
+                    runner.result()  # raises the app's error, if any
+                    return
+        finally:
+            runner.cancel()
 
 
 def _scope(request: HttpRequest) -> dict[str, Any]:

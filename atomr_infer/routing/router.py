@@ -1,10 +1,14 @@
 """Route a request to a ready replica of the named deployment and stream its chunks back.
 
 A ``Router`` caches the manager's routing table (refreshing it at most once per
-``refresh_s`` and whenever a replica turns out dead), keeps its own in-flight count per
-replica, and picks by power-of-two choices. ``serving.max_concurrent`` is enforced per
-router: ``queue`` waits for a slot (unbounded unless ``queue_timeout_s``), ``reject`` raises
-``CapacityExhausted`` at once.
+``refresh_s`` and whenever a replica turns out dead) and picks by power-of-two choices on each
+replica's load: the larger of this router's own requests there and what the replica last said
+it had open from every router (each batch of its channel carries it; trusted for
+``LOAD_FRESH_S``). Requests travel over one channel per replica (routing/channel.py).
+``serving.max_concurrent`` is the replica's own limit, enforced by the replica: one that is full
+answers ``ReplicaBusy``, which counts it as full here and routes again. With every replica
+full, ``queue`` waits for a slot (unbounded unless ``queue_timeout_s``), ``reject`` raises
+``CapacityExhausted``.
 
 If the manager cannot be reached, routing goes on with the cached table. A replica this
 router saw die, or that answered draining/stopped, leaves its picks at once (the manager's
@@ -12,7 +16,7 @@ table may list it for a few more seconds): a dead or draining replica never serv
 so it stays out until the table drops it; one that was only unreachable stays out until a
 newer table arrives. A request that had not started is retried on another replica; after a
 chunk was sent it fails with ``EngineError`` (replaying would duplicate text). When the
-consumer stops early, the Ray generator is cancelled, which aborts the request in the engine.
+consumer stops early, the request is cancelled on the replica, which aborts it in the engine.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from atomr_infer.errors import (
@@ -32,9 +35,11 @@ from atomr_infer.errors import (
     DeploymentNotFound,
     EngineError,
     NoReadyReplica,
+    ReplicaBusy,
     ReplicaUnavailable,
 )
 from atomr_infer.log import get_logger
+from atomr_infer.routing.channel import ReplicaChannel
 from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 
@@ -43,6 +48,8 @@ TableSource = Callable[[int], Awaitable[RoutingTable | None]]
 _DEAD = (ActorDiedError, ActorUnavailableError, RayActorError)
 # Tries for one request that fails before its first chunk (each on a replica not yet tried).
 MAX_ATTEMPTS = 4
+# How long a replica's own word on its load counts (a router that sends it nothing hears nothing).
+LOAD_FRESH_S = 1.0
 log = get_logger(__name__)
 
 
@@ -71,6 +78,7 @@ class Router:
         self._released = asyncio.Event()
         # actor name -> table version it was excluded at, or None for "until the table drops it".
         self._excluded: dict[str, int | None] = {}
+        self._channels: dict[str, ReplicaChannel] = {}  # actor name -> its channel
 
     @property
     def table(self) -> RoutingTable:
@@ -78,6 +86,20 @@ class Router:
 
     def in_flight(self, actor_name: str) -> int:
         return self._in_flight[actor_name]
+
+    def load(self, actor_name: str) -> int:
+        """Requests open on the replica as far as this router knows (its own at least)."""
+        own = self._in_flight[actor_name]
+        channel = self._channels.get(actor_name)
+        if channel is None or channel.load is None or time.monotonic() - channel.load_at > LOAD_FRESH_S:
+            return own
+        return max(own, channel.load)
+
+    def _channel(self, route: ReplicaRoute) -> ReplicaChannel:
+        channel = self._channels.get(route.actor_name)
+        if channel is None or channel.error is not None:
+            channel = self._channels[route.actor_name] = ReplicaChannel(route.actor, self._released.set)
+        return channel
 
     async def refresh(self, force: bool = False) -> RoutingTable:
         if force or time.monotonic() - self._fetched_at >= self._refresh_s:
@@ -105,6 +127,8 @@ class Router:
         for name, version in list(self._excluded.items()):
             if name not in listed or (version is not None and table.version != version):
                 del self._excluded[name]
+        for name in [n for n in self._channels if n not in listed]:
+            self._channels.pop(name).close()
 
     async def _route(self, name: str) -> tuple[DeploymentRoute, ReplicaRoute]:
         started = time.monotonic()
@@ -119,7 +143,8 @@ class Router:
                 raise DeploymentNotFound(name, sorted(table.deployments))
             usable = [r for r in dep.replicas if r.actor_name not in self._excluded]
             if usable:
-                choice = pick_replica(usable, self._in_flight, dep.max_concurrent)
+                loads = {r.actor_name: self.load(r.actor_name) for r in usable}
+                choice = pick_replica(usable, loads, dep.max_concurrent)
                 if choice is not None:
                     return dep, choice
                 if dep.on_capacity_exhausted == "reject":
@@ -142,30 +167,34 @@ class Router:
     async def stream(self, name: str, request: Any, method: str = "generate") -> AsyncIterator[Any]:
         """What the replica's streaming ``method`` yields for ``request`` (``generate``: ``Chunk``s;
         ``http``: an ``HttpHead``, then body bytes), routed by deployment name."""
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        attempt = 0
+        while True:
             dep, route = await self._route(name)
+            attempt += 1
+            last_try = attempt >= MAX_ATTEMPTS
             self._in_flight[route.actor_name] += 1
-            gen = getattr(route.actor, method).remote(request)
+            items = self._channel(route).request(method, request, dep.max_concurrent)
             sent = finished = False
-            last_try = attempt == MAX_ATTEMPTS
             try:
-                async for ref in gen:
-                    chunk = await ref
+                async for chunk in items:
                     sent = True
                     yield chunk
                 finished = True
                 return
-            except _DEAD as exc:
+            except (*_DEAD, ConnectionError) as exc:
                 finished = True
                 # Ray says "unavailable" for a replica it cannot reach right now (it may come
                 # back); anything else is an actor that died and never serves again.
-                self.exclude(route.actor_name, permanent=not isinstance(exc, ActorUnavailableError))
+                self.exclude(route.actor_name, permanent=not isinstance(exc, (ActorUnavailableError, ConnectionError)))
                 if sent or last_try:
                     raise EngineError(f"replica {route.actor_name} died mid-request: {exc}") from None
-            except RayTaskError as exc:
+            except (RayTaskError, AtomrError) as exc:
                 finished = True
                 cause = unwrap(exc)
-                if isinstance(cause, ReplicaUnavailable) and not sent:
+                if isinstance(cause, ReplicaBusy) and not sent:
+                    attempt -= 1  # full, not failed: route again (it counts as full for a while)
+                    self._channel(route).note_full(cause.limit)
+                elif isinstance(cause, ReplicaUnavailable) and not sent:
                     self.exclude(route.actor_name, permanent=True)  # draining or stopped
                     if last_try:
                         raise cause from None
@@ -177,7 +206,6 @@ class Router:
                 self._in_flight[route.actor_name] -= 1
                 self._released.set()
                 if not finished:  # consumer went away or was cancelled: abort in the engine
-                    ray.cancel(gen)
+                    await items.aclose()
             log.info("request_retried", deployment=name, replica=route.actor_name, attempt=attempt)
             await self.refresh(force=True)
-        raise AssertionError("unreachable")  # pragma: no cover

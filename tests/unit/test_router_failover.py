@@ -1,8 +1,8 @@
 """Router failover without Ray: a replica seen dead or draining leaves the picks at once.
 
-The replicas are fakes of the Ray actor handle's ``generate.remote`` (an async iterator of
-awaitables, as Ray's ``ObjectRefGenerator`` is); the real path is covered by
-tests/integration/test_manager.py (a replica killed under load).
+The replicas are fakes of the Ray actor handle's channel methods, over the replica's real
+``ChannelHub``; the real path is covered by tests/integration/test_manager.py (a replica killed
+under load).
 """
 
 from __future__ import annotations
@@ -12,40 +12,71 @@ import asyncio
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
 from atomr_infer.errors import ReplicaUnavailable
+from atomr_infer.replica.channel import ChannelHub
 from atomr_infer.replica.request import Chunk
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 
 
-class _Stream:
-    def __init__(self, chunks: list[Chunk], error: BaseException | None) -> None:
-        self._chunks, self._error = chunks, error
+class _Remote:
+    """A Ray actor method's ``.remote``: an awaitable result (an ``ObjectRef``)."""
 
-    async def __aiter__(self):
-        for chunk in self._chunks:
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_result(chunk)
-            yield fut
-        if self._error is not None:
-            raise self._error
+    def __init__(self, fn) -> None:
+        self._fn = fn
+
+    def remote(self, *args):
+        return asyncio.ensure_future(self._fn(*args))
+
+
+class _Refs:
+    """A Ray streaming call's ``ObjectRefGenerator``: an async iterator of awaitables."""
+
+    def __init__(self, agen) -> None:
+        self._agen = agen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self._agen.__anext__()
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(item)
+        return fut
+
+
+class _RemoteStream(_Remote):
+    def remote(self, *args):
+        return _Refs(self._fn(*args))
 
 
 class FakeReplica:
-    """Answers every request with one chunk, or fails before it with ``error``."""
+    """A replica's channel methods (open, channel, cancel) over the real ``ChannelHub``; each
+    request answers one chunk, or every call fails with ``error``, as Ray raises it for a dead,
+    unreachable or (a task error) draining replica."""
 
     def __init__(self, name: str, error: BaseException | None = None) -> None:
         self.name, self.error, self.calls = name, error, 0
-        outer = self
+        self.hub = ChannelHub()
+        self.open, self.channel, self.cancel = _Remote(self._open), _RemoteStream(self._channel), _Remote(self._cancel)
 
-        class _Method:
-            @staticmethod
-            def remote(request):
-                outer.calls += 1
-                if outer.error is not None:
-                    return _Stream([], outer.error)
-                return _Stream([Chunk(f"from {outer.name}", [1], "stop", None)], None)
+    async def _open(self, channel_id, request_id, method, request, limit=None):
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        self.hub.get(channel_id).start(request_id, self._answer)
+        return self.hub.open_requests
 
-        self.generate = _Method()
+    async def _answer(self, put):
+        put(Chunk(f"from {self.name}", [1], "stop", None))
+
+    async def _channel(self, channel_id):
+        if self.error is not None and not isinstance(self.error, RayTaskError):
+            raise self.error  # a dead actor fails every call; a draining one streams
+        async for batch in self.hub.stream(channel_id):
+            yield batch
+
+    async def _cancel(self, channel_id, request_ids):
+        self.hub.cancel(channel_id, request_ids)
 
 
 def route(replica: FakeReplica) -> ReplicaRoute:

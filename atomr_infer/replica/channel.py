@@ -1,0 +1,140 @@
+"""The replica's end of the data path: one channel per router, one Ray object per batch.
+
+A router (the ingress's, a ``Client``'s) opens requests on a replica with ``open`` and reads
+everything those requests produce from one long-lived streaming call, ``channel``. Each object
+on that stream is a ``Batch``: the replica's load, and for every request of that router with
+news, the items it produced since the last batch (an ``HttpHead`` and body bytes, or ``Chunk``s)
+and whether it ended, with its error. So the Ray cost per engine step is one object per
+(router, replica) pair, not one per running request: measured with scripts/bench_dataplane.py,
+see docs/architecture.md.
+
+No timer: a batch leaves as soon as the channel's task runs after something was put, so the
+first token of a request is not held back; whatever the requests put meanwhile (the rest of
+that engine step) rides along. Each request runs in a task of its own (``start``) that puts
+its items straight into the next batch; cancelling it (the router's ``cancel``, or the channel
+going away) ends the request, which aborts it in the engine within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from atomr_infer.errors import AtomrError, EngineError
+from atomr_infer.replica.request import Chunk
+
+
+@dataclass
+class Batch:
+    """What one message of a channel carries."""
+
+    load: int  # requests open on the replica (from every router) when the batch left
+    items: dict[str, list[Any]] = field(default_factory=dict)  # request id -> new items, in order
+    ended: dict[str, BaseException | None] = field(default_factory=dict)  # request id -> its error, or None
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """An error the router can unpickle and act on: atomr's own as is, anything else as EngineError."""
+    return exc if isinstance(exc, AtomrError) else EngineError(f"{type(exc).__name__}: {exc}")
+
+
+class Channel:
+    def __init__(self, channel_id: str, load: Callable[[], int]) -> None:
+        self.channel_id = channel_id
+        self._load = load
+        self._batch = Batch(0)
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._ready = asyncio.Event()
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._tasks)
+
+    def start(self, request_id: str, run: Callable[[Callable[[Any], None]], Awaitable[None]]) -> None:
+        """Run one request: ``run(put)`` puts its items and returns at its end (or raises)."""
+        self._tasks[request_id] = asyncio.get_running_loop().create_task(self._pump(request_id, run))
+
+    async def _pump(self, request_id: str, run: Callable[[Callable[[Any], None]], Awaitable[None]]) -> None:
+        def put(item: Any) -> None:
+            if request_id not in self._tasks:  # not after a cancel: nobody reads it
+                return
+            pending = self._batch.items.setdefault(request_id, [])
+            # What the router has not been sent yet is merged: fewer, larger items per message.
+            if pending and isinstance(item, bytes) and isinstance(pending[-1], bytes):
+                pending[-1] += item
+            elif pending and isinstance(item, Chunk) and isinstance(pending[-1], Chunk):
+                pending[-1].merge(item)
+            else:
+                pending.append(item)
+            self._ready.set()
+
+        error: BaseException | None = None
+        try:
+            await run(put)
+        except asyncio.CancelledError:
+            return  # the router cancelled it: nobody reads its end
+        except Exception as exc:  # noqa: BLE001 - every failure goes to the router
+            error = _portable(exc)
+        finally:
+            self._tasks.pop(request_id, None)
+        self._batch.ended[request_id] = error
+        self._ready.set()
+
+    def cancel(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            task = self._tasks.get(request_id)
+            if task is not None:
+                task.cancel()
+
+    async def batches(self) -> AsyncIterator[Batch]:
+        """The channel's messages, until the router goes away (then its requests are cancelled)."""
+        try:
+            while True:
+                if not (self._batch.items or self._batch.ended):
+                    self._ready.clear()
+                    await self._ready.wait()
+                    # One turn of the event loop: the other requests the same engine step woke
+                    # put their output too, and leave in this batch (no timer: nothing waits).
+                    await asyncio.sleep(0)
+                batch, self._batch = self._batch, Batch(0)
+                batch.load = self._load()
+                yield batch
+        finally:
+            self.cancel(list(self._tasks))
+
+
+class ChannelHub:
+    """The channels of one replica, by id (one per router that sends to it)."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, Channel] = {}
+
+    @property
+    def open_requests(self) -> int:
+        return sum(c.open_requests for c in self._channels.values())
+
+    def get(self, channel_id: str) -> Channel:
+        """The channel ``channel_id``, created by whichever of ``open`` and ``channel`` comes first."""
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            channel = self._channels[channel_id] = Channel(channel_id, lambda: self.open_requests)
+        return channel
+
+    async def stream(self, channel_id: str) -> AsyncIterator[Batch]:
+        channel = self.get(channel_id)
+        try:
+            async for batch in channel.batches():
+                yield batch
+        finally:
+            self._channels.pop(channel_id, None)
+
+    def cancel(self, channel_id: str, request_ids: list[str]) -> None:
+        channel = self._channels.get(channel_id)
+        if channel is not None:
+            channel.cancel(request_ids)
+
+    def cancel_all(self) -> None:
+        for channel in self._channels.values():
+            channel.cancel(list(channel._tasks))

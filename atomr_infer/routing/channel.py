@@ -1,0 +1,152 @@
+"""A router's end of a replica's channel (replica/channel.py): many requests, one stream.
+
+``ReplicaChannel.request`` opens one request on the replica (``open``, which also admits it)
+and yields what it produces; one task per channel reads the replica's ``channel`` stream and
+hands each batch's items to the requests they belong to. Items that arrive while a consumer
+is busy wait in its inbox, and consecutive body bytes are joined, so a slow consumer takes
+fewer, larger pieces. A consumer that leaves before the end cancels its request on the
+replica (which aborts it in the engine within one step). If the channel's stream fails (the
+replica died), every open request on it fails with that error, within the time Ray takes to
+notice; the router drops the channel and opens a new one on the next request.
+
+The reading task and the cancel calls run outside the caller's Ray task context: started from
+inside a request of the ingress, Ray would cancel them with that request (a client hanging up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from atomr_infer.log import get_logger
+
+log = get_logger(__name__)
+
+
+class _Inbox:
+    """One request's items between the channel's reader and the request's consumer."""
+
+    __slots__ = ("items", "ended", "error", "_ready")
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.ended = False
+        self.error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, items: list[Any]) -> None:
+        self.items.extend(items)
+        self._ready.set()
+
+    def end(self, error: BaseException | None) -> None:
+        if not self.ended:
+            self.ended, self.error = True, error
+            self._ready.set()
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        while True:
+            if not self.items and not self.ended:
+                self._ready.clear()
+                await self._ready.wait()
+            items, self.items = self.items, []
+            for item in _joined(items):
+                yield item
+            if self.ended and not self.items:
+                if self.error is not None:
+                    raise self.error
+                return
+
+
+def _joined(items: list[Any]) -> list[Any]:
+    """``items`` with each run of consecutive ``bytes`` joined into one."""
+    out: list[Any] = []
+    for item in items:
+        if isinstance(item, bytes) and out and isinstance(out[-1], bytes):
+            out[-1] += item
+        else:
+            out.append(item)
+    return out
+
+
+class ReplicaChannel:
+    def __init__(self, actor: Any, on_load: Callable[[], None] = lambda: None) -> None:
+        self._actor = actor
+        self._on_load = on_load  # told whenever the replica says its load (a slot may have freed)
+        self.channel_id = uuid.uuid4().hex
+        self._inboxes: dict[str, _Inbox] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self.error: BaseException | None = None  # set once the stream failed: the channel is dead
+        self.load: int | None = None  # the replica's open requests, as it last said
+        self.load_at = 0.0
+        self.batches = 0  # messages received (bench_dataplane reports items per message)
+
+    def _note_load(self, load: int) -> None:
+        self.load, self.load_at = load, time.monotonic()
+        self._on_load()
+
+    def note_full(self, limit: int) -> None:
+        """The replica refused a request at its limit: count it as full until it says otherwise."""
+        self.load, self.load_at = limit, time.monotonic()
+
+    def _start_reader(self) -> None:
+        if self._reader is None:
+            loop = asyncio.get_running_loop()
+            self._reader = contextvars.Context().run(loop.create_task, self._read())
+
+    async def _read(self) -> None:
+        gen = None
+        try:
+            gen = self._actor.channel.remote(self.channel_id)
+            async for ref in gen:
+                batch = await ref
+                self.batches += 1
+                self._note_load(batch.load)
+                for request_id, items in batch.items.items():
+                    inbox = self._inboxes.get(request_id)
+                    if inbox is not None:
+                        inbox.put(items)
+                for request_id, error in batch.ended.items():
+                    inbox = self._inboxes.get(request_id)
+                    if inbox is not None:
+                        inbox.end(error)
+            raise ConnectionError("the replica closed the channel")
+        except asyncio.CancelledError:
+            if gen is not None:
+                import ray
+
+                ray.cancel(gen)
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the replica died or is unreachable
+            self.error = exc
+            for inbox in self._inboxes.values():
+                inbox.end(exc)
+
+    async def request(self, method: str, request: Any, limit: int | None = None) -> AsyncIterator[Any]:
+        """What the replica's ``method`` (``http``, ``generate``) yields for ``request``; the
+        replica refuses it with ``ReplicaBusy`` if ``limit`` requests are open there."""
+        if self.error is not None:
+            raise self.error
+        self._start_reader()
+        request_id = uuid.uuid4().hex
+        inbox = self._inboxes[request_id] = _Inbox()
+        try:
+            try:
+                self._note_load(await self._actor.open.remote(self.channel_id, request_id, method, request, limit))
+            except BaseException as exc:
+                # Refused or failed: nothing runs. Cancelled while waiting: it may have started.
+                inbox.ended = not isinstance(exc, asyncio.CancelledError)
+                raise
+            async for item in inbox:
+                yield item
+        finally:
+            del self._inboxes[request_id]
+            if not inbox.ended and self.error is None:  # the consumer left early: abort it
+                contextvars.Context().run(self._actor.cancel.remote, self.channel_id, [request_id])
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
