@@ -32,8 +32,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def prompts(n: int) -> list[str]:
-    return [f"Write a short story about a lighthouse keeper named Keeper{i}." for i in range(n)]
+def prompts(n: int, arm: str) -> list[str]:
+    """n prompts no other arm or size sends: each starts with its own tag, so vLLM's prefix
+    cache (on by default) never serves one arm from another's run."""
+    return [f"{arm}{n}-{i}: write a short story about a lighthouse keeper." for i in range(n)]
 
 
 def spec():
@@ -65,13 +67,13 @@ def raw_main(sizes: dict[int, int]) -> None:
     for n, tokens in sizes.items():
         params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
         started = time.perf_counter()
-        results = llm.generate(prompts(n), params, use_tqdm=False)
+        results = llm.generate(prompts(n, "raw"), params, use_tqdm=False)
         elapsed = time.perf_counter() - started
         out[n] = sum(len(r.outputs[0].token_ids) for r in results) / elapsed
     print("BENCH_RESULT " + json.dumps(out), flush=True)  # vLLM prints to stdout too
 
 
-async def through(stream_fn, n: int, tokens: int) -> float:
+async def through(stream_fn, n: int, tokens: int, arm: str) -> float:
     """Output tokens/s of n concurrent requests; stream_fn(request) yields objects with token_ids."""
     async def one(p: str) -> int:
         count = 0
@@ -80,7 +82,7 @@ async def through(stream_fn, n: int, tokens: int) -> float:
         return count
 
     started = time.perf_counter()
-    counts = await asyncio.gather(*(one(p) for p in prompts(n)))
+    counts = await asyncio.gather(*(one(p) for p in prompts(n, arm)))
     return sum(counts) / (time.perf_counter() - started)
 
 
@@ -135,14 +137,14 @@ def main() -> None:
                     yield types.SimpleNamespace(token_ids=range(chunk.usage.completion_tokens))
 
         async def run_all():
-            await through(via_replica, 4, 8)  # warm up both paths
-            await through(via_client, 4, 8)
+            await through(via_replica, 4, 8, "warm-replica")  # warm up both paths
+            await through(via_client, 4, 8, "warm-client")
             rep, cli = {}, {}
             for n, tokens in sizes.items():
-                rep[n] = await through(via_replica, n, tokens)
+                rep[n] = await through(via_replica, n, tokens, "replica")
                 print(f"(b) VllmReplica actor, {n} prompts: {rep[n]:.1f} tok/s", flush=True)
             for n, tokens in sizes.items():
-                cli[n] = await through(via_client, n, tokens)
+                cli[n] = await through(via_client, n, tokens, "client")
                 print(f"(c) Client (router), {n} prompts: {cli[n]:.1f} tok/s", flush=True)
             return rep, cli
 
