@@ -23,6 +23,8 @@ from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from tests.vllm_serve import stop_group  # noqa: E402 - after the path insert
+
 NAME = "smollm2"
 
 
@@ -41,13 +43,7 @@ def rayllm_server(wait_http, free_port) -> Iterator[tuple[str, int]]:  # noqa: A
         print(f"Ray Serve LLM ready in {time.monotonic() - started:.0f}s at {url}/v1 (log: {log})", flush=True)
         yield url, proc.pid
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
 
 
 def serve_forever(port: int) -> None:

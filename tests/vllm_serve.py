@@ -64,10 +64,15 @@ def vllm_server(spec, model_dir: str, say: Callable[[str], None] = lambda _: Non
         say(f"vllm serve ready in {time.monotonic() - started:.0f}s (log: {log})")
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Stop a server started in a session of its own: SIGINT to its group, SIGKILL after 60 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
