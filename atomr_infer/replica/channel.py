@@ -41,8 +41,7 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 class Channel:
-    def __init__(self, channel_id: str, load: Callable[[], int]) -> None:
-        self.channel_id = channel_id
+    def __init__(self, load: Callable[[], int]) -> None:
         self._load = load
         self._batch = Batch(0)
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -119,7 +118,7 @@ class ChannelHub:
         """The channel ``channel_id``, created by whichever of ``open`` and ``channel`` comes first."""
         channel = self._channels.get(channel_id)
         if channel is None:
-            channel = self._channels[channel_id] = Channel(channel_id, lambda: self.open_requests)
+            channel = self._channels[channel_id] = Channel(lambda: self.open_requests)
         return channel
 
     async def stream(self, channel_id: str) -> AsyncIterator[Batch]:
@@ -134,7 +133,3 @@ class ChannelHub:
         channel = self._channels.get(channel_id)
         if channel is not None:
             channel.cancel(request_ids)
-
-    def cancel_all(self) -> None:
-        for channel in self._channels.values():
-            channel.cancel(list(channel._tasks))
