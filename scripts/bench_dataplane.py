@@ -140,6 +140,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--paths", default="local,router,client,http")
     ap.add_argument("--port", type=int, default=8011)
+    ap.add_argument("--http-port", type=int, default=None,
+                    help="Where the http arm sends (default --port; e.g. an ingress replica's own port "
+                         "with RAY_SERVE_ENABLE_DIRECT_INGRESS=1)")
     opts = ap.parse_args()
     sizes = [int(s) for s in opts.streams.split(",")]
     paths = opts.paths.split(",")
@@ -178,7 +181,7 @@ def main() -> None:
             from atomr_infer.serve.server import run_server
 
             server = run_server(port=opts.port)
-        url = f"http://127.0.0.1:{opts.port}/v1/completions"
+        url = f"http://127.0.0.1:{opts.http_port or opts.port}/v1/completions"
 
         async def run_all() -> dict[str, dict[int, float]]:
             router = Router(lambda v: manager.routing_table.remote(v))
