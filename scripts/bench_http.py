@@ -66,14 +66,20 @@ def wait_http(url: str, proc: subprocess.Popen | None, log_path: str | None = No
 
 
 @contextlib.contextmanager
-def atomr_server() -> Iterator[str]:
-    """A private local Ray with the manager, the smollm2 deployment and ``atomr serve``'s app."""
+def atomr_server(direct_ingress: bool = False) -> Iterator[str]:
+    """A private local Ray with the manager, the smollm2 deployment and ``atomr serve``'s app.
+    ``direct_ingress``: Serve's own experimental mode in which the ingress replica serves HTTP
+    on a port of its own, without the proxy hop (the URL is then that port's)."""
     import ray
 
     from atomr_infer.cluster import manager as get_manager
     from atomr_infer.serve import run_server, stop_server
 
     os.environ.pop("RAY_ADDRESS", None)
+    direct_port = free_port() if direct_ingress else None
+    if direct_port is not None:  # read by Serve's controller and replicas when they start
+        os.environ.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(direct_port),
+                          RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(direct_port + 1))
     started = time.monotonic()
     ray.init(
         _node_ip_address="127.0.0.1", num_cpus=4, namespace="atomr", include_dashboard=False,
@@ -88,10 +94,11 @@ def atomr_server() -> Iterator[str]:
             raise SystemExit(f"deployment did not become ready: {status}")
         port = free_port()
         server = run_server("127.0.0.1", port)
-        wait_http(f"{server.url}/health", None)
-        print(f"atomr serve ready in {time.monotonic() - started:.0f}s at {server.base_url}", flush=True)
+        url = server.url if direct_port is None else f"http://127.0.0.1:{direct_port}"
+        wait_http(f"{url}/health", None)
+        print(f"atomr serve ready in {time.monotonic() - started:.0f}s at {url}/v1", flush=True)
         try:
-            yield server.url
+            yield url
         finally:
             stop_server(server)
             ray.get(manager.remove.remote(deployment.name))
@@ -215,6 +222,8 @@ def main_cli() -> None:
     parser.add_argument("--loads", default="1:8,16:32,64:128", help="concurrency:requests per round, comma-separated.")
     parser.add_argument("--rounds", type=int, default=1, help="Interleaved rounds (medians are reported).")
     parser.add_argument("--no-rayllm", action="store_true", help="Leave out Ray Serve LLM (it needs pyarrow).")
+    parser.add_argument("--direct-ingress", action="store_true",
+                        help="atomr's ingress replica serves HTTP itself (Serve's RAY_SERVE_ENABLE_DIRECT_INGRESS)")
     opts = parser.parse_args()
     loads = [tuple(int(x) for x in item.split(":")) for item in opts.loads.split(",")]
 
@@ -229,7 +238,7 @@ def main_cli() -> None:
     with contextlib.ExitStack() as stack:
         say = lambda text: print(text, flush=True)  # noqa: E731
         urls = {"vllm": stack.enter_context(vllm_server(spec(), model_dir, say)),
-                "atomr": stack.enter_context(atomr_server())}
+                "atomr": stack.enter_context(atomr_server(opts.direct_ingress))}
         roots = {"vllm": vllm_serve_pid()}
         if not opts.no_rayllm:
             try:
