@@ -178,7 +178,10 @@ class VllmReplica:
         self._metrics.set_state(phase if phase in REPLICA_STATES else "starting")
 
     def _check_progress(self) -> None:
-        """The watchdog's check: fail everything if the step loop stopped moving."""
+        """The watchdog's check: close the channels of routers that are gone, and fail
+        everything if the step loop stopped moving."""
+        for channel_id in self._channels.expire():
+            self._log.warning("channel_expired", channel=channel_id, reason="its router was not heard from")
         if self._wedged is not None or self._stopped:
             return
         stuck = self._loop.stuck_for()
@@ -320,6 +323,10 @@ class VllmReplica:
     async def cancel(self, channel_id: str, request_ids: list[str]) -> None:
         """The router's consumers left: abort these requests."""
         self._channels.cancel(channel_id, request_ids)
+
+    async def keepalive(self, channel_id: str) -> None:
+        """The router of ``channel_id`` is alive (replica/channel.py: a channel is a lease)."""
+        self._channels.get(channel_id)
 
     async def _openai_app(self) -> OpenAIApp:
         async with self._app_lock:

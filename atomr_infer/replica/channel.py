@@ -13,17 +13,26 @@ first token of a request is not held back; whatever the requests put meanwhile (
 that engine step) rides along. Each request runs in a task of its own (``start``) that puts
 its items straight into the next batch; cancelling it (the router's ``cancel``, or the channel
 going away) ends the request, which aborts it in the engine within one step.
+
+A router that dies says nothing, and Ray does not stop a streaming call whose caller is gone
+(measured: a killed router's 1,500-token request ran to its end). So a channel is a lease: the
+router renews it every ``KEEPALIVE_S`` (and with every call), and a channel not heard from for
+``LEASE_S`` is closed by the replica's watchdog, which cancels its requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from atomr_infer.errors import AtomrError, EngineError
 from atomr_infer.replica.request import Chunk
+
+KEEPALIVE_S = 3.0  # how often a router renews its channels
+LEASE_S = 15.0  # a channel not renewed for this long belongs to a router that is gone
 
 
 @dataclass
@@ -46,6 +55,14 @@ class Channel:
         self._batch = Batch(0)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._ready = asyncio.Event()
+        self._closed = False
+        self.heard_at = time.monotonic()  # the router's last call: open, cancel, keepalive
+
+    def close(self) -> None:
+        """End the stream (its finally cancels the requests) and take nothing more."""
+        self._closed = True
+        self.cancel(list(self._tasks))
+        self._ready.set()
 
     @property
     def open_requests(self) -> int:
@@ -94,6 +111,8 @@ class Channel:
                 if not (self._batch.items or self._batch.ended):
                     self._ready.clear()
                     await self._ready.wait()
+                if self._closed:
+                    return
                     # One turn of the event loop: the other requests the same engine step woke
                     # put their output too, and leave in this batch (no timer: nothing waits).
                     await asyncio.sleep(0)
@@ -115,11 +134,21 @@ class ChannelHub:
         return sum(c.open_requests for c in self._channels.values())
 
     def get(self, channel_id: str) -> Channel:
-        """The channel ``channel_id``, created by whichever of ``open`` and ``channel`` comes first."""
+        """The channel ``channel_id``, created by whichever of ``open``, ``channel`` and
+        ``keepalive`` comes first; the router was just heard from."""
         channel = self._channels.get(channel_id)
         if channel is None:
             channel = self._channels[channel_id] = Channel(lambda: self.open_requests)
+        channel.heard_at = time.monotonic()
         return channel
+
+    def expire(self, lease_s: float = LEASE_S) -> list[str]:
+        """Close the channels whose router has not been heard from for ``lease_s``; their ids."""
+        now = time.monotonic()
+        gone = [cid for cid, c in self._channels.items() if now - c.heard_at > lease_s]
+        for channel_id in gone:
+            self._channels.pop(channel_id).close()
+        return gone
 
     async def stream(self, channel_id: str) -> AsyncIterator[Batch]:
         channel = self.get(channel_id)
@@ -132,4 +161,5 @@ class ChannelHub:
     def cancel(self, channel_id: str, request_ids: list[str]) -> None:
         channel = self._channels.get(channel_id)
         if channel is not None:
+            channel.heard_at = time.monotonic()
             channel.cancel(request_ids)

@@ -9,13 +9,17 @@ replica (which aborts it in the engine within one step). If the channel's stream
 replica died), every open request on it fails with that error, within the time Ray takes to
 notice; the router drops the channel and opens a new one on the next request.
 
-The reading task and the cancel calls run outside the caller's Ray task context: started from
+A channel is a lease on the replica (replica/channel.py): a second task renews it every
+``KEEPALIVE_S``, so that the replica cancels the requests of a router whose process died.
+
+The reading and renewing tasks and the cancel calls run outside the caller's Ray task context: started from
 inside a request of the ingress, Ray would cancel them with that request (a client hanging up).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import time
 import uuid
@@ -23,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from atomr_infer.log import get_logger
+from atomr_infer.replica.channel import KEEPALIVE_S
 
 log = get_logger(__name__)
 
@@ -79,6 +84,7 @@ class ReplicaChannel:
         self.channel_id = uuid.uuid4().hex
         self._inboxes: dict[str, _Inbox] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._renewer: asyncio.Task[None] | None = None
         self.error: BaseException | None = None  # set once the stream failed: the channel is dead
         self.load: int | None = None  # the replica's open requests, as it last said
         self.load_at = 0.0
@@ -96,6 +102,14 @@ class ReplicaChannel:
         if self._reader is None:
             loop = asyncio.get_running_loop()
             self._reader = contextvars.Context().run(loop.create_task, self._read())
+            self._renewer = contextvars.Context().run(loop.create_task, self._renew())
+
+    async def _renew(self) -> None:
+        while self.error is None:
+            await asyncio.sleep(KEEPALIVE_S)
+            # A failure is the reader's to see (a dead replica ends the channel).
+            with contextlib.suppress(Exception):
+                await self._actor.keepalive.remote(self.channel_id)
 
     async def _read(self) -> None:
         gen = None
@@ -122,6 +136,8 @@ class ReplicaChannel:
             raise
         except BaseException as exc:  # noqa: BLE001 - the replica died or is unreachable
             self.error = exc
+            if self._renewer is not None:
+                self._renewer.cancel()
             for inbox in self._inboxes.values():
                 inbox.end(exc)
 
@@ -148,5 +164,6 @@ class ReplicaChannel:
                 contextvars.Context().run(self._actor.cancel.remote, self.channel_id, [request_id])
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._renewer):
+            if task is not None:
+                task.cancel()

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
 
 from atomr_infer.errors import CapacityExhausted, EngineError
+from atomr_infer.replica.channel import LEASE_S
 from atomr_infer.replica.openai_app import HttpRequest
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
@@ -143,3 +149,25 @@ def test_a_replica_that_dies_fails_its_open_streams(ray_cluster, bundled_model_d
 
     waited = asyncio.run(main())
     assert waited < 30  # a liveness bound, not a speed target: it must not hang
+
+
+def test_the_requests_of_a_router_that_died_are_cancelled(emulated):
+    """Ray does not stop a streaming call whose caller died: the channel's lease does."""
+    repo = Path(__file__).resolve().parents[2]
+    script = Path(__file__).with_name("router_process.py")
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    gcs = ray.get_runtime_context().gcs_address
+    proc = subprocess.Popen([sys.executable, str(script), gcs, "atomr:emu:channels"], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "STREAMING"
+        before = ray.get(emulated.stats.remote())
+        assert before.engine_unfinished == 1
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # Left alone it would run its 2,000 tokens (20 s) to the end ("length", not aborted); the lease
+    # cancels it LEASE_S after the router's last word (+ the watchdog's 1 s period).
+    after = asyncio.run(idle(emulated, timeout_s=LEASE_S + 10))
+    assert after.engine_unfinished == 0
+    assert after.requests_aborted == before.requests_aborted + 1

@@ -58,6 +58,7 @@ class FakeReplica:
         self.name, self.error, self.calls = name, error, 0
         self.hub = ChannelHub()
         self.open, self.channel, self.cancel = _Remote(self._open), _RemoteStream(self._channel), _Remote(self._cancel)
+        self.keepalive = _Remote(self._keepalive)
 
     async def _open(self, channel_id, request_id, method, request, limit=None):
         self.calls += 1
@@ -77,6 +78,9 @@ class FakeReplica:
 
     async def _cancel(self, channel_id, request_ids):
         self.hub.cancel(channel_id, request_ids)
+
+    async def _keepalive(self, channel_id):
+        self.hub.get(channel_id)
 
 
 def route(replica: FakeReplica) -> ReplicaRoute:
