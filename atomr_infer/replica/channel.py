@@ -111,11 +111,11 @@ class Channel:
                 if not (self._batch.items or self._batch.ended):
                     self._ready.clear()
                     await self._ready.wait()
-                if self._closed:
-                    return
                     # One turn of the event loop: the other requests the same engine step woke
                     # put their output too, and leave in this batch (no timer: nothing waits).
                     await asyncio.sleep(0)
+                if self._closed:
+                    return
                 batch, self._batch = self._batch, Batch(0)
                 batch.load = self._load()
                 yield batch
