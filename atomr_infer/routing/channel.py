@@ -26,10 +26,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from atomr_infer.log import get_logger
-from atomr_infer.replica.channel import KEEPALIVE_S
+import ray
 
-log = get_logger(__name__)
+from atomr_infer.replica.channel import KEEPALIVE_S
 
 
 class _Inbox:
@@ -130,8 +129,6 @@ class ReplicaChannel:
             raise ConnectionError("the replica closed the channel")
         except asyncio.CancelledError:
             if gen is not None:
-                import ray
-
                 ray.cancel(gen)
             raise
         except BaseException as exc:  # noqa: BLE001 - the replica died or is unreachable
