@@ -131,7 +131,7 @@ class ReplicaChannel:
             if gen is not None:
                 ray.cancel(gen)
             raise
-        except BaseException as exc:  # noqa: BLE001 - the replica died or is unreachable
+        except Exception as exc:  # noqa: BLE001 - the replica died or is unreachable
             self.error = exc
             if self._renewer is not None:
                 self._renewer.cancel()
