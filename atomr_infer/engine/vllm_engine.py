@@ -185,9 +185,10 @@ def prepare_environment(deployment: Deployment, device: Device | None = None) ->
         # of its own: a request submitted during a step joins the very next one (with a core
         # process it waits until step() returns, then for the step the core already began),
         # and no second process busy-loops on the cores the model computes on. Measured with
-        # scripts/bench_replica.py at 64 prompts: 0.968x raw vllm.LLM with a core process,
-        # 1.02x without. On GPUs vLLM's default stays: its core process overlaps scheduling and
-        # the forward pass with our output processing. VLLM_ENABLE_V1_MULTIPROCESSING=1 overrides.
+        # scripts/bench_replica.py (2 threads, 2-core EPYC with avx512_bf16) at 64 / 256 prompts:
+        # 0.78x / 0.82x raw vllm.LLM with a core process, 1.00x / 1.11x without. On GPUs vLLM's
+        # default stays: its core process overlaps scheduling and the forward pass with our
+        # output processing. VLLM_ENABLE_V1_MULTIPROCESSING=1 overrides.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
