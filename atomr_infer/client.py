@@ -208,8 +208,15 @@ class Client:
             # the router cancel the replica's generator, which aborts the engine request.
             self._run(agen.aclose()).result(timeout=10)  # type: ignore[attr-defined]
 
+    async def aclose(self) -> None:
+        """Close the router of the running event loop (its channels to the replicas)."""
+        router = self._routers.pop(id(asyncio.get_running_loop()), None)
+        if router is not None:
+            await router.aclose()
+
     def close(self) -> None:
         if self._loop is not None:
+            self._run(self.aclose()).result(timeout=10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
 

@@ -70,6 +70,7 @@ def chat_command(
         else:
             code = _converse(loop, client, name, history, sampling)
     finally:
+        loop.run_until_complete(client.aclose())
         loop.close()
     raise typer.Exit(code)
 

@@ -160,7 +160,9 @@ class ReplicaChannel:
             if not inbox.ended and self.error is None:  # the consumer left early: abort it
                 contextvars.Context().run(self._actor.cancel.remote, self.channel_id, [request_id])
 
-    def close(self) -> None:
-        for task in (self._reader, self._renewer):
-            if task is not None:
-                task.cancel()
+    def close(self) -> list[asyncio.Task[None]]:
+        """Stop reading and renewing; the tasks, to await on the way out."""
+        tasks = [t for t in (self._reader, self._renewer) if t is not None]
+        for task in tasks:
+            task.cancel()
+        return tasks

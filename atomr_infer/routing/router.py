@@ -101,6 +101,13 @@ class Router:
             channel = self._channels[route.actor_name] = ReplicaChannel(route.actor, self._released.set)
         return channel
 
+    async def aclose(self) -> None:
+        """Close every channel of this router and wait for their tasks to end (before the
+        event loop that runs them is closed)."""
+        tasks = [task for channel in self._channels.values() for task in channel.close()]
+        self._channels.clear()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def refresh(self, force: bool = False) -> RoutingTable:
         if force or time.monotonic() - self._fetched_at >= self._refresh_s:
             try:

@@ -179,6 +179,7 @@ def test_chat_answers_paris(cli, smollm2):
     proc = cli.run("chat", "smollm2", QUESTION, "--max-tokens", "32")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+    assert "Task was destroyed" not in proc.stderr  # its channels to the replica were closed on the way out
 
 
 def test_deploy_again_prints_unchanged_at_once(cli, smollm2):
