@@ -88,6 +88,7 @@ class ReplicaChannel:
         self.load: int | None = None  # the replica's open requests, as it last said
         self.load_at = 0.0
         self.batches = 0  # messages received (bench_dataplane reports items per message)
+        self._retired = False  # no new requests; closes when its last one ends
 
     def _note_load(self, load: int) -> None:
         self.load, self.load_at = load, time.monotonic()
@@ -130,6 +131,8 @@ class ReplicaChannel:
         except asyncio.CancelledError:
             if gen is not None:
                 ray.cancel(gen)
+            for inbox in self._inboxes.values():  # closed under open requests: they end, not hang
+                inbox.end(ConnectionError("the router closed the channel"))
             raise
         except Exception as exc:  # noqa: BLE001 - the replica died or is unreachable
             self.error = exc
@@ -143,6 +146,8 @@ class ReplicaChannel:
         replica refuses it with ``ReplicaBusy`` if ``limit`` requests are open there."""
         if self.error is not None:
             raise self.error
+        if self._retired:
+            raise ConnectionError("the channel was retired: its replica left the routing table")
         self._start_reader()
         request_id = uuid.uuid4().hex
         inbox = self._inboxes[request_id] = _Inbox()
@@ -159,6 +164,19 @@ class ReplicaChannel:
             del self._inboxes[request_id]
             if not inbox.ended and self.error is None:  # the consumer left early: abort it
                 contextvars.Context().run(self._actor.cancel.remote, self.channel_id, [request_id])
+            if self._retired and not self._inboxes:
+                self.close()
+
+    def retire(self) -> None:
+        """Take no new requests, and close once the open ones end: a replica that left the
+        routing table (draining in a rolling update) still finishes what it holds."""
+        self._retired = True
+        if not self._inboxes:
+            self.close()
+
+    @property
+    def retired_and_closed(self) -> bool:
+        return self._retired and not self._inboxes and (self._reader is None or self._reader.done())
 
     def close(self) -> list[asyncio.Task[None]]:
         """Stop reading and renewing; the tasks, to await on the way out."""

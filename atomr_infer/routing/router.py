@@ -79,6 +79,7 @@ class Router:
         # actor name -> table version it was excluded at, or None for "until the table drops it".
         self._excluded: dict[str, int | None] = {}
         self._channels: dict[str, ReplicaChannel] = {}  # actor name -> its channel
+        self._retired: list[ReplicaChannel] = []  # channels of unlisted replicas, until their requests end
 
     @property
     def table(self) -> RoutingTable:
@@ -104,8 +105,10 @@ class Router:
     async def aclose(self) -> None:
         """Close every channel of this router and wait for their tasks to end (before the
         event loop that runs them is closed)."""
-        tasks = [task for channel in self._channels.values() for task in channel.close()]
+        channels = [*self._channels.values(), *self._retired]
+        tasks = [task for channel in channels for task in channel.close()]
         self._channels.clear()
+        self._retired.clear()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def refresh(self, force: bool = False) -> RoutingTable:
@@ -134,8 +137,11 @@ class Router:
         for name, version in list(self._excluded.items()):
             if name not in listed or (version is not None and table.version != version):
                 del self._excluded[name]
+        self._retired = [c for c in self._retired if not c.retired_and_closed]
         for name in [n for n in self._channels if n not in listed]:
-            self._channels.pop(name).close()
+            channel = self._channels.pop(name)
+            channel.retire()
+            self._retired.append(channel)
 
     async def _route(self, name: str) -> tuple[DeploymentRoute, ReplicaRoute]:
         started = time.monotonic()

@@ -188,3 +188,37 @@ def test_an_alias_routes_to_its_deployment():
 
 async def text_of_model(router: Router, name: str) -> str:
     return "".join([c.text_delta async for c in router.stream(name, {"prompt": "hi"})])
+
+
+class GatedReplica(FakeReplica):
+    """Answers once ``gate`` is set: a request in flight while the table changes."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.gate = asyncio.Event()
+
+    async def _answer(self, put):
+        await self.gate.wait()
+        await super()._answer(put)
+
+
+def test_a_request_in_flight_on_a_replica_that_leaves_the_table_still_finishes():
+    # A rolling update drops the old replica from the table while it drains its requests:
+    # the router must keep reading that replica's channel until they end (it used to close
+    # the channel at once, and the request waited forever).
+    old, new = GatedReplica("r0"), FakeReplica("r1")
+    tables = Tables(old)
+
+    async def main():
+        router = Router(tables.source, refresh_s=0.0)
+        in_flight = asyncio.create_task(text_of(router))
+        while old.hub.open_requests == 0:
+            await asyncio.sleep(0.01)
+        tables.publish(new)  # the old replica is draining: no longer listed
+        assert await text_of(router) == "from r1"  # this refresh saw the new table
+        old.gate.set()
+        answer = await asyncio.wait_for(in_flight, 5)
+        await router.aclose()
+        return answer
+
+    assert asyncio.run(main()) == "from r0"
