@@ -10,6 +10,7 @@ names and remove them at the end.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from pathlib import Path
 
@@ -19,6 +20,14 @@ from atomr_infer.spec import Deployment, load_deployments
 
 LOGICAL_GPUS = 4
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXIT_GRACE_S = 120
+
+
+def pytest_unconfigure(config) -> None:
+    """If the interpreter is still alive ``EXIT_GRACE_S`` after the session ended (a thread or
+    exit hook stuck: once a request that never ended held a non-daemon thread), print every
+    thread's stack and exit 1, so that CI fails at once with the reason, not at its time limit."""
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
 
 
 @pytest.fixture(scope="session")

@@ -137,7 +137,9 @@ def test_engine_config_change_rolls_without_failed_requests(manager, mgr, client
             except Exception as exc:  # noqa: BLE001 - collected and asserted below
                 failures.append(exc)
 
-    workers = [threading.Thread(target=load) for _ in range(2)]
+    # Daemon threads: a request that never ends fails the test below instead of hanging the
+    # interpreter's exit (it did, with channels closed under in-flight requests).
+    workers = [threading.Thread(target=load, daemon=True) for _ in range(2)]
     for w in workers:
         w.start()
     try:
@@ -149,6 +151,7 @@ def test_engine_config_change_rolls_without_failed_requests(manager, mgr, client
         done.set()
         for w in workers:
             w.join(60)
+    assert not any(w.is_alive() for w in workers), "a request during the roll never ended"
     assert not failures, failures[:3]
     assert served[0] > 0
     assert set(after.values()).isdisjoint(before.values())
