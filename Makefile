@@ -18,3 +18,4 @@ demo: setup
 
 lint: setup
 	$(VENV)/bin/ruff check atomr_infer tests scripts
+	$(VENV)/bin/lint-imports --no-cache

@@ -21,11 +21,21 @@ from atomr_infer.errors import (
 from atomr_infer.spec import Budget, Deployment, Serving, VllmConfig, load_deployments, spec_hash
 
 
-def manager(address: str | None = None, start: bool = True):  # noqa: ANN201 - a Ray actor handle
-    """The ``DeploymentManager`` actor handle (connecting to / starting Ray as needed)."""
-    from atomr_infer.cluster import manager as _manager
+def control_plane(address: str | None = None, start: bool = True):  # noqa: ANN201 - lazy: no Ray at import
+    """The manager's typed client, ``ControlPlane`` (connecting to / starting Ray and the manager
+    as needed): ``apply``, ``plan``, ``remove``, ``status``, ``list``, ``wait_ready``, each raising
+    atomr's own errors."""
+    from atomr_infer.control.client import ControlPlane
 
-    return _manager(address, start)
+    return ControlPlane.connect(address, start)
+
+
+def manager(address: str | None = None, start: bool = True):  # noqa: ANN201 - a Ray actor handle
+    """The ``DeploymentManager`` actor handle (connecting to / starting Ray as needed), for
+    Ray object refs; ``control_plane()`` is the same manager with plain calls and typed errors."""
+    from atomr_infer.control.client import manager_handle
+
+    return manager_handle(address, start)
 
 
 def __getattr__(name: str):  # noqa: ANN202 - lazy: importing atomr_infer must not import Ray
@@ -33,6 +43,10 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy: importing atomr_infer must n
         from atomr_infer.client import Client
 
         return Client
+    if name == "ControlPlane":
+        from atomr_infer.control.client import ControlPlane
+
+        return ControlPlane
     if name in ("ApplyResult", "PlanResult", "DeploymentManager"):
         from atomr_infer.control import manager as _m
 
@@ -48,6 +62,7 @@ __all__ = [
     "BudgetExceeded",
     "CapacityExhausted",
     "Client",
+    "ControlPlane",
     "Deployment",
     "DeploymentManager",
     "DeploymentNotFound",
@@ -62,6 +77,7 @@ __all__ = [
     "Serving",
     "SpecError",
     "VllmConfig",
+    "control_plane",
     "load_deployments",
     "manager",
     "spec_hash",

@@ -91,7 +91,7 @@ def _error(status: int, body: bytes) -> AtomrError:
 
 class Client:
     def __init__(self, address: str | None = None, manager: Any = None, wait_for_replica_s: float = 30.0) -> None:
-        from atomr_infer.cluster import manager as get_manager
+        from atomr_infer.control.client import manager_handle as get_manager
 
         self._manager = manager if manager is not None else get_manager(address)
         self._wait_s = wait_for_replica_s

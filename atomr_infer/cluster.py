@@ -1,4 +1,4 @@
-"""Find or start the Ray cluster, and get or create the manager actor.
+"""Find or start the Ray cluster (the manager actor is control/client.py's to get or create).
 
 ``connect()`` joins ``RAY_ADDRESS`` (or ``address``) when given, else the local head at
 ``127.0.0.1:$ATOMR_RAY_PORT`` (default 6379, Ray's own default), else — when that variable is
@@ -160,30 +160,3 @@ def use_local_auth_token() -> None:
         pass
     finally:
         quiet.setLevel(level)
-
-
-def manager(address: str | None = None, start: bool = True) -> Any:
-    """The ``DeploymentManager`` actor handle, created (detached, restartable) if absent."""
-    import ray
-
-    from atomr_infer.control.manager import DeploymentManager
-
-    connect(address, start=start)
-    try:
-        return ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
-    except ValueError:
-        if not start:
-            raise AtomrError("the atomr manager is not running (hint: `atomr up` or `atomr deploy FILE`)") from None
-    actor_cls = ray.remote(DeploymentManager)
-    handle = actor_cls.options(
-        name=MANAGER_NAME,
-        namespace=NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,  # two CLIs racing to create it get the same actor
-        max_restarts=-1,  # a crashed manager comes back and re-adopts replicas
-        max_task_retries=0,
-        num_cpus=0,
-        max_concurrency=1000,
-    ).remote()
-    ray.get(handle.ping.remote())
-    return handle

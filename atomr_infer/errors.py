@@ -24,6 +24,7 @@ HTTP status codes are attached only in the ingress (``serve/``), never here.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 
@@ -218,3 +219,17 @@ class ReplicaUnavailable(EngineError):
     """The replica is not accepting requests (draining, stopped or unhealthy)."""
 
     retryable = True
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The error a Ray task raised, without Ray's ``RayTaskError`` wrapper (and its remote traceback)."""
+    ray_exceptions = sys.modules.get("ray.exceptions")  # not imported: ``exc`` cannot be Ray's
+    wrapped = ray_exceptions is not None and isinstance(exc, ray_exceptions.RayTaskError)
+    cause = getattr(exc, "cause", None)
+    return cause if wrapped and isinstance(cause, BaseException) else exc
+
+
+def one_line(exc: BaseException) -> str:
+    """The last non-empty line of ``exc``'s text (Ray's errors carry tracebacks before it)."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__

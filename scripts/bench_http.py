@@ -72,7 +72,7 @@ def atomr_server(direct_ingress: bool = False) -> Iterator[str]:
     on a port of its own, without the proxy hop (the URL is then that port's)."""
     import ray
 
-    from atomr_infer.cluster import manager as get_manager
+    from atomr_infer.control.client import manager_handle as get_manager
     from atomr_infer.serve import run_server, stop_server
 
     os.environ.pop("RAY_ADDRESS", None)

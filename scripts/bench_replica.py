@@ -109,7 +109,7 @@ def main() -> None:
     import ray
 
     from atomr_infer.client import Client
-    from atomr_infer.cluster import manager as get_manager
+    from atomr_infer.control.client import manager_handle as get_manager
 
     os.environ.pop("RAY_ADDRESS", None)
     ray.init(

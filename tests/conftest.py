@@ -77,7 +77,7 @@ def dashboard_url(ray_cluster) -> str:
 
 @pytest.fixture(scope="session")
 def manager(ray_cluster):
-    from atomr_infer.cluster import manager as get_manager
+    from atomr_infer.control.client import manager_handle as get_manager
 
     return get_manager()
 

@@ -20,7 +20,7 @@ import typer
 
 from atomr_infer.cli import common
 from atomr_infer.cli.app import EXIT_INTERRUPTED, EXIT_OK, app, err, fail
-from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica
+from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica, one_line
 
 HELP = "/clear forgets the conversation, /bye or Ctrl-D leaves; Ctrl-C stops an answer."
 
@@ -45,11 +45,11 @@ def chat_command(
         if not prompt:
             fail(AtomrError("no prompt: give one as an argument, on stdin, or run in a terminal to converse"))
     try:
-        manager = common.manager(address, start=False)
-        if common.call(manager.status.remote(name)) is None:  # say so before asking anything
-            known = [s["name"] for s in common.call(manager.list.remote())]
+        control = common.control_plane(address, start=False)
+        if control.status(name) is None:  # say so before asking anything
+            known = [s["name"] for s in control.list()]
             raise DeploymentNotFound(name, known)
-        client = Client(manager=manager)
+        client = Client(manager=control.handle)
     except AtomrError as exc:
         fail(exc)
     sampling: dict[str, Any] = {"temperature": temperature}
@@ -125,7 +125,7 @@ def _answer(loop: asyncio.AbstractEventLoop, client: Any, name: str, messages: l
     except AtomrError:
         raise
     except Exception as exc:  # noqa: BLE001 - Ray errors: one line
-        raise AtomrError(common.one_line(exc)) from None
+        raise AtomrError(one_line(exc)) from None
     finally:
         if parts and not parts[-1].endswith("\n"):
             sys.stdout.write("\n")

@@ -7,13 +7,17 @@ Every failure here becomes an ``AtomrError`` with one line of text, so ``fail()`
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from atomr_infer.cli.app import _state, err
 from atomr_infer.cluster import NAMESPACE
-from atomr_infer.errors import AtomrError
+from atomr_infer.errors import AtomrError, one_line
+from atomr_infer.status import ReplicaState
+
+if TYPE_CHECKING:
+    from atomr_infer.control.client import ControlPlane
 
 # Library logs (structlog) stay at WARNING in the CLI process: a command prints its own lines.
 # Only this process is affected, not the Ray head and replicas the CLI starts.
@@ -77,42 +81,17 @@ def connect(address: str | None, start: bool, announce: bool = True) -> None:
         raise AtomrError(f"could not connect to Ray: {one_line(exc)}") from exc
 
 
-def manager(address: str | None, start: bool = True, announce: bool = True) -> Any:
-    """The manager actor handle; with ``start=False`` nothing is started (error if absent)."""
-    from atomr_infer import cluster
+def control_plane(address: str | None, start: bool = True, announce: bool = True) -> ControlPlane:
+    """The manager's typed client; with ``start=False`` nothing is started (error if absent)."""
+    from atomr_infer.control.client import ControlPlane, manager_handle
 
     connect(address, start, announce)
     try:
-        return cluster.manager(address, start=start)
+        return ControlPlane(manager_handle(address, start=start))
     except AtomrError:
         raise
     except Exception as exc:  # noqa: BLE001
         raise AtomrError(f"could not reach the atomr manager: {one_line(exc)}") from exc
-
-
-def call(ref: Any, timeout_s: float | None = 60.0) -> Any:
-    """``ray.get`` that raises the atomr error the actor raised, not Ray's wrapper."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
-    from atomr_infer.routing.router import unwrap
-
-    try:
-        return ray.get(ref, timeout=timeout_s)
-    except RayTaskError as exc:
-        cause = unwrap(exc)
-        if isinstance(cause, AtomrError):
-            raise cause from None
-        raise AtomrError(one_line(cause)) from None
-    except RayActorError as exc:
-        raise AtomrError(f"the atomr manager died: {one_line(exc)} (hint: `atomr up` restarts it)") from None
-    except GetTimeoutError:
-        raise AtomrError(f"the atomr manager did not answer within {timeout_s:g}s") from None
-
-
-def one_line(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else type(exc).__name__
 
 
 def dashboard_url() -> str | None:
@@ -135,7 +114,7 @@ def replica_stats(replicas: list[dict[str, Any]], timeout_s: float = 2.0) -> dic
 
     refs: dict[Any, str] = {}
     for r in replicas:
-        if r.get("state") not in ("starting", "ready", "draining"):
+        if r.get("state") not in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
             continue
         try:
             actor = ray.get_actor(r["actor_name"], namespace=NAMESPACE)
@@ -157,7 +136,7 @@ def replica_stats(replicas: list[dict[str, Any]], timeout_s: float = 2.0) -> dic
 def waiting_reasons(replicas: list[dict[str, Any]], stats: dict[str, Any]) -> dict[str, str]:
     """Why a starting replica that does not answer has not started: Ray has not placed its
     actor yet (no node has the CPUs or GPUs it reserves). By actor name; best effort."""
-    pending = [r for r in replicas if r.get("state") == "starting" and r["actor_name"] not in stats]
+    pending = [r for r in replicas if r.get("state") == ReplicaState.STARTING and r["actor_name"] not in stats]
     if not pending:
         return {}
     try:
@@ -184,3 +163,20 @@ def node_ips() -> dict[str, str]:
         return {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
     except Exception:  # noqa: BLE001
         return {}
+
+
+def load_specs(paths: list[Any]) -> list[Any]:
+    """``load_deployments(*paths)``, printing each deprecation (an old field name) as a
+    ``warning: …`` line; raises ``SpecError`` as the loader does."""
+    import warnings
+
+    from atomr_infer.spec import load_deployments
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FutureWarning)
+        deployments = load_deployments(*paths)
+    for w in caught:
+        if issubclass(w.category, FutureWarning):
+            err.print(f"warning: {w.message}", markup=False)
+    return deployments
+

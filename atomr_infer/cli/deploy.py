@@ -12,12 +12,16 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from atomr_infer.cli import common, render
 from atomr_infer.cli.app import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, app, err, fail, out
-from atomr_infer.errors import AtomrError
+from atomr_infer.errors import AtomrError, one_line
+
+if TYPE_CHECKING:
+    from atomr_infer.control.client import ControlPlane
 
 
 def report(exc: BaseException) -> int:
@@ -42,10 +46,8 @@ def deploy_command(
     address: str | None = common.address_option(),
 ) -> None:
     """Apply deployment specs: validate, check budgets, create or update replicas, wait until ready."""
-    from atomr_infer.spec import load_deployments
-
     try:
-        deployments = load_deployments(*paths)
+        deployments = common.load_specs(paths)
     except AtomrError as exc:
         fail(exc)
     common.quiet_logs()
@@ -61,14 +63,14 @@ def deploy_command(
     try:
         for d in deployments:
             require_device(d)  # before anything starts: gemma on a CPU host stops here
-        manager = common.manager(address, start=True)
+        control = common.control_plane(address, start=True)
     except Exception as exc:  # noqa: BLE001 - fail() prints one line
         fail(exc)
 
     code, applied, unchanged = EXIT_OK, [], []
     for d in deployments:
         try:
-            result = common.call(manager.apply.remote(d))
+            result = control.apply(d)
         except AtomrError as exc:
             code = code or report(exc)
             continue
@@ -79,23 +81,23 @@ def deploy_command(
         (applied if result.changed else unchanged).append(d.name)
     names = applied + unchanged
     if wait and names:
-        code = _wait(manager, names, timeout) or code
+        code = _wait(control, names, timeout) or code
     elif names:
         _say("not waiting; follow with `atomr status`")
     raise typer.Exit(code)
 
 
-def _wait(manager, names: list[str], timeout: float) -> int:  # noqa: ANN001
+def _wait(control: ControlPlane, names: list[str], timeout: float) -> int:
     from atomr_infer.cli.watch import wait_for
 
     started = time.monotonic()
     try:
-        outcome = wait_for(manager, names, timeout)
+        outcome = wait_for(control.handle, names, timeout)
     except KeyboardInterrupt:
         err.print("interrupted: the rollout goes on in the background (`atomr status` to follow it)")
         return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001
-        return report(AtomrError(f"lost track of the rollout: {common.one_line(exc)}"))
+        return report(AtomrError(f"lost track of the rollout: {one_line(exc)}"))
     took = time.monotonic() - started
     if outcome.ready and not (outcome.failed or outcome.pending):
         if took >= 1.0:
@@ -124,10 +126,10 @@ def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
     from atomr_infer.provision import require_device
 
     try:
-        manager = common.manager(address, start=False)
+        control = common.control_plane(address, start=False)
     except AtomrError as exc:
-        manager = None
-        offline = common.one_line(exc)
+        control = None
+        offline = one_line(exc)
     code = EXIT_OK
     for d in deployments:
         device_error = None
@@ -135,12 +137,12 @@ def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
             require_device(d)
         except AtomrError as exc:
             device_error = str(exc)
-        if manager is None:
+        if control is None:
             _say(f"{d.name}: create {render.plural(d.replicas, 'replica')}")
             _say(f"  budget: not checked: {offline}")
         else:
             try:
-                plan = common.call(manager.plan.remote(d))
+                plan = control.plan(d)
             except AtomrError as exc:
                 code = code or report(exc)
                 continue
@@ -171,9 +173,9 @@ def remove_command(
         err.print("error: name a deployment to remove, or pass --all (hint: `atomr status` lists them)", markup=False)
         raise typer.Exit(EXIT_INVALID)
     try:
-        manager = common.manager(address, start=False)
+        control = common.control_plane(address, start=False)
         if all_:
-            names = [s["name"] for s in common.call(manager.list.remote()) if not s.get("removing")]
+            names = [s["name"] for s in control.list() if not s.get("removing")]
             if not names:
                 _say("no deployments")
                 raise typer.Exit(EXIT_OK)
@@ -182,27 +184,27 @@ def remove_command(
     code, removed = EXIT_OK, []
     for name in names:
         try:
-            result = common.call(manager.remove.remote(name))
+            result = control.remove(name)
         except AtomrError as exc:
             code = code or report(exc)
             continue
         if not result.changed:
-            known = ", ".join(s["name"] for s in common.call(manager.list.remote())) or "none"
+            known = ", ".join(s["name"] for s in control.list()) or "none"
             code = code or report(AtomrError(f"no deployment named {name!r} (deployments: {known})"))
             continue
         _say(f"{name}: {'; '.join(result.actions)}")
         removed.append(name)
     if wait and removed:
-        code = _wait_removed(manager, removed, timeout) or code
+        code = _wait_removed(control, removed, timeout) or code
     raise typer.Exit(code)
 
 
-def _wait_removed(manager, names: list[str], timeout: float) -> int:  # noqa: ANN001
+def _wait_removed(control: ControlPlane, names: list[str], timeout: float) -> int:
     deadline = time.monotonic() + timeout
     pending = list(names)
     while pending and time.monotonic() < deadline:
         for name in list(pending):
-            if common.call(manager.status.remote(name)) is None:
+            if control.status(name) is None:
                 pending.remove(name)
                 _say(f"{name}: removed")
         if pending:

@@ -15,13 +15,16 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 
 from atomr_infer.cli import common
 from atomr_infer.cli.app import EXIT_OK, app, err, fail, out
-from atomr_infer.errors import AtomrError
+from atomr_infer.errors import AtomrError, one_line
+
+if TYPE_CHECKING:
+    from atomr_infer.control.client import ControlPlane
 
 
 def _line(label: str, text: str) -> None:
@@ -45,8 +48,8 @@ def up_command(
     if not joining:
         _line("Ray", f"starting a local head at {cluster.local_address()} …")
     try:
-        manager = common.manager(address, start=True, announce=False)
-        deployments = common.call(manager.list.remote())
+        control = common.control_plane(address, start=True, announce=False)
+        deployments = control.list()
     except AtomrError as exc:
         fail(exc)
     if joining:
@@ -58,7 +61,7 @@ def up_command(
     _line("dashboard", common.dashboard_url() or "not running")
     if serve:
         _start_api(host, port)
-    code = EXIT_OK if no_gemma else _provision_gemma(manager)
+    code = EXIT_OK if no_gemma else _provision_gemma(control)
     if not deployments:
         _line("next", "atomr deploy deployments/smollm2.yaml")
     raise typer.Exit(code)
@@ -79,17 +82,17 @@ def _start_api(host: str, port: int) -> None:
     except AtomrError as exc:  # Serve already runs on another address: the error says which
         fail(exc)
     except Exception as exc:  # noqa: BLE001 - Serve's own errors, in one line
-        fail(AtomrError(f"could not start the API on {host}:{port}: {common.one_line(exc)}"))
+        fail(AtomrError(f"could not start the API on {host}:{port}: {one_line(exc)}"))
     _line("api", f"{server.base_url} (OpenAI-compatible, model = deployment name; `atomr down` stops it)")
 
 
-def _provision_gemma(manager: Any) -> int:
+def _provision_gemma(control: ControlPlane) -> int:
     from atomr_infer.cli.deploy import report
     from atomr_infer.provision import GemmaDefaults, Ready, provision_if_ready
 
     try:
         defaults = GemmaDefaults.from_env()
-        result = provision_if_ready(manager, defaults)
+        result = provision_if_ready(control, defaults)
     except Exception as exc:  # noqa: BLE001 - SpecError (exit 2), budget (3), …
         return report(exc)
     if isinstance(result, Ready):
@@ -153,7 +156,7 @@ def _stop_api() -> None:
             return
         stop_server(current, shutdown_serve=True)  # unless other applications still run on it
     except Exception as exc:  # noqa: BLE001
-        raise AtomrError(f"could not stop the API: {common.one_line(exc)}") from exc
+        raise AtomrError(f"could not stop the API: {one_line(exc)}") from exc
     _line("api", f"stopped ({current.base_url})")
 
 
@@ -161,20 +164,21 @@ def _remove_everything(timeout: float) -> None:
     import ray
 
     from atomr_infer import cluster
+    from atomr_infer.control.client import ControlPlane, manager_handle
 
     try:
-        manager = cluster.manager(None, start=False)  # connect() above chose the cluster
+        control = ControlPlane(manager_handle(None, start=False))  # connect() above chose the cluster
     except AtomrError:
         _line("manager", "not running")
         return
-    statuses = common.call(manager.list.remote())
+    statuses = control.list()
     actors = {r["actor_name"] for s in statuses for r in s["replicas"]}
     for s in statuses:
         if not s.get("removing"):
-            result = common.call(manager.remove.remote(s["name"]))
+            result = control.remove(s["name"])
             _line(s["name"], "; ".join(result.actions))
     deadline = time.monotonic() + timeout
-    while common.call(manager.list.remote()) and time.monotonic() < deadline:
+    while control.list() and time.monotonic() < deadline:
         time.sleep(0.5)
     # The manager's reaper kills stopped replicas after their engine shut down; wait for that
     # too, or a killed manager could leave detached replica actors behind.
@@ -186,7 +190,7 @@ def _remove_everything(timeout: float) -> None:
             ray.kill(ray.get_actor(name, namespace=cluster.NAMESPACE), no_restart=True)
     if statuses:
         _line("replicas", f"stopped ({len(actors)})")
-    ray.kill(manager, no_restart=True)
+    ray.kill(control.handle, no_restart=True)
     _line("manager", "stopped")
 
 

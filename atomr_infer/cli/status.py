@@ -11,25 +11,25 @@ from rich.text import Text
 
 from atomr_infer.cli import common, render
 from atomr_infer.cli.app import EXIT_OK, app, err, fail, out
-from atomr_infer.errors import AtomrError, DeploymentNotFound
+from atomr_infer.errors import AtomrError, DeploymentNotFound, one_line
 
 
 def _statuses(address: str | None, name: str | None) -> list[dict[str, Any]] | None:
     """Deployment statuses; None when Ray runs but the manager does not (nothing deployed)."""
-    from atomr_infer import cluster
+    from atomr_infer.control.client import ControlPlane, manager_handle
 
     common.connect(address, start=False)
     try:
-        manager = cluster.manager(address, start=False)
+        control = ControlPlane(manager_handle(address, start=False))
     except AtomrError:
         if name:
             raise DeploymentNotFound(name) from None
         return None
     if name is None:
-        return common.call(manager.list.remote())
-    status = common.call(manager.status.remote(name))
+        return control.list()
+    status = control.status(name)
     if status is None:
-        known = [s["name"] for s in common.call(manager.list.remote())]
+        known = [s["name"] for s in control.list()]
         raise DeploymentNotFound(name, known)
     return [status]
 
@@ -102,7 +102,7 @@ def logs_command(
         try:  # blank lines and Ray's marker lines are dropped, so read a few more than asked
             text = _tail(r["actor_id"], lines if raw else lines + 20)
         except Exception as exc:  # noqa: BLE001 - one replica's logs failing leaves the others
-            err.print(f"error: no logs for {name}/{r['replica_id']}: {common.one_line(exc)}", markup=False)
+            err.print(f"error: no logs for {name}/{r['replica_id']}: {one_line(exc)}", markup=False)
             continue
         shown += 1
         readable = text.splitlines() if raw else [ln for ln in map(_readable, text.splitlines()) if ln]

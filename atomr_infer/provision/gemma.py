@@ -252,7 +252,7 @@ def provision_if_ready(
 ) -> Ready | Skipped:
     """Apply the Gemma deployment through ``manager`` if this host can run it, else say why not.
 
-    ``manager``: a Ray actor handle of the DeploymentManager, or any object with ``apply(spec)``.
+    ``manager``: a ``ControlPlane`` (control/client.py), or any object with ``apply(spec)``.
     ``report``: a probe already taken (one is taken for ``defaults.model`` otherwise); ``env``
     fakes the probe's facts in tests. Errors from ``apply`` itself (a budget check) propagate.
     """
@@ -293,7 +293,7 @@ def provision_if_ready(
         )
 
     spec = chosen.deployment()
-    result = _apply(manager, spec)
+    result = manager.apply(spec)
     ready = Ready(
         deployment_name=getattr(result, "name", spec.name),
         model=spec.model,
@@ -397,14 +397,3 @@ def _vram_problem(v: GemmaVariant, util: float, gpus: tuple[GpuInfo, ...]) -> _M
     if g.total_bytes >= v.vram_floor_bytes:
         return _Misfit(reason, "free GPU memory: other processes hold it (see nvidia-smi)")
     return _Misfit(reason, f"this GPU is too small for {v.size}")
-
-
-def _apply(manager: Any, spec: Deployment) -> Any:
-    """``manager.apply(spec)`` on a Ray actor handle (``.remote`` + ``ray.get``) or a plain object."""
-    method = manager.apply
-    remote = getattr(method, "remote", None)
-    if remote is None:
-        return method(spec)
-    import ray
-
-    return ray.get(remote(spec))

@@ -37,6 +37,7 @@ from atomr_infer.errors import (
     NoReadyReplica,
     ReplicaBusy,
     ReplicaUnavailable,
+    unwrap,
 )
 from atomr_infer.log import get_logger
 from atomr_infer.routing.channel import ReplicaChannel
@@ -51,12 +52,6 @@ MAX_ATTEMPTS = 4
 # How long a replica's own word on its load counts (a router that sends it nothing hears nothing).
 LOAD_FRESH_S = 1.0
 log = get_logger(__name__)
-
-
-def unwrap(exc: BaseException) -> BaseException:
-    """The atomr error a Ray task raised, without Ray's wrapper (and its remote traceback)."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(exc, RayTaskError) and isinstance(cause, BaseException) else exc
 
 
 class Router:

@@ -78,10 +78,10 @@ def run_server(
     """
     from ray import serve
 
-    from atomr_infer.cluster import manager
+    from atomr_infer.control.client import manager_handle
     from atomr_infer.serve.app import OpenAIIngress
 
-    manager(address)  # connect, and create the manager if it is not running yet
+    manager_handle(address)  # connect, and create the manager if it is not running yet
     started = _start_serve(host, port)
     app = OpenAIIngress.options(num_replicas=num_replicas).bind(replica_wait_s=replica_wait_s)
     try:

@@ -11,8 +11,7 @@ import pytest
 import ray
 
 from atomr_infer.client import Client
-from atomr_infer.errors import BudgetExceeded
-from atomr_infer.routing.router import unwrap
+from atomr_infer.errors import BudgetExceeded, unwrap
 
 pytestmark = pytest.mark.integration
 MODEL = "bundled:smollm2-135m-instruct"
@@ -79,7 +78,6 @@ def test_a_start_failure_that_will_recur_stops_retrying(manager):
 
 
 def test_a_replica_no_node_can_place_says_what_it_waits_for(manager, ray_cluster):
-    import atomr_infer.cli.app  # noqa: F401 - the CLI's modules import each other (issue 15): app first
     from atomr_infer.cli import common
 
     # Something outside atomr holds every free CPU: the replica's actor cannot be placed.

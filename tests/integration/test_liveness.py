@@ -15,8 +15,7 @@ import time
 import pytest
 import ray
 
-from atomr_infer.errors import EngineError
-from atomr_infer.routing.router import unwrap
+from atomr_infer.errors import EngineError, unwrap
 from tests.conftest import smollm2_spec
 
 pytestmark = pytest.mark.integration

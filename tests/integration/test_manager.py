@@ -15,8 +15,8 @@ import pytest
 import ray
 
 from atomr_infer.client import Client
-from atomr_infer.errors import BudgetExceeded, DeploymentNotFound
-from atomr_infer.routing.router import unwrap
+from atomr_infer.control.client import ControlPlane
+from atomr_infer.errors import BudgetExceeded, DeploymentNotFound, unwrap
 from tests.conftest import smollm2_spec
 
 pytestmark = pytest.mark.integration
@@ -108,6 +108,21 @@ def test_scale_up_and_down_keeps_the_original_replica(manager, mgr):
     assert result.actions == ("scale 3 → 1",) and result.generation == 3
     down = wait_converged(manager)
     assert live_ids(down) == original
+
+
+def test_the_control_plane_client_calls_the_manager_and_raises_atomr_errors(manager, mgr):
+    d, _ = mgr
+    control = ControlPlane(manager)
+    wait_converged(manager)
+    assert control.apply(d).actions == ("unchanged",)
+    assert control.plan(d.model_copy(update={"replicas": 2})).actions == ("scale 1 → 2",)
+    assert control.status(NAME)["name"] == NAME and control.status("no-such") is None
+    assert NAME in [s["name"] for s in control.list()]
+    assert control.wait_ready(NAME, 60)["replicas_ready"] == 1
+    with pytest.raises(BudgetExceeded) as info:  # the manager's own error, not RayTaskError
+        control.apply(smollm2_spec(name="toobig", device="auto", gpus=4, replicas=2))
+    assert info.value.check == "gpus"
+    assert control.remove("no-such").actions == ("no deployment named 'no-such'; nothing to remove",)
 
 
 def test_in_place_change_restarts_nothing(manager, mgr):

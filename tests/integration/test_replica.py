@@ -9,8 +9,7 @@ import pytest
 import ray
 from transformers import AutoTokenizer
 
-from atomr_infer.errors import EngineError, InvalidRequest
-from atomr_infer.routing.router import unwrap
+from atomr_infer.errors import EngineError, InvalidRequest, unwrap
 
 pytestmark = pytest.mark.integration
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]

@@ -26,7 +26,7 @@ from atomr_infer.provision import (
     require_device,
 )
 from atomr_infer.provision.facts import hf_cache_location, hf_token_source
-from atomr_infer.provision.gemma import DISABLE_VALUES, _apply
+from atomr_infer.provision.gemma import DISABLE_VALUES
 from atomr_infer.provision.probe import probe
 from atomr_infer.spec import Deployment, spec_hash
 
@@ -440,17 +440,6 @@ def test_gpus_only_in_the_ray_cluster_skip_the_local_vram_and_disk_checks(tmp_pa
 def test_a_given_report_is_used_as_is(tmp_path: Path) -> None:
     report = probe(DEFAULTS.model, env=host(tmp_path, vllm=CPU_VLLM))
     assert isinstance(provision_if_ready(NoApply(), DEFAULTS, report), Skipped)
-
-
-def test_apply_through_a_ray_actor_handle(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ray
-
-    calls: list[Any] = []
-    handle = SimpleNamespace(apply=SimpleNamespace(remote=lambda spec: ("ref", spec)))
-    monkeypatch.setattr(ray, "get", lambda ref: calls.append(ref) or SimpleNamespace(name=ref[1].name))
-    spec = DEFAULTS.deployment()
-    assert _apply(handle, spec).name == "gemma-local"
-    assert calls == [("ref", spec)]
 
 
 # --------------------------------------------------------------------------- require_device

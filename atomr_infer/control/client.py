@@ -1,0 +1,97 @@
+"""The control plane from outside the manager: get (or create) the manager actor, and call it
+with atomr's own errors rather than Ray's wrappers.
+
+    import atomr_infer
+    cp = atomr_infer.control_plane()   # joins the local head (or RAY_ADDRESS); starts one if none runs
+    cp.apply(spec)                     # ApplyResult; SpecError, BudgetExceeded... raised as themselves
+
+Used by the CLI, ``atomr serve``, the ``Client`` and the tests; ``atomr_infer.manager()`` still
+returns the raw actor handle for code that wants Ray's object refs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atomr_infer.cluster import MANAGER_NAME, NAMESPACE, connect
+from atomr_infer.control.manager import ApplyResult, DeploymentManager, PlanResult
+from atomr_infer.errors import AtomrError, one_line, unwrap
+from atomr_infer.spec import Deployment
+
+CALL_TIMEOUT_S = 60.0
+
+
+def manager_handle(address: str | None = None, start: bool = True) -> Any:
+    """The ``DeploymentManager`` actor handle, created (detached, restartable) if absent."""
+    import ray
+
+    connect(address, start=start)
+    try:
+        return ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        if not start:
+            raise AtomrError("the atomr manager is not running (hint: `atomr up` or `atomr deploy FILE`)") from None
+    actor_cls = ray.remote(DeploymentManager)
+    handle = actor_cls.options(
+        name=MANAGER_NAME,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,  # two CLIs racing to create it get the same actor
+        max_restarts=-1,  # a crashed manager comes back and re-adopts replicas
+        max_task_retries=0,
+        num_cpus=0,
+        max_concurrency=1000,
+    ).remote()
+    ray.get(handle.ping.remote())
+    return handle
+
+
+def call(ref: Any, timeout_s: float | None = CALL_TIMEOUT_S) -> Any:
+    """``ray.get`` of a manager call that raises the atomr error the manager raised."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except RayTaskError as exc:
+        cause = unwrap(exc)
+        if isinstance(cause, AtomrError):
+            raise cause from None
+        raise AtomrError(one_line(cause)) from None
+    except RayActorError as exc:
+        raise AtomrError(f"the atomr manager died: {one_line(exc)} (hint: `atomr up` restarts it)") from None
+    except GetTimeoutError:
+        raise AtomrError(f"the atomr manager did not answer within {timeout_s:g}s") from None
+
+
+class ControlPlane:
+    """The manager's messages as blocking calls; each raises atomr's own errors."""
+
+    def __init__(self, handle: Any, timeout_s: float | None = CALL_TIMEOUT_S) -> None:
+        self.handle = handle  # the actor handle, for Ray object refs (``handle.apply.remote``)
+        self._timeout_s = timeout_s
+
+    @classmethod
+    def connect(cls, address: str | None = None, start: bool = True) -> ControlPlane:
+        return cls(manager_handle(address, start))
+
+    def apply(self, spec: Deployment | dict[str, Any]) -> ApplyResult:
+        """Record ``spec`` as desired; idempotent. Returns at once: ``wait_ready`` waits."""
+        return call(self.handle.apply.remote(spec), self._timeout_s)
+
+    def plan(self, spec: Deployment | dict[str, Any]) -> PlanResult:
+        """What ``apply`` would do and the budget verdict; changes nothing."""
+        return call(self.handle.plan.remote(spec), self._timeout_s)
+
+    def remove(self, name: str) -> ApplyResult:
+        return call(self.handle.remove.remote(name), self._timeout_s)
+
+    def status(self, name: str) -> dict[str, Any] | None:
+        return call(self.handle.status.remote(name), self._timeout_s)
+
+    def list(self) -> list[dict[str, Any]]:
+        return call(self.handle.list.remote(), self._timeout_s)
+
+    def wait_ready(self, name: str, timeout_s: float = 600.0) -> dict[str, Any] | None:
+        """The status once ``name`` has converged, or after ``timeout_s`` (None: no such deployment)."""
+        return call(self.handle.wait_ready.remote(name, timeout_s), timeout_s + (self._timeout_s or 0))

@@ -1,0 +1,2 @@
+"""Routing by deployment name: routing tables, the load-aware router, and its channels to
+replicas (docs/architecture.md)."""
