@@ -34,9 +34,10 @@ import time
 from typing import Any, Protocol
 
 from atomr_infer.errors import ReplicaUnavailable, RequestError
+from atomr_infer.status import ReplicaState
 
 GAUGE_PERIOD_S = 2.0
-REPLICA_STATES = ("starting", "ready", "draining", "unhealthy", "stopped")
+REPLICA_STATES = tuple(ReplicaState)
 FAILURE_REASONS = ("invalid", "unavailable", "engine", "aborted")
 APPLY_RESULTS = ("changed", "unchanged", "rejected")
 

@@ -350,7 +350,7 @@ class DeploymentManager:
     # -- internals ---------------------------------------------------------------------------
 
     def _plan(self, spec: Deployment, current: _Desired | None) -> Plan:
-        force = current is not None and not spec.idempotent
+        force = current is not None and spec.restart_on_apply
         return plan_apply(current.spec if current else None, spec, force_restart=force)
 
     def _check(self, spec: Deployment, raise_on_fail: bool) -> BudgetVerdict:
@@ -380,7 +380,7 @@ class DeploymentManager:
             self._desired[spec.name] = current = _Desired(spec, record, reconciler)
         else:
             rec = current.record
-            rec.nonce += 1 if plan.restart and not spec.idempotent else 0
+            rec.nonce += 1 if plan.restart and spec.restart_on_apply else 0
             rec.spec, rec.generation = normalized(spec), rec.generation + 1
             rec.runtime_key = runtime_key(spec, rec.nonce)
             current.spec = spec

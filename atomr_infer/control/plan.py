@@ -4,7 +4,7 @@ Pure: no Ray. ``plan_apply`` is used by ``manager.apply`` (to report actions) an
 ``manager.plan`` / ``atomr deploy --dry-run`` (to show them without changing anything).
 
 Change classes (DESIGN.md decision 5), the rule itself in ``spec.restarts_replicas``:
-- in place: ``serving`` (but ``serving.openai``), ``budget``, ``idempotent`` — no replica restarts;
+- in place: ``serving`` (but ``serving.openai``), ``budget``, ``restart_on_apply`` — no replica restarts;
 - scale: ``replicas`` — start or stop only the difference;
 - restart: anything else (model, engine config, gpus, device, vLLM's server options) — rolling.
 """
@@ -60,7 +60,7 @@ def plan_apply(old: Deployment | None, new: Deployment, force_restart: bool = Fa
     in_place, scale, restart = classify(spec_changes(old, new))
     actions: list[Action] = []
     if restart or force_restart:
-        reason = tuple(str(c) for c in restart) or ("idempotent: false forces a restart",)
+        reason = tuple(str(c) for c in restart) or ("restart_on_apply: true",)
         kept = min(old.replicas, new.replicas)
         actions.append(Action("roll", f"roll {_plural(kept)} ({', '.join(reason)})", reason))
     if scale:

@@ -22,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord, ReplicaState
+from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
+from atomr_infer.status import ReplicaState
 
 log = get_logger(__name__)
 
@@ -92,10 +93,10 @@ class DeploymentReconciler:
 
     @property
     def finished_removing(self) -> bool:
-        return self.spec is None and not any(r.state in ("starting", "ready", "draining") for r in self.replicas)
+        return self.spec is None and not any(r.live or r.state == ReplicaState.DRAINING for r in self.replicas)
 
     def ready_replicas(self) -> list[ReplicaRecord]:
-        return [r for r in self.replicas if r.state == "ready"]
+        return [r for r in self.replicas if r.state == ReplicaState.READY]
 
     # -- the pass --------------------------------------------------------------------------
 
@@ -117,25 +118,25 @@ class DeploymentReconciler:
 
     def _poll(self, now: float) -> None:
         for r in self.replicas:
-            if r.state == "starting":
+            if r.state == ReplicaState.STARTING:
                 poll = r.handle.poll_ready()
                 if poll.done and poll.ok:
-                    self._set_state(r, "ready", now)
+                    self._set_state(r, ReplicaState.READY, now)
                     r.last_health_at = now
                     self.failures = self.recurring_failures = 0
                 elif poll.done:
                     self._fail(r, f"failed to start: {poll.reason}", now, poll.recurring)
-            elif r.state == "ready" and now - r.last_health_at >= self._cfg.health_period_s:
+            elif r.state == ReplicaState.READY and now - r.last_health_at >= self._cfg.health_period_s:
                 poll = r.handle.poll_health()
                 if poll.done:
                     r.last_health_at = now
                     if not poll.ok:
                         self._fail(r, poll.reason, now)
-            elif r.state == "draining":
+            elif r.state == ReplicaState.DRAINING:
                 poll = r.handle.poll_drained()
                 if poll.done or now >= r.drain_deadline:
                     r.handle.stop()
-                    self._set_state(r, "stopped", now, "drained" if poll.done else "drain timed out")
+                    self._set_state(r, ReplicaState.STOPPED, now, "drained" if poll.done else "drain timed out")
 
     def _converge(self, spec: Deployment, now: float) -> None:
         want = spec.replicas
@@ -143,7 +144,7 @@ class DeploymentReconciler:
         old = [r for r in self.replicas if r.live and r.runtime_key != self.runtime_key]
 
         # Old replicas that are not serving yet go at once; they would only delay the roll.
-        for r in [r for r in old if r.state == "starting"]:
+        for r in [r for r in old if r.state == ReplicaState.STARTING]:
             self._retire(r, now)
             old.remove(r)
 
@@ -160,23 +161,23 @@ class DeploymentReconciler:
             new = [r for r in self.replicas if r.live and r.runtime_key == self.runtime_key]
 
         # No surge allowed (e.g. no spare GPU): replace one old replica at a time, stop-first.
-        starting_new = any(r.state == "starting" for r in new)
+        starting_new = any(r.state == ReplicaState.STARTING for r in new)
         if room <= 0 and len(new) < want and not starting_new:
-            victims = sorted((r for r in old if r.state == "ready"), key=lambda r: r.started_at)
+            victims = sorted((r for r in old if r.state == ReplicaState.READY), key=lambda r: r.started_at)
             if victims:
                 self._retire(victims[0], now)
                 old.remove(victims[0])
 
         # Old ready replicas leave only once the new ones can carry the load.
-        ready_new = sum(1 for r in new if r.state == "ready")
-        old_ready = sorted((r for r in old if r.state == "ready"), key=lambda r: r.started_at)
+        ready_new = sum(1 for r in new if r.state == ReplicaState.READY)
+        old_ready = sorted((r for r in old if r.state == ReplicaState.READY), key=lambda r: r.started_at)
         excess = ready_new + len(old_ready) - want
         for r in old_ready[: max(0, excess)]:
             self._retire(r, now)
 
         # Plain scale-down: stop starting replicas first, then the newest ready ones.
         if len(new) > want:
-            order = sorted(new, key=lambda r: (r.state != "starting", -r.started_at))
+            order = sorted(new, key=lambda r: (r.state != ReplicaState.STARTING, -r.started_at))
             for r in order[: len(new) - want]:
                 self._retire(r, now)
 
@@ -191,21 +192,21 @@ class DeploymentReconciler:
             return False
         record = ReplicaRecord(replica_id, self.runtime_key, self.generation, handle, started_at=now, state_since=now)
         self.replicas.append(record)
-        self._log.info("replica_state", replica=replica_id, state="starting", generation=self.generation)
+        self._log.info("replica_state", replica=replica_id, state=ReplicaState.STARTING, generation=self.generation)
         return True
 
     def _retire(self, r: ReplicaRecord, now: float) -> None:
-        if r.state == "ready":
+        if r.state == ReplicaState.READY:
             r.handle.begin_drain(self._cfg.drain_timeout_s)
             r.drain_deadline = now + self._cfg.drain_timeout_s + 5.0
-            self._set_state(r, "draining", now)
-        elif r.state == "starting":
+            self._set_state(r, ReplicaState.DRAINING, now)
+        elif r.state == ReplicaState.STARTING:
             r.handle.stop()
-            self._set_state(r, "stopped", now, "no longer needed")
+            self._set_state(r, ReplicaState.STOPPED, now, "no longer needed")
 
     def _fail(self, r: ReplicaRecord, reason: str, now: float, recurring: bool = False) -> None:
         r.handle.stop()
-        self._set_state(r, "unhealthy", now, reason)
+        self._set_state(r, ReplicaState.UNHEALTHY, now, reason)
         self._note_failure(f"{r.replica_id} {reason}", now, recurring)
 
     def _note_failure(self, reason: str, now: float, recurring: bool = False) -> None:
@@ -221,19 +222,21 @@ class DeploymentReconciler:
 
     def _set_state(self, r: ReplicaRecord, state: ReplicaState, now: float, reason: str = "") -> None:
         r.state, r.reason, r.state_since = state, reason, now
-        level = "warning" if state == "unhealthy" else "info"
+        level = "warning" if state == ReplicaState.UNHEALTHY else "info"
         getattr(self._log, level)("replica_state", replica=r.replica_id, state=state, reason=reason or None)
 
     def _forget_old_records(self, now: float) -> None:
         linger = self._cfg.linger_s
-        self.replicas = [r for r in self.replicas if r.live or r.state == "draining" or now - r.state_since < linger]
+        self.replicas = [
+            r for r in self.replicas if r.live or r.state == ReplicaState.DRAINING or now - r.state_since < linger
+        ]
 
     def _converged(self) -> bool:
         if self.spec is None:
             return self.finished_removing
-        live = [r for r in self.replicas if r.live or r.state == "draining"]
+        live = [r for r in self.replicas if r.live or r.state == ReplicaState.DRAINING]
         return len(live) == self.spec.replicas and all(
-            r.state == "ready" and r.runtime_key == self.runtime_key for r in live
+            r.state == ReplicaState.READY and r.runtime_key == self.runtime_key for r in live
         )
 
     # -- reporting ---------------------------------------------------------------------------

@@ -9,11 +9,10 @@ returns at once: the reconciler polls, it never blocks on a slow replica.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from atomr_infer.spec import Deployment
-
-ReplicaState = Literal["starting", "ready", "draining", "unhealthy", "stopped"]
+from atomr_infer.status import ReplicaState
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class ReplicaRecord:
     runtime_key: str  # which spec it runs; a different key means "replace me"
     generation: int  # the deployment generation it was started for
     handle: ReplicaHandle
-    state: ReplicaState = "starting"
+    state: ReplicaState = ReplicaState.STARTING
     reason: str = ""
     started_at: float = 0.0
     state_since: float = 0.0
@@ -89,4 +88,4 @@ class ReplicaRecord:
     @property
     def live(self) -> bool:
         """Counts toward the replica set (not on its way out)."""
-        return self.state in ("starting", "ready")
+        return self.state.live

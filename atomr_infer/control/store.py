@@ -20,7 +20,7 @@ class DeploymentRecord:
     spec: dict[str, Any]  # normalized spec
     generation: int
     runtime_key: str
-    nonce: int = 0  # bumped by forced restarts (idempotent: false)
+    nonce: int = 0  # bumped by forced restarts (restart_on_apply: true)
     next_index: int = 0
     replicas: dict[str, dict[str, Any]] = field(default_factory=dict)  # id → {runtime_key, generation, started_at}
 

@@ -9,6 +9,7 @@ Field names follow the original atomr-infer so its users feel at home.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
@@ -191,9 +192,37 @@ class Deployment(_Strict):
     )
     serving: Serving = Field(default_factory=Serving, description="Admission limits per replica.")
     budget: Budget | None = Field(None, description="Spend limits; none means unlimited.")
-    idempotent: StrictBool = Field(
-        True, description="Re-applying an unchanged spec is a no-op. False forces a rolling restart on every apply."
+    restart_on_apply: StrictBool = Field(
+        False, description="Roll the replicas on every apply, even of an unchanged spec (default: only on change)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_fields(cls, data: Any) -> Any:
+        """``idempotent: false`` (before 0.2) is ``restart_on_apply: true``: accepted, with a warning."""
+        if not isinstance(data, dict) or "idempotent" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("idempotent")
+        if not isinstance(old, bool):
+            raise FieldValueError("idempotent", f"input should be a valid boolean, got {old!r}")
+        if data.get("restart_on_apply", not old) != (not old):
+            raise FieldValueError(
+                "idempotent", f"is {old} but restart_on_apply is {data['restart_on_apply']}: keep restart_on_apply only"
+            )
+        data["restart_on_apply"] = not old
+        warnings.warn(
+            f"idempotent is deprecated: write restart_on_apply: {str(not old).lower()} instead"
+            + (" (or leave it out: false is the default)" if old else ""),
+            FutureWarning,
+            stacklevel=2,
+        )
+        return data
+
+    @property
+    def idempotent(self) -> bool:
+        """Deprecated: ``not restart_on_apply``."""
+        return not self.restart_on_apply
 
     @field_validator("name")
     @classmethod

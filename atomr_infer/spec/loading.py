@@ -7,6 +7,7 @@ can print them all at once, one line each: ``<file>: <field path>: <message>``.
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,14 @@ def parse_deployment(obj: Mapping[str, Any] | Deployment, source: str = "<dict>"
     if not isinstance(obj, Mapping):
         raise SpecError([SpecProblem(source, "", f"expected a mapping of deployment fields, got {_kind(obj)}")])
     try:
-        return Deployment.model_validate(dict(obj))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", FutureWarning)
+            deployment = Deployment.model_validate(dict(obj))
     except ValidationError as exc:
         raise SpecError([_problem(source, err) for err in exc.errors()]) from None
+    for w in caught:  # a deprecated field name: said again with the file it is in
+        warnings.warn(f"{source}: {w.message}", w.category, stacklevel=2)
+    return deployment
 
 
 def load_deployments(*sources: Source) -> list[Deployment]:

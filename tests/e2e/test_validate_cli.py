@@ -148,3 +148,12 @@ def test_brackets_and_colons_in_values_are_printed_as_written(tmp_path: Path) ->
     proc = validate(ok)
     assert proc.returncode == 0, proc.stderr
     assert "./models/[/]x:smile:" in proc.stdout
+
+
+def test_the_old_name_idempotent_is_valid_with_a_warning_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text("name: old\nmodel: bundled:smollm2-135m-instruct\ndevice: cpu\nidempotent: false\n")
+    proc = validate(path)
+    assert proc.returncode == 0, proc.stderr
+    assert lines(proc.stderr) == [f"warning: {path}: idempotent is deprecated: write restart_on_apply: true instead"]
+    assert lines(proc.stdout) == ["valid: old  bundled:smollm2-135m-instruct  (1 replica, cpu)"]

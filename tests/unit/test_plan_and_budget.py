@@ -36,10 +36,10 @@ def test_combined_changes_list_every_action():
     assert kinds == ["roll", "scale", "update_in_place"]
 
 
-def test_idempotent_false_forces_a_roll():
-    base = spec(idempotent=False)
-    plan = plan_apply(base, spec(idempotent=False), force_restart=True)
-    assert plan.changed and plan.restart and "idempotent: false" in plan.summary
+def test_restart_on_apply_forces_a_roll():
+    base = spec(restart_on_apply=True)
+    plan = plan_apply(base, spec(restart_on_apply=True), force_restart=True)
+    assert plan.changed and plan.restart and "restart_on_apply: true" in plan.summary
 
 
 def test_runtime_key_ignores_in_place_and_scale_fields():

@@ -61,7 +61,7 @@ FULL: dict[str, Any] = {
         },
     },
     "budget": {"max_spend_per_hour_usd": 5.0, "max_spend_per_day_usd": 100.0, "on_exceeded": "warn"},
-    "idempotent": False,
+    "restart_on_apply": True,
 }
 
 
@@ -197,6 +197,8 @@ def test_unknown_key_with_no_close_match_lists_the_allowed_keys(path: str, model
         ("budget.max_spend_per_hour_usd", "5", "valid number"),
         ("idempotent", "yes", "valid boolean"),
         ("idempotent", 1, "valid boolean"),
+        ("restart_on_apply", "yes", "valid boolean"),
+        ("restart_on_apply", 1, "valid boolean"),
         ("runtime_config.enforce_eager", "true", "valid boolean"),
         ("name", 5, "valid string"),
         ("model", ["org/model"], "valid string"),
@@ -650,7 +652,7 @@ def test_defaults() -> None:
     assert dep.tensor_parallel_size == 1
     assert dep.runtime == "vllm"
     assert dep.device == "auto"
-    assert dep.idempotent is True
+    assert dep.restart_on_apply is False and dep.idempotent is True
     assert dep.budget is None
     assert dep.serving == Serving(max_concurrent=32, on_capacity_exhausted="queue")
     cfg = dep.runtime_config
@@ -680,3 +682,17 @@ def test_problem_renders_as_source_field_message() -> None:
     problem = SpecProblem("d.yaml", "serving.max_concurrent", "input should be greater than or equal to 1, got 0")
     assert str(problem) == "d.yaml: serving.max_concurrent: input should be greater than or equal to 1, got 0"
     assert str(SpecProblem("d.yaml", "", "file is empty")) == "d.yaml: file is empty"
+
+
+@pytest.mark.parametrize("old, new", [(False, True), (True, False)])
+def test_the_old_name_idempotent_is_accepted_with_a_warning(old: bool, new: bool) -> None:
+    with pytest.warns(FutureWarning, match=f"idempotent is deprecated: write restart_on_apply: {str(new).lower()}"):
+        dep = parse_deployment({**BASE, "idempotent": old})
+    assert dep.restart_on_apply is new
+    assert "idempotent" not in dep.model_dump()  # hashed and recorded by the new name only
+
+
+def test_both_names_disagreeing_is_an_error_naming_the_old_one() -> None:
+    problem = one_problem({**BASE, "idempotent": False, "restart_on_apply": False})
+    assert problem.field == "idempotent"
+    assert "keep restart_on_apply only" in problem.message

@@ -73,7 +73,7 @@ FULL: dict[str, Any] = {
         },
     },
     "budget": {"max_spend_per_hour_usd": 5.0, "max_spend_per_day_usd": 100.0, "on_exceeded": "warn"},
-    "idempotent": False,
+    "restart_on_apply": True,
 }
 
 # Leaves whose other valid value cannot be derived from the current one alone.
