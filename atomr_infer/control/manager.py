@@ -15,7 +15,6 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,25 +23,21 @@ from atomr_infer.control.budget import (
     BudgetVerdict,
     ClusterView,
     check_budget,
-    prices_from_env,
     size_estimates,
     uses_gpus,
 )
+from atomr_infer.control.cluster_view import ray_cluster_view
 from atomr_infer.control.plan import Plan, check_names, plan_apply, plan_remove
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
 from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
 from atomr_infer.control.store import DeploymentRecord, StateStore
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import ManagerMetrics
-from atomr_infer.replica.request import Chunk
-from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 from atomr_infer.spec import Deployment, normalized, parse_deployment, runtime_fields, spec_hash
 
 log = get_logger(__name__)
 RECONCILE_PERIOD_S = 1.0
-# Per-GPU memory by Ray accelerator type, GiB (Ray does not report GPU memory itself).
-GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48, "A10G": 24, "L4": 24, "T4": 16}
 
 
 @dataclass(frozen=True)
@@ -102,7 +97,6 @@ class DeploymentManager:
         # that routers may have cached with different contents.
         self._table = RoutingTable(version=time.time_ns() // 1_000_000)
         self._table_changed = asyncio.Event()
-        self._router = Router(self._local_table)
         self._loop_task: asyncio.Task[None] | None = None
         self._metrics = ManagerMetrics()
         self._recover()
@@ -119,22 +113,7 @@ class DeploymentManager:
         return RayReplicaLauncher(lambda spec: uses_gpus(spec, self._cluster_view()))
 
     def _cluster_view(self) -> ClusterView:
-        if self._cluster_override is not None:
-            return self._cluster_override
-        import ray
-
-        resources = ray.cluster_resources()
-        accel = next((k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")), None)
-        mem = GPU_MEMORY_GIB.get(accel or "")
-        import psutil
-
-        return ClusterView(
-            total_gpus=float(resources.get("GPU", 0)),
-            accelerator_type=accel,
-            gpu_memory_bytes=mem * (1 << 30) if mem else None,
-            prices_usd=prices_from_env(),
-            cpu_memory_available_bytes=psutil.virtual_memory().available,
-        )
+        return self._cluster_override if self._cluster_override is not None else ray_cluster_view()
 
     def _new_reconciler(self, name: str, next_index: int = 0) -> DeploymentReconciler:
         return DeploymentReconciler(name, self._launcher, self._clock, dataclasses.replace(self._cfg), next_index)
@@ -159,7 +138,7 @@ class DeploymentManager:
 
     def _persist(self) -> None:
         for d in self._desired.values():
-            d.record.next_index = d.reconciler._next_index
+            d.record.next_index = d.reconciler.next_index
             d.record.replicas = {
                 r.replica_id: {"runtime_key": r.runtime_key, "generation": r.generation, "started_at": r.started_at}
                 for r in d.reconciler.replicas
@@ -236,9 +215,6 @@ class DeploymentManager:
         self._table = RoutingTable(self._table.version + 1, deployments)
         self._table_changed.set()
         self._table_changed = asyncio.Event()
-
-    async def _local_table(self, since_version: int) -> RoutingTable | None:
-        return self._table if self._table.version != since_version else None
 
     # -- messages ----------------------------------------------------------------------------
 
@@ -325,12 +301,6 @@ class DeploymentManager:
             except asyncio.TimeoutError:
                 return None
         return self._table if self._table.version != since_version else None
-
-    async def generate(self, name: str, request: dict[str, Any]) -> AsyncIterator[Chunk]:
-        """Route and stream, for scripts that hold only the manager handle."""
-        self._ensure_loop()
-        async for chunk in self._router.stream(name, request):
-            yield chunk
 
     async def wait_ready(self, name: str, timeout_s: float = 600.0) -> dict[str, Any] | None:
         """Wait until ``name`` has converged (observed = desired generation) or ``timeout_s`` passes."""

@@ -86,6 +86,12 @@ class DeploymentReconciler:
         self._next_index = max(self._next_index, index + 1)
 
     @property
+    def next_index(self) -> int:
+        """The index the next new replica gets (``r<index>``): recorded, so that a restarted
+        manager never reuses the name of a replica that may still be stopping."""
+        return self._next_index
+
+    @property
     def gave_up(self) -> bool:
         """Failed: a start failure recurred ``max_start_failures`` times; nothing more is started
         until the spec changes or is applied again."""

@@ -1,0 +1,29 @@
+"""What the budget checks know of the Ray cluster (``ClusterView``), read from Ray.
+
+Ray reports GPUs and their accelerator type but not their memory, so the memory per GPU comes
+from a table of known types; an unknown type skips the GPU-memory check (budget.py).
+"""
+
+from __future__ import annotations
+
+from atomr_infer.control.budget import ClusterView, prices_from_env
+
+# Per-GPU memory by Ray accelerator type, GiB.
+GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48, "A10G": 24, "L4": 24, "T4": 16}
+
+
+def ray_cluster_view() -> ClusterView:
+    """GPUs, their type and memory, prices, and the memory free on this (the manager's) node."""
+    import psutil
+    import ray
+
+    resources = ray.cluster_resources()
+    accel = next((k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")), None)
+    mem = GPU_MEMORY_GIB.get(accel or "")
+    return ClusterView(
+        total_gpus=float(resources.get("GPU", 0)),
+        accelerator_type=accel,
+        gpu_memory_bytes=mem * (1 << 30) if mem else None,
+        prices_usd=prices_from_env(),
+        cpu_memory_available_bytes=psutil.virtual_memory().available,
+    )

@@ -1,0 +1,167 @@
+"""``DeploymentManager`` without Ray: the fake launcher, an in-memory store, a fixed cluster
+view and a fake clock it takes for that. The same flows run for real in
+tests/integration/test_manager.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from atomr_infer.control.budget import ClusterView
+from atomr_infer.control.manager import DeploymentManager
+from atomr_infer.control.reconcile import ReconcileConfig
+from atomr_infer.control.replicas import Poll
+from atomr_infer.control.store import MemoryStore
+from atomr_infer.errors import BudgetExceeded, SpecError
+from atomr_infer.spec import Deployment
+
+from .fakes import FakeClock, FakeLauncher
+
+CLUSTER = ClusterView(total_gpus=4, accelerator_type="L4", gpu_memory_bytes=24 << 30)
+
+
+def spec(**kw) -> Deployment:
+    return Deployment.model_validate({"name": "demo", "model": "org/model", "device": "cuda", **kw})
+
+
+class Harness:
+    """A manager and its fakes; ``converge`` plays the replicas' side of the reconcile passes."""
+
+    def __init__(self, store: MemoryStore | None = None, launcher: FakeLauncher | None = None) -> None:
+        self.clock, self.launcher, self.store = FakeClock(), launcher or FakeLauncher(), store or MemoryStore()
+        self.manager = DeploymentManager(
+            self.launcher, self.store, CLUSTER, ReconcileConfig(health_period_s=1.0, linger_s=0.0), self.clock
+        )
+
+    def converge(self, passes: int = 8) -> None:
+        for _ in range(passes):
+            self.manager.reconcile_once()
+            self.launcher.make_ready()
+            for h in self.launcher.started:
+                if h.draining:
+                    h.drained = Poll.success()
+            self.clock.advance(1.0)
+        self.manager.reconcile_once()
+
+    def call(self, method: str, *args):
+        """One message, as the actor gets it: on an event loop (the loop task is cancelled after)."""
+
+        async def once():
+            result = await getattr(self.manager, method)(*args)
+            if self.manager._loop_task is not None:
+                self.manager._loop_task.cancel()
+            return result
+
+        return asyncio.run(once())
+
+    def live(self, name: str = "demo") -> list[str]:
+        status = self.call("status", name)
+        return [r["actor_name"] for r in status["replicas"] if r["state"] in ("starting", "ready")]
+
+
+def test_apply_records_generation_1_and_the_loop_starts_the_replicas() -> None:
+    h = Harness()
+    result = h.call("apply", spec(replicas=2))
+    assert (result.changed, result.generation, result.actions) == (True, 1, ("create 2 replicas",))
+    h.converge()
+    status = h.call("status", "demo")
+    assert (status["generation"], status["observed_generation"], status["replicas_ready"]) == (1, 1, 2)
+    assert h.live() == ["atomr:demo:r0", "atomr:demo:r1"]
+
+
+def test_an_unchanged_apply_starts_nothing_and_keeps_the_generation() -> None:
+    h = Harness()
+    h.call("apply", spec())
+    h.converge()
+    again = h.call("apply", spec().model_dump())  # a dict of the same spec: the same hash
+    assert (again.changed, again.generation, again.actions) == (False, 1, ("unchanged",))
+    h.converge()
+    assert len(h.launcher.started) == 1
+
+
+def test_restart_on_apply_rolls_the_replicas_on_every_apply() -> None:
+    h = Harness()
+    h.call("apply", spec(restart_on_apply=True))
+    h.converge()
+    result = h.call("apply", spec(restart_on_apply=True))
+    assert result.changed and result.generation == 2 and result.actions[0].startswith("roll 1 replica")
+    h.converge()
+    assert h.live() == ["atomr:demo:r1"]  # a new replica replaced r0
+
+
+def test_a_rejected_apply_leaves_nothing_behind() -> None:
+    h = Harness()
+    with pytest.raises(BudgetExceeded) as info:
+        h.call("apply", spec(gpus=4, replicas=2))
+    assert info.value.check == "gpus"
+    with pytest.raises(SpecError):
+        h.call("apply", {"name": "demo", "model": "org/model", "replicas": -1})
+    h.converge()
+    assert h.call("status", "demo") is None and h.call("list") == [] and h.launcher.started == []
+    assert h.store.load() == {}
+
+
+def test_plan_changes_nothing_and_says_what_apply_would_do() -> None:
+    h = Harness()
+    h.call("apply", spec())
+    h.converge()
+    plan = h.call("plan", spec(replicas=3))
+    assert plan.changed and plan.actions == ("scale 1 → 3",) and plan.budget_ok
+    over = h.call("plan", spec(replicas=5))
+    assert not over.budget_ok and "gpus" in over.error
+    h.converge()
+    assert h.call("status", "demo")["generation"] == 1 and len(h.launcher.started) == 1
+
+
+def test_remove_drains_then_forgets_the_deployment() -> None:
+    h = Harness()
+    h.call("apply", spec())
+    h.converge()
+    result = h.call("remove", "demo")
+    assert result.changed and result.actions == ("drain and remove 1 replica",)
+    assert h.call("status", "demo")["removing"] is True
+    h.converge()
+    assert h.call("status", "demo") is None and all(x.stopped for x in h.launcher.started)
+    assert h.call("remove", "demo").actions == ("no deployment named 'demo'; nothing to remove",)
+
+
+def test_a_restarted_manager_adopts_the_live_replicas_from_the_store() -> None:
+    first = Harness()
+    first.call("apply", spec(replicas=2))
+    first.converge()
+    # A new manager over the same store and cluster: the actor restarted, the replicas did not.
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.converge()
+    assert len(first.launcher.started) == 2 and all(x.adopted for x in first.launcher.started)
+    status = second.call("status", "demo")
+    assert (status["generation"], status["replicas_ready"]) == (1, 2)
+    # The next new replica does not reuse a recorded name.
+    second.call("apply", spec(replicas=3))
+    second.converge()
+    assert second.live() == ["atomr:demo:r0", "atomr:demo:r1", "atomr:demo:r2"]
+
+
+def test_the_routing_table_lists_ready_replicas_and_takes_serving_limits_in_place() -> None:
+    h = Harness()
+    h.call("apply", spec(replicas=2))
+    h.converge()
+    table = h.call("routing_table", -1)
+    assert [r.actor_name for r in table.deployments["demo"].replicas] == ["atomr:demo:r0", "atomr:demo:r1"]
+    h.call("apply", spec(replicas=2, serving={"max_concurrent": 4}))
+    newer = h.call("routing_table", table.version)
+    assert newer.version > table.version and newer.deployments["demo"].max_concurrent == 4
+    h.converge()
+    assert len(h.launcher.started) == 2  # in place: nothing restarted
+
+
+def test_a_restarted_manager_never_reuses_the_name_of_a_stopped_replica() -> None:
+    first = Harness()
+    first.call("apply", spec(replicas=2))
+    first.converge()
+    first.call("apply", spec(replicas=0))  # r0 and r1 drain and stop: nothing left to adopt
+    first.converge()
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.call("apply", spec(replicas=1))
+    second.converge()
+    assert second.live() == ["atomr:demo:r2"]  # from the store: r0, r1 may still be stopping
