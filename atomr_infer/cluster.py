@@ -102,7 +102,7 @@ def connect(address: str | None = None, start: bool = True) -> None:
     if ray.is_initialized():
         return
     use_local_auth_token()
-    target = address or os.environ.get("RAY_ADDRESS") or find_local_head()
+    target = target_address(address)
     kwargs: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False, "logging_level": "WARNING"}
     if target:
         ray.init(address=target, **kwargs)
@@ -110,6 +110,12 @@ def connect(address: str | None = None, start: bool = True) -> None:
     if not start:
         raise AtomrError("no Ray cluster is running (hint: `atomr up`, or set RAY_ADDRESS)")
     ray.init(address=start_local_head(), **kwargs)
+
+
+def target_address(address: str | None = None) -> str | None:
+    """The cluster atomr joins: ``address``, else ``RAY_ADDRESS``, else a Ray head running on
+    this machine (``find_local_head``); None when there is none to join."""
+    return address or os.environ.get("RAY_ADDRESS", "").strip() or find_local_head()
 
 
 def find_local_head() -> str | None:

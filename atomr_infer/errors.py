@@ -98,10 +98,14 @@ class BudgetExceeded(AtomrError):
         return msg + (f" (hint: {self.hint})" if self.hint else "")
 
 
+# What to do without a GPU: the one place library code names the repository's CPU demo spec.
+CPU_DEMO_HINT = "use deployments/smollm2.yaml (device: cpu) on a host without a GPU"
+
+
 class DeviceUnavailable(AtomrError):
     """The device a deployment asks for is not there (e.g. ``device: cuda`` with no GPU)."""
 
-    def __init__(self, deployment: str, reason: str, hint: str = "") -> None:
+    def __init__(self, deployment: str, reason: str, hint: str = CPU_DEMO_HINT) -> None:
         super().__init__(deployment, reason, hint)
         self.deployment, self.reason, self.hint = deployment, reason, hint
 

@@ -71,7 +71,7 @@ def connect(address: str | None, start: bool, announce: bool = True) -> None:
     quiet_logs()
     _check_reachable(address)
     cluster.use_local_auth_token()
-    if start and announce and not (address or os.environ.get("RAY_ADDRESS") or cluster.find_local_head()):
+    if start and announce and not cluster.target_address(address):
         err.print(f"starting a local Ray head at {cluster.local_address()} (`atomr down` stops it)", markup=False)
     try:
         cluster.connect(address, start=start)

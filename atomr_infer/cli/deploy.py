@@ -9,7 +9,6 @@ Exit codes: 0 ready (or applied, with ``--no-wait``), 1 failed or timed out, 2 i
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,18 +50,16 @@ def deploy_command(
     except AtomrError as exc:
         fail(exc)
     common.quiet_logs()
-    from atomr_infer.cluster import find_local_head, use_local_auth_token
+    from atomr_infer.cluster import target_address, use_local_auth_token
     from atomr_infer.provision import require_device
 
     use_local_auth_token()
-    target = address or os.environ.get("RAY_ADDRESS") or find_local_head()
-    if target:
-        os.environ["RAY_ADDRESS"] = target  # the device probe looks at the cluster we deploy to
+    target = target_address(address)  # the device probe looks at the cluster we deploy to
     if dry_run:
         raise typer.Exit(_dry_run(deployments, address))
     try:
         for d in deployments:
-            require_device(d)  # before anything starts: gemma on a CPU host stops here
+            require_device(d, address=target)  # before anything starts: gemma on a CPU host stops here
         control = common.control_plane(address, start=True)
     except Exception as exc:  # noqa: BLE001 - fail() prints one line
         fail(exc)

@@ -13,7 +13,6 @@ machine with it.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from typing import TYPE_CHECKING
 
@@ -44,7 +43,7 @@ def up_command(
 
     common.quiet_logs()
     cluster.use_local_auth_token()
-    joining = address or os.environ.get("RAY_ADDRESS") or cluster.find_local_head()
+    joining = cluster.target_address(address)
     if not joining:
         _line("Ray", f"starting a local head at {cluster.local_address()} …")
     try:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from atomr_infer.engine.cpu import size_kv_cache
-from atomr_infer.errors import BudgetExceeded, DeviceUnavailable
+from atomr_infer.errors import CPU_DEMO_HINT, BudgetExceeded, DeviceUnavailable
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
 
@@ -100,7 +100,7 @@ def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: Cluste
             raise DeviceUnavailable(
                 spec.name,
                 "device is 'cuda' but the Ray cluster has no GPUs",
-                "use deployments/smollm2.yaml (device: cpu) on a host without a GPU, or add GPU nodes",
+                f"{CPU_DEMO_HINT}, or add GPU nodes",
             )
         checks.append(Check("gpus", False, "device is 'cuda' but the cluster has no GPUs"))
         return BudgetVerdict(tuple(checks))

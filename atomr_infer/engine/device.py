@@ -29,5 +29,4 @@ def resolve_device(deployment: Deployment) -> Device:
     raise DeviceUnavailable(
         deployment.name,
         "device is 'cuda' but torch sees no usable CUDA GPU on this host",
-        "use deployments/smollm2.yaml (device: cpu) on a host without a GPU",
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -95,19 +95,25 @@ def is_cached(model: str, cache_dir: str | None = None) -> bool:
 
 
 def hub_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The hub cache in effect now: ``cache_dir``, else ``HF_HUB_CACHE``, else ``HF_HOME/hub``.
+    """The hub cache in effect now: ``cache_dir``, else as ``hf_cache_location`` finds it.
 
     Read from the environment at call time (huggingface_hub reads it once, at import).
     """
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "huggingface" / "hub"
+    return Path(cache_dir).expanduser() if cache_dir else Path(hf_cache_location()[0])
+
+
+def hf_cache_location(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The HF hub cache directory and which setting chose it, as huggingface_hub resolves it:
+    ``HF_HUB_CACHE``, ``HF_HOME``/hub, ``XDG_CACHE_HOME``/huggingface/hub, ~/.cache/huggingface/hub."""
+    env = os.environ if environ is None else environ
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):  # the second is huggingface_hub's legacy name
+        if env.get(var):
+            return os.path.expanduser(env[var]), var
+    if env.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(env["HF_HOME"]), "hub"), "HF_HOME"
+    if env.get("XDG_CACHE_HOME"):
+        return os.path.join(os.path.expanduser(env["XDG_CACHE_HOME"]), "huggingface", "hub"), "XDG_CACHE_HOME"
+    return os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub"), "default"
 
 
 def hub_offline() -> bool:

@@ -24,7 +24,6 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -205,19 +204,6 @@ def gather_vllm() -> VllmInfo:
     return VllmInfo(distribution=dist, version=version, importable=True, device_type=data.get("device_type"))
 
 
-def hf_cache_location(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """The HF hub cache directory and which setting chose it, as huggingface_hub resolves it."""
-    env = os.environ if environ is None else environ
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):  # the second is huggingface_hub's legacy name
-        if env.get(var):
-            return os.path.expanduser(env[var]), var
-    if env.get("HF_HOME"):
-        return os.path.join(os.path.expanduser(env["HF_HOME"]), "hub"), "HF_HOME"
-    if env.get("XDG_CACHE_HOME"):
-        return os.path.join(os.path.expanduser(env["XDG_CACHE_HOME"]), "huggingface", "hub"), "XDG_CACHE_HOME"
-    return os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub"), "default"
-
-
 def disk_free_bytes(path: str) -> int | None:
     """Free bytes on the filesystem that holds ``path`` (or would, once it is created)."""
     existing = nearest_existing(path)
@@ -261,8 +247,8 @@ print({_MARK!r} + json.dumps({{"gpus": ray.cluster_resources().get("GPU", 0.0), 
 """
 
 
-def gather_ray() -> RayInfo:
-    """The Ray cluster this process is in, the one ``RAY_ADDRESS`` points at, or the local head.
+def gather_ray(address: str | None = None) -> RayInfo:
+    """The Ray cluster this process is in, else the one at ``address``, ``RAY_ADDRESS`` or the local head.
     Starts nothing: a cluster that is not running is reported as such. Never raises."""
     try:
         import ray
@@ -279,7 +265,7 @@ def gather_ray() -> RayInfo:
             )
     except Exception as exc:
         return RayInfo(state="unreachable", error=str(exc))
-    address = os.environ.get("RAY_ADDRESS", "").strip() or _local_head()
+    address = _target_address(address)
     if not address:
         return RayInfo(state="not-running")
     error = _tcp_error(address)
@@ -304,12 +290,12 @@ def _tcp_error(address: str, timeout_s: float = 2.0) -> str:
         return f"cannot connect: {exc.strerror or exc}"
 
 
-def _local_head() -> str | None:
-    """The local head ``atomr`` would join (its loopback address, not the one ``ray start``
-    records, which may name an interface the head does not listen on)."""
-    from atomr_infer.cluster import find_local_head
+def _target_address(address: str | None) -> str | None:
+    """The cluster ``atomr`` would join (for a local head its loopback address, not the one
+    ``ray start`` records, which may name an interface the head does not listen on)."""
+    from atomr_infer.cluster import target_address
 
-    return find_local_head()
+    return target_address(address)
 
 
 def _run_child(script: str, timeout_s: float, *args: str) -> tuple[dict[str, Any] | None, str]:

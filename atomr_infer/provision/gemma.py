@@ -41,7 +41,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from atomr_infer.errors import SpecError, SpecProblem
+from atomr_infer.errors import CPU_DEMO_HINT, SpecError, SpecProblem
 from atomr_infer.log import get_logger
 from atomr_infer.provision.facts import GpuInfo
 from atomr_infer.provision.probe import GPU_INSTALL_HINT, ProbeEnv, ProbeReport, gb, probe
@@ -65,7 +65,7 @@ E4B_CPU_OFFLOAD_GB = 4.0
 _MAX_LEN_RANGE = (16, 10_485_760)  # the spec's bounds for runtime_config.max_model_len
 _SOURCE = "environment"
 
-NO_GPU_HINT = "Gemma needs a CUDA GPU; on this host run the CPU demo instead: atomr deploy deployments/smollm2.yaml"
+NO_GPU_HINT = f"Gemma needs a CUDA GPU; {CPU_DEMO_HINT}"
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from atomr_infer.errors import CPU_DEMO_HINT
 from atomr_infer.log import get_logger
 from atomr_infer.models.registry import BUNDLED_MODELS, bundled_name
+from atomr_infer.models.resolve import hf_cache_location
 from atomr_infer.provision.facts import (
     GpuFacts,
     GpuInfo,
@@ -30,7 +32,6 @@ from atomr_infer.provision.facts import (
     gather_gpus,
     gather_ray,
     gather_vllm,
-    hf_cache_location,
     hf_token_source,
     nearest_existing,
     weights_cached,
@@ -41,7 +42,6 @@ log = get_logger(__name__)
 Section = Literal["gpu", "vllm", "hf", "ray"]
 ALL_SECTIONS: frozenset[Section] = frozenset(("gpu", "vllm", "hf", "ray"))
 
-CPU_DEMO_HINT = "use deployments/smollm2.yaml (device: cpu) on a host without a GPU"
 GPU_INSTALL_HINT = "install the CUDA build of vLLM on a GPU host: pip install 'atomr-infer[gpu]'"
 TOKEN_HINT = (
     "gated models such as Gemma need one: accept the license on huggingface.co, "

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from atomr_infer.errors import DeviceUnavailable, SpecError
+from atomr_infer.models.resolve import hf_cache_location
 from atomr_infer.provision import (
     ALLOWED_MODELS,
     GemmaDefaults,
@@ -25,7 +26,7 @@ from atomr_infer.provision import (
     provision_if_ready,
     require_device,
 )
-from atomr_infer.provision.facts import hf_cache_location, hf_token_source
+from atomr_infer.provision.facts import hf_token_source
 from atomr_infer.provision.gemma import DISABLE_VALUES
 from atomr_infer.provision.probe import probe
 from atomr_infer.spec import Deployment, spec_hash
