@@ -77,8 +77,33 @@ def _answer(base: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
     resp = httpx.post(base + path, json=body, timeout=120)
     if body.get("stream"):
         events = [e.removeprefix("data: ") for e in resp.text.split("\n\n") if e.strip()]
-        return resp.status_code, [e if e == "[DONE]" else _stable(json.loads(e)) for e in events]
+        return resp.status_code, _read_whole([e if e == "[DONE]" else _stable(json.loads(e)) for e in events])
     return resp.status_code, _stable(resp.json())
+
+
+def _read_whole(events: list[Any]) -> dict[str, Any]:
+    """A stream as a client reads it to the end: per choice the text, tool calls and logprobs
+    joined, and the finish reason; the usage; the fields the events carry; the [DONE] at the
+    end. Not where the deltas are cut into events: vLLM merges the deltas a reader has not
+    taken yet into one (its output collector), so the cuts depend on timing on both sides."""
+    choices: dict[int, dict[str, Any]] = {}
+    usage, fields = None, set()
+    for event in events[:-1] if events and events[-1] == "[DONE]" else events:
+        fields |= {f"{k}" for k in event} | {f"choices.{k}" for c in event.get("choices", []) for k in c}
+        usage = event.get("usage") or usage
+        for c in event.get("choices", []):
+            whole = choices.setdefault(c["index"], {"text": "", "tool_calls": {}, "logprobs": {}, "finish": None})
+            delta = c.get("delta") or {}
+            whole["text"] += c.get("text") or delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                joined = whole["tool_calls"].setdefault(call["index"], {"name": "", "arguments": ""})
+                for key in ("name", "arguments"):
+                    joined[key] += (call.get("function") or {}).get(key) or ""
+            for key, value in (c.get("logprobs") or {}).items():  # chat: content; completions: lists
+                if isinstance(value, list):
+                    whole["logprobs"][key] = whole["logprobs"].get(key, []) + value
+            whole["finish"] = c.get("finish_reason") or whole["finish"]
+    return {"choices": choices, "usage": usage, "fields": sorted(fields), "done": events[-1:] == ["[DONE]"]}
 
 
 def chat(**fields: Any) -> tuple[str, dict[str, Any]]:
@@ -123,6 +148,8 @@ def test_same_response_as_vllm_serve(vllm_serve, atomr, case):
     path, body = CASES[case]
     ours, theirs = _answer(atomr, path, body), _answer(vllm_serve, path, body)
     assert ours[0] == (400 if case in ERRORS else 200), ours
+    if body.get("stream"):  # read whole: something was generated, and the stream ended
+        assert ours[1]["done"] and any(c["text"] or c["tool_calls"] for c in ours[1]["choices"].values()), ours
     assert ours == theirs
 
 
