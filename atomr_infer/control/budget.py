@@ -1,4 +1,4 @@
-"""Budget checks that run before anything is created (DESIGN.md decision 7).
+"""Budget checks that run before anything is created (docs/architecture.md: the control loop).
 
 Three checks, each with the numbers and a hint when it fails:
 - gpus:   GPUs requested by every deployment (gpus x replicas) vs GPUs in the cluster;

@@ -3,7 +3,7 @@
 Pure: no Ray. ``plan_apply`` is used by ``manager.apply`` (to report actions) and by
 ``manager.plan`` / ``atomr deploy --dry-run`` (to show them without changing anything).
 
-Change classes (DESIGN.md decision 5), the rule itself in ``spec.restarts_replicas``:
+Change classes (docs/architecture.md), the rule itself in ``spec.restarts_replicas``:
 - in place: ``serving`` (but ``serving.openai``), ``budget``, ``restart_on_apply`` — no replica restarts;
 - scale: ``replicas`` — start or stop only the difference;
 - restart: anything else (model, engine config, gpus, device, vLLM's server options) — rolling.
