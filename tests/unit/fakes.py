@@ -1,10 +1,17 @@
-"""Fakes for the replica wrapper and the clock: reconcile logic runs without Ray."""
+"""Fakes for the replica wrapper and the clock (reconcile logic runs without Ray), and for a
+replica actor's channel methods over the real ``ChannelHub`` (routing runs without Ray)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
+from ray.exceptions import RayTaskError
+
 from atomr_infer.control.replicas import Poll
+from atomr_infer.replica.channel import ChannelHub
+from atomr_infer.replica.request import Chunk
+from atomr_infer.routing.table import ReplicaRoute
 
 
 class FakeClock:
@@ -79,3 +86,84 @@ class FakeLauncher:
         for h in self.started:
             if not h.ready.done:
                 h.ready = Poll.success()
+
+
+class _Remote:
+    """A Ray actor method's ``.remote``: an awaitable result (an ``ObjectRef``)."""
+
+    def __init__(self, fn) -> None:
+        self._fn = fn
+
+    def remote(self, *args):
+        return asyncio.ensure_future(self._fn(*args))
+
+
+class _Refs:
+    """A Ray streaming call's ``ObjectRefGenerator``: an async iterator of awaitables."""
+
+    def __init__(self, agen) -> None:
+        self._agen = agen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self._agen.__anext__()
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(item)
+        return fut
+
+
+class _RemoteStream(_Remote):
+    def remote(self, *args):
+        return _Refs(self._fn(*args))
+
+
+class FakeReplica:
+    """A replica's channel methods (open, channel, cancel) over the real ``ChannelHub``; each
+    request answers one chunk, or every call fails with ``error``, as Ray raises it for a dead,
+    unreachable or (a task error) draining replica."""
+
+    def __init__(self, name: str, error: BaseException | None = None) -> None:
+        self.name, self.error, self.calls = name, error, 0
+        self.hub = ChannelHub()
+        self.open, self.channel, self.cancel = _Remote(self._open), _RemoteStream(self._channel), _Remote(self._cancel)
+        self.keepalive = _Remote(self._keepalive)
+
+    async def _open(self, channel_id, request_id, method, request, limit=None):
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        self.hub.get(channel_id).start(request_id, self._answer)
+        return self.hub.open_requests
+
+    async def _answer(self, put):
+        put(Chunk(f"from {self.name}", [1], "stop", None))
+
+    async def _channel(self, channel_id):
+        if self.error is not None and not isinstance(self.error, RayTaskError):
+            raise self.error  # a dead actor fails every call; a draining one streams
+        async for batch in self.hub.stream(channel_id):
+            yield batch
+
+    async def _cancel(self, channel_id, request_ids):
+        self.hub.cancel(channel_id, request_ids)
+
+    async def _keepalive(self, channel_id):
+        self.hub.get(channel_id)
+
+
+def route(replica: FakeReplica) -> ReplicaRoute:
+    return ReplicaRoute(replica.name, f"atomr:d:{replica.name}", replica)
+
+
+class GatedReplica(FakeReplica):
+    """Answers once ``gate`` is set: a request in flight while the table changes."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.gate = asyncio.Event()
+
+    async def _answer(self, put):
+        await self.gate.wait()
+        await super()._answer(put)

@@ -1,4 +1,6 @@
-"""Router admission without Ray: queueing, rejecting, and waiting for a replica."""
+"""Router admission without Ray, through ``Router.stream``: queueing, rejecting, and waiting
+for a replica. The replica is a fake of its actor's channel methods over the real
+``ChannelHub``, holding its one slot (``max_concurrent: 1``) until its gate opens."""
 
 from __future__ import annotations
 
@@ -8,42 +10,57 @@ import pytest
 
 from atomr_infer.errors import CapacityExhausted, DeploymentNotFound, NoReadyReplica
 from atomr_infer.routing.router import Router
-from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
+from atomr_infer.routing.table import DeploymentRoute, RoutingTable
 
-R0 = ReplicaRoute("r0", "atomr:d:r0", actor=None)
-
-
-def table(mode: str = "queue", replicas=(R0,)) -> RoutingTable:
-    return RoutingTable(1, {"d": DeploymentRoute("d", 1, mode, tuple(replicas))})
+from .fakes import GatedReplica, route
 
 
-def router(t: RoutingTable, **kw) -> Router:
+def router(mode: str = "queue", replicas=(), **kw) -> Router:
+    table = RoutingTable(1, {"d": DeploymentRoute("d", 1, mode, tuple(route(r) for r in replicas))})
+
     async def source(version):
-        return t if version != t.version else None
+        return table if version != table.version else None
 
     return Router(source, **kw)
 
 
+async def text(r: Router) -> str:
+    return "".join([c.text_delta async for c in r.stream("d", {"prompt": "hi"})])
+
+
+async def occupy(replica: GatedReplica, r: Router) -> asyncio.Task[str]:
+    """A request that holds the replica's only slot until ``replica.gate`` opens."""
+    task = asyncio.create_task(text(r))
+    while replica.hub.open_requests == 0:
+        await asyncio.sleep(0.01)
+    return task
+
+
 def test_queue_waits_past_the_replica_wait_until_a_slot_frees():
     async def main():
-        r = router(table(), wait_for_replica_s=0.1)
-        r._in_flight["atomr:d:r0"] = 1  # the only slot is taken
-        task = asyncio.create_task(r._route("d"))
+        replica = GatedReplica("r0")
+        r = router("queue", (replica,), wait_for_replica_s=0.1)
+        first = await occupy(replica, r)
+        second = asyncio.create_task(text(r))
         await asyncio.sleep(0.5)
-        assert not task.done()  # still queued, well past wait_for_replica_s
-        r._in_flight["atomr:d:r0"] = 0
-        r._released.set()
-        _, route = await asyncio.wait_for(task, 2)
-        return route
+        assert not second.done()  # still queued, well past wait_for_replica_s
+        assert replica.calls == 1  # and not sent: the router knows the replica is full
+        replica.gate.set()
+        return await asyncio.wait_for(asyncio.gather(first, second), 5)
 
-    assert asyncio.run(main()) is R0
+    assert asyncio.run(main()) == ["from r0", "from r0"]
 
 
 def test_queue_timeout_and_reject_raise_capacity_exhausted():
     async def main(mode, **kw):
-        r = router(table(mode), **kw)
-        r._in_flight["atomr:d:r0"] = 1
-        await r._route("d")
+        replica = GatedReplica("r0")
+        r = router(mode, (replica,), **kw)
+        first = await occupy(replica, r)
+        try:
+            await text(r)
+        finally:
+            replica.gate.set()
+            await first
 
     with pytest.raises(CapacityExhausted):
         asyncio.run(main("queue", queue_timeout_s=0.2))
@@ -53,6 +70,11 @@ def test_queue_timeout_and_reject_raise_capacity_exhausted():
 
 def test_no_ready_replica_after_the_bounded_wait_and_unknown_names():
     with pytest.raises(NoReadyReplica, match="waited"):
-        asyncio.run(router(table(replicas=()), wait_for_replica_s=0.3)._route("d"))
+        asyncio.run(text(router(replicas=(), wait_for_replica_s=0.3)))
+
+    async def unknown():
+        r = router(replicas=(GatedReplica("r0"),))
+        return "".join([c.text_delta async for c in r.stream("other", {"prompt": "hi"})])
+
     with pytest.raises(DeploymentNotFound, match="deployments: d"):
-        asyncio.run(router(table())._route("other"))
+        asyncio.run(unknown())
