@@ -19,6 +19,7 @@ from atomr_infer.errors import (
     SpecError,
 )
 from atomr_infer.spec import Budget, Deployment, Serving, VllmConfig, load_deployments, spec_hash
+from atomr_infer.status import DeploymentState, DeploymentStatus, ReplicaState, ReplicaStatus
 
 
 def control_plane(address: str | None = None, start: bool = True):  # noqa: ANN201 - lazy: no Ray at import
@@ -66,12 +67,16 @@ __all__ = [
     "Deployment",
     "DeploymentManager",
     "DeploymentNotFound",
+    "DeploymentState",
+    "DeploymentStatus",
     "DeviceUnavailable",
     "EngineError",
     "InvalidRequest",
     "ModelError",
     "NoReadyReplica",
     "PlanResult",
+    "ReplicaState",
+    "ReplicaStatus",
     "ReplicaUnavailable",
     "RequestError",
     "Serving",

@@ -1,4 +1,5 @@
-"""What the control plane reports: the states a replica goes through.
+"""What the control plane reports: replica and deployment states, and the status objects
+``manager.status``/``list`` return (read by the CLI, the HTTP API and Python users).
 
 Shared by the manager's reconciler (control/), the replica's own metrics (replica/, metrics.py)
 and what the CLI and the HTTP API print.
@@ -6,7 +7,10 @@ and what the CLI and the HTTP API print.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from dataclasses import dataclass
+from typing import Any
 
 
 class ReplicaState(enum.StrEnum):
@@ -22,3 +26,76 @@ class ReplicaState(enum.StrEnum):
     def live(self) -> bool:
         """Counts toward the replica set (not on its way out)."""
         return self in (ReplicaState.STARTING, ReplicaState.READY)
+
+
+class DeploymentState(enum.StrEnum):
+    """One word for where a deployment is (``atomr status``'s STATUS column)."""
+
+    READY = "ready"  # converged: every desired replica ready on the current spec
+    STARTING = "starting"  # its first generation is not ready yet
+    ROLLING = "rolling"  # a later generation is replacing or scaling the replicas
+    FAILING = "failing"  # replicas fail to start; the manager retries with backoff
+    FAILED = "failed"  # a start failure recurred 3 times: nothing more starts until an apply
+    REMOVING = "removing"  # removed: its replicas drain and stop
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica as the manager sees it; placement and engine facts once it is ready."""
+
+    replica_id: str  # r0, r1, ...
+    actor_name: str  # atomr:<deployment>:<replica_id>
+    state: ReplicaState
+    generation: int  # the deployment generation it was started for
+    reason: str | None = None  # why it is unhealthy or stopped
+    in_flight: int = 0  # as of its last health check
+    started_at: float = 0.0  # epoch seconds
+    actor_id: str | None = None
+    node_id: str | None = None
+    gpu_ids: tuple[str, ...] = ()
+    device: str | None = None
+    dtype: str | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class DeploymentStatus:
+    """What ``manager.status``/``list`` (and ``ControlPlane``) return for one deployment."""
+
+    name: str
+    model: str | None
+    generation: int  # desired: rises with every changed apply
+    observed_generation: int  # what the replicas have converged to
+    replicas_desired: int
+    replicas_ready: int
+    replicas: tuple[ReplicaStatus, ...] = ()
+    last_failure: str | None = None
+    failure_kind: str | None = None  # "recurring" (the engine refused the spec) | "transient"
+    failed: bool = False  # gave up: see DeploymentState.FAILED
+    start_failures: int = 0  # recurring start failures since the last success
+    next_start_in_s: float = 0.0  # backoff before the next start
+    removing: bool = False
+    spec_hash: str | None = None  # of the desired spec; None while removing
+
+    @property
+    def converged(self) -> bool:
+        return self.observed_generation == self.generation
+
+    @property
+    def state(self) -> DeploymentState:
+        if self.removing:
+            return DeploymentState.REMOVING
+        if self.failed:
+            return DeploymentState.FAILED
+        if self.converged and self.replicas_ready == self.replicas_desired:
+            return DeploymentState.READY
+        if self.last_failure and self.replicas_ready < self.replicas_desired:
+            return DeploymentState.FAILING
+        return DeploymentState.STARTING if self.generation == 1 else DeploymentState.ROLLING
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (``atomr status --json`` adds the replicas' live stats)."""
+        data = dataclasses.asdict(self)
+        data["status"] = str(self.state)
+        return data

@@ -90,7 +90,7 @@ def atomr_server(direct_ingress: bool = False) -> Iterator[str]:
         deployment = spec()
         ray.get(manager.apply.remote(deployment))
         status = ray.get(manager.wait_ready.remote(deployment.name, START_TIMEOUT_S))
-        if not status or status["replicas_ready"] < 1:
+        if not status or status.replicas_ready < 1:
             raise SystemExit(f"deployment did not become ready: {status}")
         port = free_port()
         server = run_server("127.0.0.1", port)

@@ -122,7 +122,7 @@ def main() -> None:
         ray.get(manager.apply.remote(d))
         ray.get(manager.wait_ready.remote(d.name, 600))
         status = ray.get(manager.status.remote(d.name))
-        replica = ray.get_actor(status["replicas"][0]["actor_name"], namespace="atomr")
+        replica = ray.get_actor(status.replicas[0].actor_name, namespace="atomr")
         client = Client(manager=manager)
 
         async def via_replica(req):

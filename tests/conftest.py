@@ -88,7 +88,7 @@ def smollm2(manager, ray_cluster) -> str:
     spec = smollm2_spec()
     ray_cluster.get(manager.apply.remote(spec))
     status = ray_cluster.get(manager.wait_ready.remote(spec.name, 600))
-    assert status is not None and status["replicas_ready"] == 1, status
+    assert status is not None and status.replicas_ready == 1, status
     return spec.name
 
 
@@ -96,5 +96,5 @@ def smollm2(manager, ray_cluster) -> str:
 def smollm2_replica(smollm2, manager, ray_cluster):
     """The shared deployment's replica actor handle."""
     status = ray_cluster.get(manager.status.remote(smollm2))
-    name = next(r["actor_name"] for r in status["replicas"] if r["state"] == "ready")
+    name = next(r.actor_name for r in status.replicas if r.state == "ready")
     return ray_cluster.get_actor(name, namespace="atomr")

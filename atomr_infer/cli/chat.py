@@ -47,7 +47,7 @@ def chat_command(
     try:
         control = common.control_plane(address, start=False)
         if control.status(name) is None:  # say so before asking anything
-            known = [s["name"] for s in control.list()]
+            known = [s.name for s in control.list()]
             raise DeploymentNotFound(name, known)
         client = Client(manager=control.handle)
     except AtomrError as exc:

@@ -14,7 +14,7 @@ import typer
 from atomr_infer.cli.app import _state, err
 from atomr_infer.cluster import NAMESPACE
 from atomr_infer.errors import AtomrError, one_line
-from atomr_infer.status import ReplicaState
+from atomr_infer.status import ReplicaState, ReplicaStatus
 
 if TYPE_CHECKING:
     from atomr_infer.control.client import ControlPlane
@@ -108,17 +108,17 @@ def dashboard_url() -> str | None:
     return url if url.startswith("http") else f"http://{url}"
 
 
-def replica_stats(replicas: list[dict[str, Any]], timeout_s: float = 2.0) -> dict[str, Any]:
+def replica_stats(replicas: list[ReplicaStatus], timeout_s: float = 2.0) -> dict[str, Any]:
     """``ReplicaStats`` by actor name, for the replicas that answer within ``timeout_s``."""
     import ray
 
     refs: dict[Any, str] = {}
     for r in replicas:
-        if r.get("state") not in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
+        if r.state not in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
             continue
         try:
-            actor = ray.get_actor(r["actor_name"], namespace=NAMESPACE)
-            refs[actor.stats.remote()] = r["actor_name"]
+            actor = ray.get_actor(r.actor_name, namespace=NAMESPACE)
+            refs[actor.stats.remote()] = r.actor_name
         except Exception:  # noqa: BLE001 - gone or not yet created
             continue
     if not refs:
@@ -133,10 +133,10 @@ def replica_stats(replicas: list[dict[str, Any]], timeout_s: float = 2.0) -> dic
     return stats
 
 
-def waiting_reasons(replicas: list[dict[str, Any]], stats: dict[str, Any]) -> dict[str, str]:
+def waiting_reasons(replicas: list[ReplicaStatus], stats: dict[str, Any]) -> dict[str, str]:
     """Why a starting replica that does not answer has not started: Ray has not placed its
     actor yet (no node has the CPUs or GPUs it reserves). By actor name; best effort."""
-    pending = [r for r in replicas if r.get("state") == ReplicaState.STARTING and r["actor_name"] not in stats]
+    pending = [r for r in replicas if r.state == ReplicaState.STARTING and r.actor_name not in stats]
     if not pending:
         return {}
     try:
@@ -146,10 +146,10 @@ def waiting_reasons(replicas: list[dict[str, Any]], stats: dict[str, Any]) -> di
         gcs = ray.get_runtime_context().gcs_address  # else the state API guesses among local clusters
         reasons = {}
         for r in pending:
-            actor = get_actor(r["actor_id"], address=gcs, timeout=5) if r.get("actor_id") else None
+            actor = get_actor(r.actor_id, address=gcs, timeout=5) if r.actor_id else None
             if actor is not None and actor.state == "PENDING_CREATION":
                 need = ", ".join(f"{v:g} {k}" for k, v in sorted((actor.required_resources or {}).items()))
-                reasons[r["actor_name"]] = f"waiting for a node with {need} free" if need else "waiting to be placed"
+                reasons[r.actor_name] = f"waiting for a node with {need} free" if need else "waiting to be placed"
         return reasons
     except Exception:  # noqa: BLE001 - informational: without it the state just reads "starting"
         return {}

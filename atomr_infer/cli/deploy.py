@@ -172,7 +172,7 @@ def remove_command(
     try:
         control = common.control_plane(address, start=False)
         if all_:
-            names = [s["name"] for s in control.list() if not s.get("removing")]
+            names = [s.name for s in control.list() if not s.removing]
             if not names:
                 _say("no deployments")
                 raise typer.Exit(EXIT_OK)
@@ -186,7 +186,7 @@ def remove_command(
             code = code or report(exc)
             continue
         if not result.changed:
-            known = ", ".join(s["name"] for s in control.list()) or "none"
+            known = ", ".join(s.name for s in control.list()) or "none"
             code = code or report(AtomrError(f"no deployment named {name!r} (deployments: {known})"))
             continue
         _say(f"{name}: {'; '.join(result.actions)}")

@@ -171,11 +171,11 @@ def _remove_everything(timeout: float) -> None:
         _line("manager", "not running")
         return
     statuses = control.list()
-    actors = {r["actor_name"] for s in statuses for r in s["replicas"]}
+    actors = {r.actor_name for s in statuses for r in s.replicas}
     for s in statuses:
-        if not s.get("removing"):
-            result = control.remove(s["name"])
-            _line(s["name"], "; ".join(result.actions))
+        if not s.removing:
+            result = control.remove(s.name)
+            _line(s.name, "; ".join(result.actions))
     deadline = time.monotonic() + timeout
     while control.list() and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -14,6 +14,8 @@ from typing import Any
 from rich.style import Style
 from rich.text import Text
 
+from atomr_infer.status import DeploymentStatus
+
 Cell = str | tuple[str, str | Style]
 
 
@@ -55,39 +57,25 @@ def columns(headers: Sequence[str], rows: Sequence[Sequence[Cell]]) -> list[Text
     return lines
 
 
-def deployment_state(status: dict[str, Any]) -> str:
-    """One word for where a deployment is: ready, starting, rolling, failing, failed, removing."""
-    if status.get("removing"):
-        return "removing"
-    if status.get("failed"):
-        return "failed"
-    converged = status["observed_generation"] == status["generation"]
-    if converged and status["replicas_ready"] == status["replicas_desired"]:
-        return "ready"
-    if status.get("last_failure") and status["replicas_ready"] < status["replicas_desired"]:
-        return "failing"
-    return "starting" if status["generation"] == 1 else "rolling"
-
-
-def deployments_lines(statuses: Sequence[dict[str, Any]], now: float | None = None) -> list[Text]:
+def deployments_lines(statuses: Sequence[DeploymentStatus], now: float | None = None) -> list[Text]:
     rows: list[list[Cell]] = []
     for s in statuses:
-        state = deployment_state(s)
+        state = s.state
         style = {"ready": "green", "failing": "red", "failed": "red", "removing": "yellow"}.get(state, "yellow")
         rows.append(
             [
-                s["name"],
-                s.get("model") or "-",
-                f"{s['generation']}/{s['observed_generation']}",
-                f"{s['replicas_ready']}/{s['replicas_desired']}",
-                (state, style),
+                s.name,
+                s.model or "-",
+                f"{s.generation}/{s.observed_generation}",
+                f"{s.replicas_ready}/{s.replicas_desired}",
+                (str(state), style),
             ]
         )
     return columns(["NAME", "MODEL", "GENERATION", "READY", "STATUS"], rows)
 
 
 def replica_rows(
-    statuses: Sequence[dict[str, Any]],
+    statuses: Sequence[DeploymentStatus],
     stats: dict[str, Any],
     nodes: dict[str, str],
     dashboard: str | None,
@@ -99,35 +87,35 @@ def replica_rows(
     now = time.time() if now is None else now
     rows = []
     for s in statuses:
-        for r in s.get("replicas", []):
-            st = stats.get(r["actor_name"])
+        for r in s.replicas:
+            st = stats.get(r.actor_name)
             tpot = st.time_per_output_token_s.p50 if st is not None else None
             rows.append(
                 {
-                    "deployment": s["name"],
-                    "replica": r["replica_id"],
-                    "actor_name": r["actor_name"],
-                    "state": r["state"],
-                    "reason": r.get("reason"),
-                    "phase": st.phase if st is not None else (waiting or {}).get(r["actor_name"]),
-                    "generation": r["generation"],
-                    "node_id": r.get("node_id"),
-                    "node": nodes.get(r.get("node_id") or ""),
-                    "device": r.get("device"),
-                    "dtype": r.get("dtype"),
-                    "kv_cache_bytes": r.get("kv_cache_bytes"),
-                    "kv_cache_tokens": r.get("kv_cache_tokens"),
-                    "gpu_ids": r.get("gpu_ids") or [],
-                    "in_flight": st.in_flight if st is not None else r.get("in_flight", 0),
+                    "deployment": s.name,
+                    "replica": r.replica_id,
+                    "actor_name": r.actor_name,
+                    "state": str(r.state),
+                    "reason": r.reason,
+                    "phase": st.phase if st is not None else (waiting or {}).get(r.actor_name),
+                    "generation": r.generation,
+                    "node_id": r.node_id,
+                    "node": nodes.get(r.node_id or ""),
+                    "device": r.device,
+                    "dtype": r.dtype,
+                    "kv_cache_bytes": r.kv_cache_bytes,
+                    "kv_cache_tokens": r.kv_cache_tokens,
+                    "gpu_ids": list(r.gpu_ids),
+                    "in_flight": st.in_flight if st is not None else r.in_flight,
                     "engine_unfinished": st.engine_unfinished if st is not None else None,
                     "tokens_generated": st.tokens_generated if st is not None else None,
                     "tokens_per_s": round(1.0 / tpot, 1) if tpot else None,
                     "ttft_p50_s": st.ttft_s.p50 if st is not None else None,
                     "requests_finished": st.requests_finished if st is not None else None,
                     "requests_aborted": st.requests_aborted if st is not None else None,
-                    "uptime_s": round(now - r["started_at"], 1) if r.get("started_at") else None,
-                    "actor_id": r.get("actor_id"),
-                    "dashboard_url": actor_url(dashboard, r.get("actor_id")),
+                    "uptime_s": round(now - r.started_at, 1) if r.started_at else None,
+                    "actor_id": r.actor_id,
+                    "dashboard_url": actor_url(dashboard, r.actor_id),
                 }
             )
     return rows
@@ -168,16 +156,16 @@ def replicas_lines(rows: Sequence[dict[str, Any]]) -> list[Text]:
     return columns(headers, cells)
 
 
-def failure_line(status: dict[str, Any]) -> str:
+def failure_line(status: DeploymentStatus) -> str:
     """Why the last replica failed, and whether the manager is still trying."""
-    line = f"{status['name']}: last failure: {status['last_failure']}"
-    if status.get("failed"):
+    line = f"{status.name}: last failure: {status.last_failure}"
+    if status.failed:
         return line + (
-            f"\n  will recur: stopped after {status.get('start_failures', 0)} tries; fix the spec and "
+            f"\n  will recur: stopped after {status.start_failures} tries; fix the spec and "
             f"`atomr deploy` it again (the same spec retries)"
         )
-    retry = f", next try in {status['next_start_in_s']:.0f}s" if status.get("next_start_in_s") else ""
-    kind = "transient" if status.get("failure_kind") == "transient" else "retrying"
+    retry = f", next try in {status.next_start_in_s:.0f}s" if status.next_start_in_s else ""
+    kind = "transient" if status.failure_kind == "transient" else "retrying"
     return line + f"\n  {kind}: the manager keeps retrying with backoff{retry}"
 
 

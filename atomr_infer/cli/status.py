@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import typer
 from rich.text import Text
@@ -12,9 +11,10 @@ from rich.text import Text
 from atomr_infer.cli import common, render
 from atomr_infer.cli.app import EXIT_OK, app, err, fail, out
 from atomr_infer.errors import AtomrError, DeploymentNotFound, one_line
+from atomr_infer.status import DeploymentState, DeploymentStatus
 
 
-def _statuses(address: str | None, name: str | None) -> list[dict[str, Any]] | None:
+def _statuses(address: str | None, name: str | None) -> list[DeploymentStatus] | None:
     """Deployment statuses; None when Ray runs but the manager does not (nothing deployed)."""
     from atomr_infer.control.client import ControlPlane, manager_handle
 
@@ -29,7 +29,7 @@ def _statuses(address: str | None, name: str | None) -> list[dict[str, Any]] | N
         return control.list()
     status = control.status(name)
     if status is None:
-        known = [s["name"] for s in control.list()]
+        known = [s.name for s in control.list()]
         raise DeploymentNotFound(name, known)
     return [status]
 
@@ -46,7 +46,7 @@ def status_command(
     except AtomrError as exc:
         fail(exc)
     statuses = statuses or []
-    replicas = [r for s in statuses for r in s["replicas"]]
+    replicas = [r for s in statuses for r in s.replicas]
     stats = common.replica_stats(replicas) if replicas else {}
     dashboard = common.dashboard_url()
     waiting = common.waiting_reasons(replicas, stats)
@@ -54,9 +54,8 @@ def status_command(
     if as_json:
         data = [
             {
-                **{k: v for k, v in s.items() if k != "replicas"},
-                "status": render.deployment_state(s),
-                "replicas": [r for r in rows if r["deployment"] == s["name"]],
+                **s.to_dict(),
+                "replicas": [r for r in rows if r["deployment"] == s.name],
             }
             for s in statuses
         ]
@@ -72,7 +71,7 @@ def status_command(
         for line in render.replicas_lines(rows):
             out.print(line, soft_wrap=True)
     for s in statuses:
-        if s.get("last_failure") and render.deployment_state(s) != "ready":
+        if s.last_failure and s.state != DeploymentState.READY:
             out.print(Text("\n" + render.failure_line(s), style="red"), soft_wrap=True)
     if dashboard:
         out.print(Text(f"\ndashboard: {dashboard}", style="dim"), soft_wrap=True)
@@ -91,16 +90,16 @@ def logs_command(
         statuses = _statuses(address, name) or []
     except AtomrError as exc:
         fail(exc)
-    targets = [r for r in statuses[0]["replicas"] if replica in (None, r["replica_id"])]
+    targets = [r for r in statuses[0].replicas if replica in (None, r.replica_id)]
     if not targets:
-        ids = ", ".join(r["replica_id"] for r in statuses[0]["replicas"]) or "none"
+        ids = ", ".join(r.replica_id for r in statuses[0].replicas) or "none"
         fail(AtomrError(f"deployment {name!r} has no replica {replica!r} (replicas: {ids})"))
     shown = 0
     for r in targets:
         header = f"==> {name}/{r['replica_id']} ({r['state']}, {r['actor_name']}) <=="
         out.print(Text(header, style="bold"), soft_wrap=True)
         try:  # blank lines and Ray's marker lines are dropped, so read a few more than asked
-            text = _tail(r["actor_id"], lines if raw else lines + 20)
+            text = _tail(r.actor_id, lines if raw else lines + 20)
         except Exception as exc:  # noqa: BLE001 - one replica's logs failing leaves the others
             err.print(f"error: no logs for {name}/{r['replica_id']}: {one_line(exc)}", markup=False)
             continue

@@ -19,6 +19,7 @@ from rich.text import Text
 
 from atomr_infer.cli import common, render
 from atomr_infer.cli.app import out
+from atomr_infer.status import DeploymentStatus
 
 POLL_S = 0.5
 WAITING_AFTER_S = 5.0  # ask Ray why a replica is not placed only once placing it takes this long
@@ -32,38 +33,38 @@ class Outcome:
     pending: list[str] = field(default_factory=list)  # still not ready at the timeout
 
 
-def _converged(s: dict[str, Any]) -> bool:
-    return s["observed_generation"] == s["generation"] and s["replicas_ready"] == s["replicas_desired"]
+def _converged(s: DeploymentStatus) -> bool:
+    return s.converged and s.replicas_ready == s.replicas_desired
 
 
 class _Watch:
     def __init__(self, manager: Any, names: list[str]) -> None:
         self.manager, self.names = manager, names
         self.started = time.monotonic()
-        self.first: dict[str, dict[str, Any] | None] = {}
+        self.first: dict[str, DeploymentStatus | None] = {}
         self.seen: dict[str, str] = {}  # replica key -> last printed state line
         self.waiting: dict[str, str] = {}  # actor name -> why it is not placed yet
 
-    def poll(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def poll(self) -> tuple[list[DeploymentStatus], dict[str, Any]]:
         import ray
 
         refs = [self.manager.status.remote(n) for n in self.names]
         statuses = [s for s in ray.get(refs, timeout=30) if s is not None]
-        replicas = [r for s in statuses for r in s["replicas"]]
+        replicas = [r for s in statuses for r in s.replicas]
         stats = common.replica_stats(replicas, timeout_s=1.0)
         if time.monotonic() - self.started > WAITING_AFTER_S:  # placing an actor takes a moment
             self.waiting = common.waiting_reasons(replicas, stats)
         return statuses, stats
 
-    def failure(self, s: dict[str, Any]) -> str | None:
+    def failure(self, s: DeploymentStatus) -> str | None:
         """A failure that happened after the deploy began, else None."""
-        before = self.first.get(s["name"])
-        last = s.get("last_failure")
-        if last and (before is None or last != before.get("last_failure")):
+        before = self.first.get(s.name)
+        last = s.last_failure
+        if last and (before is None or last != before.last_failure):
             return last
         return None
 
-    def lines(self, statuses: list[dict[str, Any]], stats: dict[str, Any]) -> list[Text]:
+    def lines(self, statuses: list[DeploymentStatus], stats: dict[str, Any]) -> list[Text]:
         rows = render.replica_rows(statuses, stats, {}, None, waiting=self.waiting)
         elapsed = time.monotonic() - self.started
         out_lines = render.deployments_lines(statuses)
@@ -72,7 +73,7 @@ class _Watch:
         out_lines.append(Text(f"waiting {elapsed:.0f}s", style="dim"))
         return out_lines
 
-    def changes(self, statuses: list[dict[str, Any]], stats: dict[str, Any]) -> list[str]:
+    def changes(self, statuses: list[DeploymentStatus], stats: dict[str, Any]) -> list[str]:
         """Lines for what changed since the last poll (non-terminal output)."""
         news = []
         for r in render.replica_rows(statuses, stats, {}, None, waiting=self.waiting):
@@ -103,7 +104,7 @@ def wait_for(manager: Any, names: list[str], timeout_s: float) -> Outcome:
     """Follow ``names`` until each is ready or failed, or ``timeout_s`` passes."""
     watch = _Watch(manager, names)
     first, _ = watch.poll()
-    watch.first = {s["name"]: s for s in first}
+    watch.first = {s.name: s for s in first}
     outcome = Outcome()
     deadline = time.monotonic() + timeout_s
     live = Live(console=out, auto_refresh=False, transient=False) if out.is_terminal else None
@@ -112,7 +113,7 @@ def wait_for(manager: Any, names: list[str], timeout_s: float) -> Outcome:
             live.start()
         for turn in itertools.count():
             statuses, stats = watch.poll()
-            by_name = {s["name"]: s for s in statuses}
+            by_name = {s.name: s for s in statuses}
             if turn == 0 and all(n in by_name and _converged(by_name[n]) for n in names):
                 return Outcome(ready=list(names))  # nothing to follow: say nothing
             if live is not None:
@@ -129,7 +130,7 @@ def wait_for(manager: Any, names: list[str], timeout_s: float) -> Outcome:
                     outcome.ready.append(name)
                 elif (reason := watch.failure(s)) is not None:
                     outcome.failed[name] = reason
-                    if s.get("failed") or s.get("failure_kind") == "recurring":
+                    if s.failed or s.failure_kind == "recurring":
                         outcome.recurring.append(name)
                 else:
                     outcome.pending.append(name)

@@ -17,6 +17,7 @@ from atomr_infer.cluster import MANAGER_NAME, NAMESPACE, connect
 from atomr_infer.control.manager import ApplyResult, DeploymentManager, PlanResult
 from atomr_infer.errors import AtomrError, one_line, unwrap
 from atomr_infer.spec import Deployment
+from atomr_infer.status import DeploymentStatus
 
 CALL_TIMEOUT_S = 60.0
 
@@ -86,12 +87,12 @@ class ControlPlane:
     def remove(self, name: str) -> ApplyResult:
         return call(self.handle.remove.remote(name), self._timeout_s)
 
-    def status(self, name: str) -> dict[str, Any] | None:
+    def status(self, name: str) -> DeploymentStatus | None:
         return call(self.handle.status.remote(name), self._timeout_s)
 
-    def list(self) -> list[dict[str, Any]]:
+    def list(self) -> list[DeploymentStatus]:
         return call(self.handle.list.remote(), self._timeout_s)
 
-    def wait_ready(self, name: str, timeout_s: float = 600.0) -> dict[str, Any] | None:
+    def wait_ready(self, name: str, timeout_s: float = 600.0) -> DeploymentStatus | None:
         """The status once ``name`` has converged, or after ``timeout_s`` (None: no such deployment)."""
         return call(self.handle.wait_ready.remote(name, timeout_s), timeout_s + (self._timeout_s or 0))

@@ -35,6 +35,7 @@ from atomr_infer.log import get_logger
 from atomr_infer.metrics import ManagerMetrics
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 from atomr_infer.spec import Deployment, normalized, parse_deployment, runtime_fields, spec_hash
+from atomr_infer.status import DeploymentStatus
 
 log = get_logger(__name__)
 RECONCILE_PERIOD_S = 1.0
@@ -284,11 +285,11 @@ class DeploymentManager:
         self._kick.set()
         return ApplyResult(name, True, generation, tuple(a.summary for a in plan.actions))
 
-    async def list(self) -> list[dict[str, Any]]:
+    async def list(self) -> list[DeploymentStatus]:
         self._ensure_loop()
         return [self._status(n) for n in sorted(set(self._desired) | set(self._removing))]
 
-    async def status(self, name: str) -> dict[str, Any] | None:
+    async def status(self, name: str) -> DeploymentStatus | None:
         self._ensure_loop()
         return self._status(name) if name in self._desired or name in self._removing else None
 
@@ -302,13 +303,13 @@ class DeploymentManager:
                 return None
         return self._table if self._table.version != since_version else None
 
-    async def wait_ready(self, name: str, timeout_s: float = 600.0) -> dict[str, Any] | None:
+    async def wait_ready(self, name: str, timeout_s: float = 600.0) -> DeploymentStatus | None:
         """Wait until ``name`` has converged (observed = desired generation) or ``timeout_s`` passes."""
         self._ensure_loop()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             status = self._status(name) if name in self._desired else None
-            if status is None or status["observed_generation"] == status["generation"]:
+            if status is None or status.converged:
                 return status
             await asyncio.sleep(0.2)
         return self._status(name) if name in self._desired else None
@@ -358,9 +359,7 @@ class DeploymentManager:
         self._persist()
         self._publish()  # serving limits take effect at once
 
-    def _status(self, name: str) -> dict[str, Any]:
+    def _status(self, name: str) -> DeploymentStatus:
         d = self._desired.get(name)
         status = (d.reconciler if d else self._removing[name]).status()
-        status["removing"] = d is None
-        status["spec_hash"] = spec_hash(d.spec) if d else None
-        return status
+        return dataclasses.replace(status, removing=d is None, spec_hash=spec_hash(d.spec) if d else None)

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
-from atomr_infer.status import ReplicaState
+from atomr_infer.status import DeploymentStatus, ReplicaState, ReplicaStatus
 
 log = get_logger(__name__)
 
@@ -252,31 +251,32 @@ class DeploymentReconciler:
             return 0.0
         return max(0.0, self.next_start_at - self._clock())
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> DeploymentStatus:
         spec = self.spec
-        return {
-            "name": self.name,
-            "model": spec.model if spec else None,
-            "generation": self.generation,
-            "observed_generation": self.observed_generation,
-            "replicas_desired": spec.replicas if spec else 0,
-            "replicas_ready": len(self.ready_replicas()),
-            "last_failure": self.last_failure or None,
-            "failure_kind": self.failure_kind or None,
-            "failed": self.gave_up,
-            "start_failures": self.recurring_failures,
-            "next_start_in_s": self._next_start_in(),
-            "replicas": [
-                {
-                    "replica_id": r.replica_id,
-                    "actor_name": r.handle.actor_name,
-                    "state": r.state,
-                    "reason": r.reason or None,
-                    "generation": r.generation,
-                    "in_flight": r.handle.in_flight(),
-                    "started_at": r.started_at,
-                    **r.handle.placement(),
-                }
-                for r in sorted(self.replicas, key=lambda r: int(r.replica_id.lstrip("r") or 0))
-            ],
-        }
+        replicas = tuple(
+            ReplicaStatus(
+                replica_id=r.replica_id,
+                actor_name=r.handle.actor_name,
+                state=r.state,
+                generation=r.generation,
+                reason=r.reason or None,
+                in_flight=r.handle.in_flight(),
+                started_at=r.started_at,
+                **{k: tuple(v) if k == "gpu_ids" else v for k, v in r.handle.placement().items()},
+            )
+            for r in sorted(self.replicas, key=lambda r: int(r.replica_id.lstrip("r") or 0))
+        )
+        return DeploymentStatus(
+            name=self.name,
+            model=spec.model if spec else None,
+            generation=self.generation,
+            observed_generation=self.observed_generation,
+            replicas_desired=spec.replicas if spec else 0,
+            replicas_ready=len(self.ready_replicas()),
+            replicas=replicas,
+            last_failure=self.last_failure or None,
+            failure_kind=self.failure_kind or None,
+            failed=self.gave_up,
+            start_failures=self.recurring_failures,
+            next_start_in_s=self._next_start_in(),
+        )

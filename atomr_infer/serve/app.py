@@ -30,6 +30,7 @@ from atomr_infer.routing.router import Router
 from atomr_infer.serve.body import MAX_BODY_BYTES, parse_json, read_body
 from atomr_infer.serve.errors import ManagerUnreachable, http_error
 from atomr_infer.serve.table_cache import TableCache
+from atomr_infer.status import DeploymentStatus
 
 log = get_logger(__name__)
 MAX_ONGOING_REQUESTS = 1024  # per ingress replica; the engines' own limits apply behind it
@@ -87,14 +88,14 @@ async def _relay(items: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         await items.aclose()
 
 
-def _model_card(status: dict[str, Any]) -> dict[str, Any]:
-    started = [r.get("started_at") or 0 for r in status.get("replicas", ())]
+def _model_card(status: DeploymentStatus) -> dict[str, Any]:
+    started = [r.started_at or 0 for r in status.replicas]
     return {
-        "id": status["name"],
+        "id": status.name,
         "object": "model",
         "created": int(min(started)) if started else 0,
         "owned_by": "atomr",
-        "root": status.get("model"),
+        "root": status.model,
     }
 
 
@@ -170,13 +171,13 @@ class OpenAIIngress:
 
     # -- models and health -------------------------------------------------------------------
 
-    async def _deployments(self) -> list[dict[str, Any]]:
+    async def _deployments(self) -> list[DeploymentStatus]:
         try:
             statuses = await asyncio.wait_for(self._tables.manager().list.remote(), MANAGER_CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - not started, restarting, or timed out
             self._tables.forget_manager()
             raise ManagerUnreachable(f"{type(exc).__name__}: {exc}") from None
-        return [s for s in statuses if not s.get("removing")]
+        return [s for s in statuses if not s.removing]
 
     @api.get("/v1/models")
     async def list_models(self) -> Response:
@@ -184,19 +185,19 @@ class OpenAIIngress:
             deployments = await self._deployments()
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        data = [_model_card(d) for d in deployments if d["replicas_ready"] > 0]
+        data = [_model_card(d) for d in deployments if d.replicas_ready > 0]
         return JSONResponse({"object": "list", "data": data})
 
     @api.get("/v1/models/{name}")
     async def get_model(self, name: str) -> Response:
         try:
-            deployments = {d["name"]: d for d in await self._deployments()}
+            deployments = {d.name: d for d in await self._deployments()}
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         status = deployments.get(name)
         if status is None:
             return error_response(DeploymentNotFound(name, sorted(deployments)))
-        if status["replicas_ready"] < 1:
+        if status.replicas_ready < 1:
             return error_response(NoReadyReplica(name))
         return JSONResponse(_model_card(status))
 
@@ -209,11 +210,11 @@ class OpenAIIngress:
             body = {"status": "unavailable", "manager": str(exc), "deployments": {}}
             return JSONResponse(body, status_code=503)
         report = {
-            d["name"]: {
-                "replicas_ready": d["replicas_ready"],
-                "replicas_desired": d["replicas_desired"],
+            d.name: {
+                "replicas_ready": d.replicas_ready,
+                "replicas_desired": d.replicas_desired,
                 # A deployment scaled to 0 on purpose is not a failure.
-                "ready": d["replicas_ready"] > 0 or d["replicas_desired"] == 0,
+                "ready": d.replicas_ready > 0 or d.replicas_desired == 0,
             }
             for d in deployments
         }

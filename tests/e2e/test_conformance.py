@@ -56,7 +56,7 @@ def vllm_serve(bundled_model_dir) -> Iterator[str]:
 def atomr(manager, ray_cluster, openai_server) -> Iterator[str]:
     ray_cluster.get(manager.apply.remote(conform_spec()))
     status = ray_cluster.get(manager.wait_ready.remote(NAME, 600))
-    assert status is not None and status["replicas_ready"] == 1, status
+    assert status is not None and status.replicas_ready == 1, status
     yield openai_server.url
     ray_cluster.get(manager.remove.remote(NAME))
 
@@ -175,7 +175,7 @@ def embed_servers(bundled_model_dir, manager, ray_cluster, openai_server) -> Ite
     ray_cluster.get(manager.apply.remote(spec))
     try:
         status = ray_cluster.get(manager.wait_ready.remote(spec.name, 600))
-        assert status is not None and status["replicas_ready"] == 1, status
+        assert status is not None and status.replicas_ready == 1, status
         with vllm_server(spec, bundled_model_dir) as theirs:
             yield openai_server.url, theirs
     finally:

@@ -32,8 +32,8 @@ def second(manager, ray_cluster, openai_server):
     # While its engine starts, /health names it as not ready.
     health = httpx.get(f"{openai_server.url}/health", timeout=30)
     status = ray_cluster.get(manager.wait_ready.remote(name, 600))
-    assert status is not None and status["replicas_ready"] == 1, status
-    actor_name = status["replicas"][0]["actor_name"]
+    assert status is not None and status.replicas_ready == 1, status
+    actor_name = status.replicas[0].actor_name
     replica = ray_cluster.get_actor(actor_name, namespace="atomr")
     yield {"name": name, "replica": replica, "health_while_starting": health}
     ray_cluster.get(manager.remove.remote(name))

@@ -28,11 +28,11 @@ def test_bare_cpu_spec_deploys_sizes_itself_and_answers(manager, smollm2):
         result = ray.get(manager.apply.remote(bare(name)))
         assert result.changed
         status = ray.get(manager.wait_ready.remote(name, 600))
-        assert status["replicas_ready"] == 1, status
-        replica = status["replicas"][0]
+        assert status.replicas_ready == 1, status
+        replica = status.replicas[0]
         # It says what it chose: the KV cache as vLLM settled it, and the CPU's native dtype.
-        assert replica["kv_cache_bytes"] > 0 and replica["kv_cache_tokens"] >= 1024, replica
-        assert replica["dtype"] in ("bfloat16", "float32")
+        assert replica.kv_cache_bytes > 0 and replica.kv_cache_tokens >= 1024, replica
+        assert replica.dtype in ("bfloat16", "float32")
         client = Client(manager=manager)
         try:
             answer = client.chat(name, [{"role": "user", "content": "What is the capital of France?"}], max_tokens=16)
@@ -60,19 +60,19 @@ def test_a_start_failure_that_will_recur_stops_retrying(manager):
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             status = ray.get(manager.status.remote(name))
-            if status["failed"]:
+            if status.failed:
                 break
             time.sleep(0.5)
         else:
             raise AssertionError(f"still retrying: {status}")
-        assert status["failure_kind"] == "recurring" and status["start_failures"] == 3
-        assert "max_model_len" in status["last_failure"], status["last_failure"]
-        started = len(status["replicas"])
+        assert status.failure_kind == "recurring" and status.start_failures == 3
+        assert "max_model_len" in status.last_failure, status.last_failure
+        started = len(status.replicas)
         time.sleep(3)  # past the backoff it would have used: nothing new starts
-        assert len(ray.get(manager.status.remote(name))["replicas"]) == started
+        assert len(ray.get(manager.status.remote(name)).replicas) == started
         again = ray.get(manager.apply.remote(bare(name, max_model_len=100_000, cpu_kvcache_space_gb=3)))
         assert again.changed and again.actions[0].startswith("retry after failure")
-        assert not ray.get(manager.status.remote(name))["failed"]
+        assert not ray.get(manager.status.remote(name)).failed
     finally:
         ray.get(manager.remove.remote(name))
 
@@ -89,7 +89,7 @@ def test_a_replica_no_node_can_place_says_what_it_waits_for(manager, ray_cluster
         deadline = time.monotonic() + 60
         while True:
             status = ray.get(manager.status.remote(name))
-            reasons = common.waiting_reasons(status["replicas"], {})
+            reasons = common.waiting_reasons(status.replicas, {})
             if reasons:
                 break
             assert time.monotonic() < deadline, status

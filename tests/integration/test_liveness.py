@@ -76,23 +76,23 @@ def test_manager_replaces_a_wedged_replica_within_a_minute(ray_cluster, bundled_
     try:
         ray.get(manager.apply.remote(smollm2_spec(name=name)))
         status = ray.get(manager.wait_ready.remote(name, 120))
-        first = status["replicas"][0]
-        replica = ray.get_actor(first["actor_name"], namespace="atomr")
+        first = status.replicas[0]
+        replica = ray.get_actor(first.actor_name, namespace="atomr")
         gen = replica.generate.remote({"prompt": "hello", "max_tokens": 50})
         hung_at = time.monotonic()
         assert isinstance(drain(gen), EngineError)
         deadline = hung_at + 60
         while time.monotonic() < deadline:
             status = ray.get(manager.status.remote(name))
-            ready = [r for r in status["replicas"] if r["state"] == "ready"]
-            if ready and all(r["actor_id"] != first["actor_id"] for r in ready):
+            ready = [r for r in status.replicas if r.state == "ready"]
+            if ready and all(r.actor_id != first.actor_id for r in ready):
                 break
             time.sleep(0.5)
         else:
             raise AssertionError(f"the wedged replica was not replaced within 60 s: {status}")
-        old = next(r for r in status["replicas"] if r["actor_id"] == first["actor_id"])
-        assert old["state"] == "unhealthy" and "has not returned" in old["reason"], old
-        assert "has not returned" in status["last_failure"]
+        old = next(r for r in status.replicas if r.actor_id == first.actor_id)
+        assert old.state == "unhealthy" and "has not returned" in old.reason, old
+        assert "has not returned" in status.last_failure
     finally:
         ray.get(manager.remove.remote(name))
         ray.kill(manager)

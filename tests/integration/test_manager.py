@@ -33,12 +33,12 @@ def spec(**kw):
 
 def wait_converged(manager, name=NAME, timeout=600):
     status = ray.get(manager.wait_ready.remote(name, timeout))
-    assert status["observed_generation"] == status["generation"], status
+    assert status.observed_generation == status.generation, status
     return status
 
 
 def live_ids(status) -> dict[str, str]:
-    return {r["replica_id"]: r["actor_id"] for r in status["replicas"] if r["state"] in ("starting", "ready")}
+    return {r.replica_id: r.actor_id for r in status.replicas if r.state in ("starting", "ready")}
 
 
 def text(reply) -> str:
@@ -73,7 +73,7 @@ def test_ten_concurrent_applies_make_one_replica_set(manager, mgr):
     assert sum(r.changed for r in results) == 1
     assert {r.generation for r in results} == {1}
     status = wait_converged(manager)
-    assert len(live_ids(status)) == 1 and status["replicas_ready"] == 1
+    assert len(live_ids(status)) == 1 and status.replicas_ready == 1
 
 
 def test_apply_twice_keeps_the_same_actors(manager, mgr, client):
@@ -91,7 +91,7 @@ def test_plan_reports_and_changes_nothing(manager, mgr):
     plan = ray.get(manager.plan.remote(changed))
     assert plan.changed and plan.actions == ("scale 1 → 3",) and plan.budget_ok
     status = ray.get(manager.status.remote(NAME))
-    assert status["generation"] == 1 and status["replicas_desired"] == 1
+    assert status.generation == 1 and status.replicas_desired == 1
 
 
 def test_scale_up_and_down_keeps_the_original_replica(manager, mgr):
@@ -102,7 +102,7 @@ def test_scale_up_and_down_keeps_the_original_replica(manager, mgr):
     up = live_ids(up_status)
     assert len(up) == 3 and original.items() <= up.items()
     # One replica per GPU: each holds one distinct (logical) GPU.
-    gpu_ids = [tuple(r["gpu_ids"]) for r in up_status["replicas"] if r["state"] == "ready"]
+    gpu_ids = [tuple(r.gpu_ids) for r in up_status.replicas if r.state == "ready"]
     assert all(len(ids) == 1 for ids in gpu_ids) and len(set(gpu_ids)) == 3, gpu_ids
     result = ray.get(manager.apply.remote(d))
     assert result.actions == ("scale 3 → 1",) and result.generation == 3
@@ -116,9 +116,9 @@ def test_the_control_plane_client_calls_the_manager_and_raises_atomr_errors(mana
     wait_converged(manager)
     assert control.apply(d).actions == ("unchanged",)
     assert control.plan(d.model_copy(update={"replicas": 2})).actions == ("scale 1 → 2",)
-    assert control.status(NAME)["name"] == NAME and control.status("no-such") is None
-    assert NAME in [s["name"] for s in control.list()]
-    assert control.wait_ready(NAME, 60)["replicas_ready"] == 1
+    assert control.status(NAME).name == NAME and control.status("no-such") is None
+    assert NAME in [s.name for s in control.list()]
+    assert control.wait_ready(NAME, 60).replicas_ready == 1
     with pytest.raises(BudgetExceeded) as info:  # the manager's own error, not RayTaskError
         control.apply(smollm2_spec(name="toobig", device="auto", gpus=4, replicas=2))
     assert info.value.check == "gpus"
@@ -175,7 +175,7 @@ def test_engine_config_change_rolls_without_failed_requests(manager, mgr, client
 def test_killed_replica_under_load_costs_no_later_request(manager, mgr, client):
     ray.get(manager.apply.remote(spec(replicas=2, rc={"cpu_kvcache_space_gb": 0.25})))
     status = wait_converged(manager)
-    ready = [r for r in status["replicas"] if r["state"] == "ready"]
+    ready = [r for r in status.replicas if r.state == "ready"]
     assert len(ready) == 2, status
     victim = ready[0]
     # Load on both replicas: long streams, each holding its replica until it is killed or ends.
@@ -183,7 +183,7 @@ def test_killed_replica_under_load_costs_no_later_request(manager, mgr, client):
     streams = [client.stream_chat(NAME, **long_req) for _ in range(6)]
     for s in streams:
         next(s)  # each has started on some replica
-    ray.kill(ray.get_actor(victim["actor_name"], namespace="atomr"), no_restart=True)
+    ray.kill(ray.get_actor(victim.actor_name, namespace="atomr"), no_restart=True)
     # Every request sent while the other replica is ready succeeds, although the manager's
     # table lists the dead replica until it notices.
     answers = [client.chat(NAME, ASK, temperature=0, max_tokens=4) for _ in range(8)]
@@ -193,14 +193,14 @@ def test_killed_replica_under_load_costs_no_later_request(manager, mgr, client):
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         status = ray.get(manager.status.remote(NAME))
-        ready = [r for r in status["replicas"] if r["state"] == "ready"]
-        if len(ready) == 2 and all(r["actor_id"] != victim["actor_id"] for r in ready):
+        ready = [r for r in status.replicas if r.state == "ready"]
+        if len(ready) == 2 and all(r.actor_id != victim.actor_id for r in ready):
             break
         time.sleep(0.5)
     else:
         raise AssertionError(f"not replaced: {status}")
     # Why it was replaced stays visible in status.
-    assert status["last_failure"].startswith(victim["replica_id"]), status["last_failure"]
+    assert status.last_failure.startswith(victim.replica_id), status.last_failure
     assert "Paris" in text(client.chat(NAME, ASK, temperature=0, max_tokens=24))
     ray.get(manager.apply.remote(spec(rc={"cpu_kvcache_space_gb": 0.25})))
     wait_converged(manager)
@@ -226,7 +226,7 @@ def test_killed_manager_comes_back_and_adopts_replicas(manager, mgr, client):
     assert "Paris" in text(client.chat(NAME, ASK, temperature=0, max_tokens=24))
     status = call_manager(manager.status, NAME)
     assert live_ids(status) == before  # same actor ids: adopted, not restarted
-    assert status["generation"] >= 1
+    assert status.generation >= 1
     assert live_ids(wait_converged(manager)) == before
 
 

@@ -72,7 +72,7 @@ def poll(check: Callable[[Series], bool], what: str, timeout: float = EXPORT_TIM
 @pytest.fixture(scope="module")
 def replica_id(smollm2, manager) -> str:
     status = ray.get(manager.status.remote(smollm2))
-    return next(r["replica_id"] for r in status["replicas"] if r["state"] == "ready")
+    return next(r.replica_id for r in status.replicas if r.state == "ready")
 
 
 def test_request_metrics_match_what_the_client_received(smollm2, smollm2_replica, manager, replica_id):

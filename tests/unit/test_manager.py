@@ -57,7 +57,7 @@ class Harness:
 
     def live(self, name: str = "demo") -> list[str]:
         status = self.call("status", name)
-        return [r["actor_name"] for r in status["replicas"] if r["state"] in ("starting", "ready")]
+        return [r.actor_name for r in status.replicas if r.state in ("starting", "ready")]
 
 
 def test_apply_records_generation_1_and_the_loop_starts_the_replicas() -> None:
@@ -66,7 +66,7 @@ def test_apply_records_generation_1_and_the_loop_starts_the_replicas() -> None:
     assert (result.changed, result.generation, result.actions) == (True, 1, ("create 2 replicas",))
     h.converge()
     status = h.call("status", "demo")
-    assert (status["generation"], status["observed_generation"], status["replicas_ready"]) == (1, 1, 2)
+    assert (status.generation, status.observed_generation, status.replicas_ready) == (1, 1, 2)
     assert h.live() == ["atomr:demo:r0", "atomr:demo:r1"]
 
 
@@ -111,7 +111,7 @@ def test_plan_changes_nothing_and_says_what_apply_would_do() -> None:
     over = h.call("plan", spec(replicas=5))
     assert not over.budget_ok and "gpus" in over.error
     h.converge()
-    assert h.call("status", "demo")["generation"] == 1 and len(h.launcher.started) == 1
+    assert h.call("status", "demo").generation == 1 and len(h.launcher.started) == 1
 
 
 def test_remove_drains_then_forgets_the_deployment() -> None:
@@ -120,7 +120,7 @@ def test_remove_drains_then_forgets_the_deployment() -> None:
     h.converge()
     result = h.call("remove", "demo")
     assert result.changed and result.actions == ("drain and remove 1 replica",)
-    assert h.call("status", "demo")["removing"] is True
+    assert h.call("status", "demo").removing is True
     h.converge()
     assert h.call("status", "demo") is None and all(x.stopped for x in h.launcher.started)
     assert h.call("remove", "demo").actions == ("no deployment named 'demo'; nothing to remove",)
@@ -135,7 +135,7 @@ def test_a_restarted_manager_adopts_the_live_replicas_from_the_store() -> None:
     second.converge()
     assert len(first.launcher.started) == 2 and all(x.adopted for x in first.launcher.started)
     status = second.call("status", "demo")
-    assert (status["generation"], status["replicas_ready"]) == (1, 2)
+    assert (status.generation, status.replicas_ready) == (1, 2)
     # The next new replica does not reuse a recorded name.
     second.call("apply", spec(replicas=3))
     second.converge()

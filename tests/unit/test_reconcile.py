@@ -216,8 +216,8 @@ def test_a_recurring_start_failure_gives_up_after_bounded_tries():
         fail_start(clock, launcher, rec, recurring=True)
     assert len(launcher.started) == 3 and rec.gave_up
     status = rec.status()
-    assert status["failed"] and status["failure_kind"] == "recurring" and status["start_failures"] == 3
-    assert status["next_start_in_s"] == 0.0 and "max_model_len" not in status["last_failure"]  # the last one
+    assert status.failed and status.failure_kind == "recurring" and status.start_failures == 3
+    assert status.next_start_in_s == 0.0 and "max_model_len" not in status.last_failure  # the last one
     for _ in range(5):  # no more tries, however long we wait
         clock.advance(120.0)
         rec.update()
@@ -240,8 +240,8 @@ def test_transient_failures_keep_backing_off_without_giving_up():
     rec.update()
     for _ in range(8):
         fail_start(clock, launcher, rec, recurring=False)
-    assert not rec.gave_up and rec.status()["failure_kind"] == "transient"
-    assert rec.status()["next_start_in_s"] > 0
+    assert not rec.gave_up and rec.status().failure_kind == "transient"
+    assert rec.status().next_start_in_s > 0
     clock.advance(120.0)
     converge(clock, launcher, rec)
     assert ids(rec) and rec.failures == 0
