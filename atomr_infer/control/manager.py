@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
-import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from atomr_infer.cluster import MANAGER_NAME
@@ -27,14 +25,15 @@ from atomr_infer.control.budget import (
     uses_gpus,
 )
 from atomr_infer.control.cluster_view import ray_cluster_view
+from atomr_infer.control.managed import ManagedDeployment
 from atomr_infer.control.plan import Plan, check_names, plan_apply, plan_remove
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
-from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
-from atomr_infer.control.store import DeploymentRecord, StateStore
+from atomr_infer.control.replicas import ReplicaLauncher
+from atomr_infer.control.store import StateStore
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import ManagerMetrics
-from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
-from atomr_infer.spec import Deployment, normalized, parse_deployment, runtime_fields, spec_hash
+from atomr_infer.routing.table import RoutingTable
+from atomr_infer.spec import Deployment, parse_deployment, spec_hash
 from atomr_infer.status import DeploymentStatus
 
 log = get_logger(__name__)
@@ -60,20 +59,6 @@ class PlanResult:
     error: str | None = None  # the error apply would raise, if any
 
 
-def runtime_key(spec: Deployment, nonce: int) -> str:
-    """Hash of what a running replica depends on; a change means "replace the replicas"."""
-    data = runtime_fields(spec)
-    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-    return f"{digest}:{nonce}"
-
-
-@dataclass
-class _Desired:
-    spec: Deployment
-    record: DeploymentRecord
-    reconciler: DeploymentReconciler = field(repr=False)
-
-
 class DeploymentManager:
     """The control plane. Create through ``atomr_infer.manager()``; every method is idempotent."""
 
@@ -90,7 +75,7 @@ class DeploymentManager:
         self._store = store or StateStore()
         self._clock = clock
         self._cfg = reconcile_config or ReconcileConfig()
-        self._desired: dict[str, _Desired] = {}
+        self._desired: dict[str, ManagedDeployment] = {}
         self._removing: dict[str, DeploymentReconciler] = {}
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
@@ -138,14 +123,7 @@ class DeploymentManager:
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
 
     def _persist(self) -> None:
-        for d in self._desired.values():
-            d.record.next_index = d.reconciler.next_index
-            d.record.replicas = {
-                r.replica_id: {"runtime_key": r.runtime_key, "generation": r.generation, "started_at": r.started_at}
-                for r in d.reconciler.replicas
-                if r.live
-            }
-        self._store.save({name: d.record for name, d in self._desired.items()})
+        self._store.save({name: d.synced_record() for name, d in self._desired.items()})
 
     def _recover(self) -> None:
         """Rebuild desired state from the store and re-adopt live replicas by name."""
@@ -155,21 +133,10 @@ class DeploymentManager:
             log.error("state_load_failed", error=repr(exc))
             return
         for name, rec in records.items():
-            spec = parse_deployment(rec.spec)
-            rec_ = self._new_reconciler(name, rec.next_index)
-            rec_.set_desired(spec, rec.generation, rec.runtime_key)
-            for replica_id, info in sorted(rec.replicas.items()):
-                handle = self._launcher.adopt(spec, replica_id)
-                if handle is None:
-                    continue
-                rec_.adopt(
-                    ReplicaRecord(
-                        replica_id, info["runtime_key"], info["generation"], handle,
-                        started_at=info.get("started_at", 0.0), state_since=self._clock(),
-                    )
-                )
-            self._desired[name] = _Desired(spec, rec, rec_)
-            log.info("deployment_recovered", deployment=name, generation=rec.generation, adopted=len(rec_.replicas))
+            reconciler = self._new_reconciler(name, rec.next_index)
+            self._desired[name] = ManagedDeployment.recover(rec, reconciler, self._launcher, self._clock)
+            adopted = len(reconciler.replicas)
+            log.info("deployment_recovered", deployment=name, generation=rec.generation, adopted=adopted)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -205,14 +172,7 @@ class DeploymentManager:
         self._metrics.reconcile_pass(self.last_reconcile_s)
 
     def _publish(self) -> None:
-        deployments = {}
-        for name, d in self._desired.items():
-            ready = tuple(
-                ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor()) for r in d.reconciler.ready_replicas()
-            )
-            s = d.spec.serving
-            aliases = tuple(s.openai.served_model_name)
-            deployments[name] = DeploymentRoute(name, s.max_concurrent, s.on_capacity_exhausted, ready, aliases)
+        deployments = {name: d.route() for name, d in self._desired.items()}
         self._table = RoutingTable(self._table.version + 1, deployments)
         self._table_changed.set()
         self._table_changed = asyncio.Event()
@@ -320,7 +280,7 @@ class DeploymentManager:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _plan(self, spec: Deployment, current: _Desired | None) -> Plan:
+    def _plan(self, spec: Deployment, current: ManagedDeployment | None) -> Plan:
         force = current is not None and spec.restart_on_apply
         return plan_apply(current.spec if current else None, spec, force_restart=force)
 
@@ -341,21 +301,15 @@ class DeploymentManager:
 
         check_extra_engine_args(spec, {f.name for f in dataclasses.fields(EngineArgs)})
 
-    def _record(self, spec: Deployment, current: _Desired | None, plan: Plan) -> None:
+    def _record(self, spec: Deployment, current: ManagedDeployment | None, plan: Plan) -> None:
         if current is None:
             removing = self._removing.pop(spec.name, None)
+            # Re-created while the old replicas drain: the same reconciler, the next generation.
+            generation = removing.generation + 1 if removing is not None else 1
             reconciler = removing or self._new_reconciler(spec.name)
-            record = DeploymentRecord(normalized(spec), 1, runtime_key(spec, 0))
-            if removing is not None:  # re-created while the old replicas drain
-                record.generation = removing.generation + 1
-            self._desired[spec.name] = current = _Desired(spec, record, reconciler)
+            self._desired[spec.name] = ManagedDeployment.create(spec, reconciler, generation)
         else:
-            rec = current.record
-            rec.nonce += 1 if plan.restart and spec.restart_on_apply else 0
-            rec.spec, rec.generation = normalized(spec), rec.generation + 1
-            rec.runtime_key = runtime_key(spec, rec.nonce)
-            current.spec = spec
-        current.reconciler.set_desired(spec, current.record.generation, current.record.runtime_key)
+            current.update(spec, forced_restart=plan.restart and spec.restart_on_apply)
         self._persist()
         self._publish()  # serving limits take effect at once
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from atomr_infer.control.manager import runtime_key
+from atomr_infer.control.managed import runtime_key
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
 from atomr_infer.control.replicas import Poll
 from atomr_infer.spec import Deployment

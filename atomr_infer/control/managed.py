@@ -1,0 +1,86 @@
+"""One deployment as the manager holds it, in one object: the desired spec, its record (what
+is persisted: generation, runtime key, the next replica index, the replicas to re-adopt) and
+its reconciler (what runs). The record is brought up to date from the reconciler here, and
+only here, before it is saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from atomr_infer.control.reconcile import DeploymentReconciler
+from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
+from atomr_infer.control.store import DeploymentRecord
+from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
+from atomr_infer.spec import Deployment, normalized, parse_deployment, runtime_fields
+
+
+def runtime_key(spec: Deployment, nonce: int) -> str:
+    """Hash of what a running replica depends on (``spec.runtime_fields``) and the forced-restart
+    count; a change means "replace the replicas"."""
+    data = runtime_fields(spec)
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{digest}:{nonce}"
+
+
+@dataclass
+class ManagedDeployment:
+    spec: Deployment
+    record: DeploymentRecord
+    reconciler: DeploymentReconciler = field(repr=False)
+
+    @classmethod
+    def create(cls, spec: Deployment, reconciler: DeploymentReconciler, generation: int = 1) -> ManagedDeployment:
+        managed = cls(spec, DeploymentRecord(normalized(spec), generation, runtime_key(spec, 0)), reconciler)
+        reconciler.set_desired(spec, generation, managed.record.runtime_key)
+        return managed
+
+    def update(self, spec: Deployment, forced_restart: bool) -> None:
+        """A changed spec: the next generation (a new runtime key if the replicas must restart)."""
+        rec = self.record
+        rec.nonce += 1 if forced_restart else 0
+        rec.spec, rec.generation = normalized(spec), rec.generation + 1
+        rec.runtime_key = runtime_key(spec, rec.nonce)
+        self.spec = spec
+        self.reconciler.set_desired(spec, rec.generation, rec.runtime_key)
+
+    def synced_record(self) -> DeploymentRecord:
+        """The record, with the reconciler's next replica index and its live replicas."""
+        self.record.next_index = self.reconciler.next_index
+        self.record.replicas = {
+            r.replica_id: {"runtime_key": r.runtime_key, "generation": r.generation, "started_at": r.started_at}
+            for r in self.reconciler.replicas
+            if r.live
+        }
+        return self.record
+
+    @classmethod
+    def recover(
+        cls, record: DeploymentRecord, reconciler: DeploymentReconciler, launcher: ReplicaLauncher,
+        now: Callable[[], float],
+    ) -> ManagedDeployment:
+        """From a saved record (a restarted manager): the replicas still alive are re-adopted by name."""
+        spec = parse_deployment(record.spec)
+        reconciler.set_desired(spec, record.generation, record.runtime_key)
+        for replica_id, info in sorted(record.replicas.items()):
+            handle = launcher.adopt(spec, replica_id)
+            if handle is not None:
+                reconciler.adopt(
+                    ReplicaRecord(
+                        replica_id, info["runtime_key"], info["generation"], handle,
+                        started_at=info.get("started_at", 0.0), state_since=now(),
+                    )
+                )
+        return cls(spec, record, reconciler)
+
+    def route(self) -> DeploymentRoute:
+        """Its entry in the routing table: the ready replicas and the serving limits."""
+        ready = tuple(
+            ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor()) for r in self.reconciler.ready_replicas()
+        )
+        s = self.spec.serving
+        aliases = tuple(s.openai.served_model_name)
+        return DeploymentRoute(self.spec.name, s.max_concurrent, s.on_capacity_exhausted, ready, aliases)
