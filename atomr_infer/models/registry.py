@@ -33,3 +33,12 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
 def bundled_name(model: str) -> str | None:
     """``"bundled:x"`` → ``"x"``; anything else → ``None``."""
     return model[len(BUNDLED_PREFIX) :] if model.startswith(BUNDLED_PREFIX) else None
+
+
+# A model string that names a directory on this machine (anything else is a hub id or bundled:).
+LOCAL_PREFIXES = ("/", "./", "../", "~")
+
+
+def is_local_path(model: str) -> bool:
+    return model.startswith(LOCAL_PREFIXES) or model in (".", "..")
+

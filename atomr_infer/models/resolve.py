@@ -25,11 +25,10 @@ from typing import Literal
 from atomr_infer.errors import ModelError
 from atomr_infer.log import get_logger
 from atomr_infer.models.bundled import bundled_model_dir, is_prepared, prepare_bundled
-from atomr_infer.models.registry import bundled_name
+from atomr_infer.models.registry import bundled_name, is_local_path
 
 log = get_logger(__name__)
 
-LOCAL_PREFIXES = ("/", "./", "../", "~")
 
 #: What vLLM needs from a hub repository: weights, configs, tokenizer and chat template files.
 HUB_ALLOW_PATTERNS = [
@@ -55,10 +54,6 @@ class ResolvedModel:
     path: Path
     source: Literal["bundled", "local", "hub"]
     ref: str  # the model string as the spec gave it
-
-
-def is_local_path(model: str) -> bool:
-    return model.startswith(LOCAL_PREFIXES) or model in (".", "..")
 
 
 def resolve_model(

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from atomr_infer.errors import CPU_DEMO_HINT
 from atomr_infer.log import get_logger
-from atomr_infer.models.registry import BUNDLED_MODELS, bundled_name
+from atomr_infer.models.registry import BUNDLED_MODELS, bundled_name, is_local_path
 from atomr_infer.models.resolve import hf_cache_location
 from atomr_infer.provision.facts import (
     GpuFacts,
@@ -233,7 +233,7 @@ def _model_cached(env: ProbeEnv, model: str, cache_dir: str) -> bool | None:
             return True
         except importlib.metadata.PackageNotFoundError:
             return False
-    if model.startswith(("/", "./", "../", "~")):
+    if is_local_path(model):
         return Path(model).expanduser().is_dir()
     return _safe(lambda: env.weights_cached(model, cache_dir), None)
 
@@ -316,7 +316,7 @@ def _weights_check(model: str, cached: bool | None, h: HfCacheInfo) -> Check:
         return Check("weights", True, f"{model} is cached")
     if cached is None:
         return Check("weights", False, f"cannot tell whether {model} is cached")
-    if model.startswith(("/", "./", "../", "~")):
+    if is_local_path(model):
         return Check("weights", False, f"{model} is not a directory", "give the path of a model directory")
     hint = f"downloaded on first use (needs an HF token for gated models), or now: hf download {model}"
     return Check("weights", False, f"{model} is not in {h.path}", hint)

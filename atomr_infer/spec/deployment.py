@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-from atomr_infer.models.registry import BUNDLED_MODELS, bundled_name
+from atomr_infer.models.registry import BUNDLED_MODELS, LOCAL_PREFIXES, bundled_name
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 # HF repo ids: "name" or "org/name"; letters, digits, "-", "_", "." (no "--" or ".." runs).
@@ -247,7 +247,7 @@ class Deployment(_Strict):
             return v
         if not v.strip():
             raise ValueError("model is empty: give an HF repo id, a local directory or a bundled: model")
-        if v.startswith(("/", "./", "../", "~")) or _HF_ID_RE.match(v):
+        if v.startswith(LOCAL_PREFIXES) or _HF_ID_RE.match(v):
             return v
         raise ValueError(
             f"{v!r} is neither an HF repo id (org/name), a local path (/…, ./…, ~/…) "
