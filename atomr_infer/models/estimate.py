@@ -238,8 +238,7 @@ def estimate_for_spec(model: str, cache_dir: str | None = None) -> tuple[int | N
 def local_model_dir(model: str, cache_dir: str | None = None) -> Path | None:
     """The model's directory on this machine, if it is here (never downloads)."""
     from atomr_infer.models.bundled import bundled_model_dir, is_prepared
-    from atomr_infer.models.registry import bundled_name
-    from atomr_infer.models.registry import is_local_path
+    from atomr_infer.models.registry import bundled_name, is_local_path
     from atomr_infer.models.resolve import _cached_snapshot, hub_cache_dir
 
     bundled = bundled_name(model)
