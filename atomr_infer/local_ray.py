@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import time
 from pathlib import Path
 
 import psutil
@@ -135,12 +134,3 @@ def started_before(port: int, when: float) -> bool:
         return gcs is not None and gcs.create_time() <= when + 1.0
     except psutil.Error:
         return False
-
-
-def wait_until(predicate, timeout_s: float, period_s: float = 0.25) -> bool:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(period_s)
-    return bool(predicate())
