@@ -96,12 +96,12 @@ def logs_command(
         fail(AtomrError(f"deployment {name!r} has no replica {replica!r} (replicas: {ids})"))
     shown = 0
     for r in targets:
-        header = f"==> {name}/{r['replica_id']} ({r['state']}, {r['actor_name']}) <=="
+        header = f"==> {name}/{r.replica_id} ({r.state}, {r.actor_name}) <=="
         out.print(Text(header, style="bold"), soft_wrap=True)
         try:  # blank lines and Ray's marker lines are dropped, so read a few more than asked
             text = _tail(r.actor_id, lines if raw else lines + 20)
         except Exception as exc:  # noqa: BLE001 - one replica's logs failing leaves the others
-            err.print(f"error: no logs for {name}/{r['replica_id']}: {one_line(exc)}", markup=False)
+            err.print(f"error: no logs for {name}/{r.replica_id}: {one_line(exc)}", markup=False)
             continue
         shown += 1
         readable = text.splitlines() if raw else [ln for ln in map(_readable, text.splitlines()) if ln]
