@@ -54,8 +54,8 @@ def status_command(
     if as_json:
         data = [
             {
-                **s.to_dict(),
-                "replicas": [r for r in rows if r["deployment"] == s.name],
+                **{k: v for k, v in s.to_dict().items() if k != "replicas"},
+                "replicas": [r for r in rows if r["deployment"] == s.name],  # with their live stats
             }
             for s in statuses
         ]
