@@ -37,8 +37,13 @@ def up_command(
     serve: bool = typer.Option(False, "--serve", help="Also start the OpenAI HTTP API (`atomr down` stops it)."),
     host: str = typer.Option("127.0.0.1", "--host", help="With --serve: address the HTTP proxy listens on."),
     port: int = typer.Option(8000, "--port", help="With --serve: port the HTTP proxy listens on."),
+    api_keys: str | None = typer.Option(
+        None, "--api-keys", help="With --serve: YAML file of API keys every /v1/* request then needs."
+    ),
 ) -> None:
     """Start (or join) Ray and the atomr manager; print the dashboard URL."""
+    if api_keys and not serve:
+        fail(AtomrError("--api-keys is for the HTTP API: add --serve (or use `atomr serve --api-keys`)"))
     from atomr_infer import cluster
 
     common.quiet_logs()
@@ -59,25 +64,26 @@ def up_command(
     _line("manager", f"atomr-manager running, {count} deployment{'s' if count != 1 else ''}")
     _line("dashboard", common.dashboard_url() or "not running")
     if serve:
-        _start_api(host, port)
+        _start_api(host, port, api_keys)
     code = EXIT_OK if no_gemma else _provision_gemma(control)
     if not deployments:
         _line("next", "atomr deploy deployments/smollm2.yaml")
     raise typer.Exit(code)
 
 
-def _start_api(host: str, port: int) -> None:
-    """The API on ``host:port``: started, or reported when it already runs there."""
+def _start_api(host: str, port: int, api_keys: str | None = None) -> None:
+    """The API on ``host:port``: started, or reported when it already runs there (updated in
+    place when ``api_keys`` is given, so that the keys take effect)."""
     from atomr_infer.serve import run_server, running_server
 
     common.quiet_serve_logs()
     try:
         current = running_server()
-        if current is not None and (current.host, current.port) == (host, port):
+        if current is not None and (current.host, current.port) == (host, port) and not api_keys:
             _line("api", f"{current.base_url} (OpenAI-compatible, already running)")
             return
         _line("api", f"starting the OpenAI-compatible API on {host}:{port} …")
-        server = run_server(host, port, blocking=True)
+        server = run_server(host, port, blocking=True, api_keys_path=api_keys)
     except AtomrError as exc:  # Serve already runs on another address: the error says which
         fail(exc)
     except Exception as exc:  # noqa: BLE001 - Serve's own errors, in one line

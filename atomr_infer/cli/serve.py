@@ -19,18 +19,22 @@ def serve_command(
     replica_wait: float = typer.Option(
         30.0, "--replica-wait", min=0.0, help="Seconds a request waits for a ready replica before 503."
     ),
+    api_keys: str | None = typer.Option(
+        None, "--api-keys", help="YAML file of API keys: every /v1/* request then needs one (re-read when it changes)."
+    ),
 ) -> None:
     """Serve every deployment over an OpenAI-compatible HTTP API (model = deployment name)."""
     from atomr_infer.serve import run_server, stop_server
 
     common.quiet_serve_logs()
     try:
-        server = run_server(host, port, address, blocking=True, replica_wait_s=replica_wait)
+        server = run_server(host, port, address, blocking=True, replica_wait_s=replica_wait, api_keys_path=api_keys)
     except Exception as exc:  # noqa: BLE001 - one line, the CLI's exit codes
         fail(exc)
     routes = "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /tokenize, /detokenize"
     out.print(f"OpenAI-compatible API at {server.url} (routes {routes})")
-    out.print(f'openai client: OpenAI(base_url="{server.base_url}", api_key="unused")')
+    key_hint = '"<a key from the file>"' if api_keys else '"unused"'
+    out.print(f'openai client: OpenAI(base_url="{server.base_url}", api_key={key_hint})')
     out.print("Ctrl-C to stop.")
     stop = threading.Event()
     # Handlers for both, as uvicorn has: Ctrl-C stops the API even when the shell that

@@ -10,6 +10,11 @@ generator and so aborts the request in the engine within one step.
 
     POST /v1/chat/completions  /v1/completions  /v1/embeddings  /tokenize  /detokenize
     GET  /v1/models            /v1/models/{name}  /health
+
+With an API keys file (``atomr serve --api-keys FILE``, serve/api_keys.py) every ``/v1/*``
+route needs ``Authorization: Bearer KEY``: 401 without a valid key, 403 for a deployment the
+key may not use; ``/health`` (and, as with ``vllm serve --api-key``, ``/tokenize`` and
+``/detokenize``) stay open. The header is never forwarded to the replica.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from atomr_infer.errors import AtomrError, DeploymentNotFound, InvalidRequest, N
 from atomr_infer.log import get_logger
 from atomr_infer.replica.openai_app import HttpRequest
 from atomr_infer.routing.router import Router
+from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile
 from atomr_infer.serve.body import MAX_BODY_BYTES, parse_json, read_body
 from atomr_infer.serve.errors import ManagerUnreachable, http_error
 from atomr_infer.serve.table_cache import TableCache
@@ -62,6 +68,7 @@ class SSEResponse(StreamingResponse):
 
 # Set per connection by each server; never forwarded.
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "host", "keep-alive"})
+_NOT_FORWARDED = _HOP_HEADERS | {"authorization"}  # the API key stays at the ingress
 
 
 def _model_of(data: Any) -> str:
@@ -107,8 +114,11 @@ def _model_card(status: DeploymentStatus) -> dict[str, Any]:
 )
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, replica_wait_s: float = 30.0, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(
+        self, replica_wait_s: float = 30.0, max_body_bytes: int = MAX_BODY_BYTES, api_keys_path: str | None = None
+    ) -> None:
         self._max_body_bytes = max_body_bytes
+        self._keys = KeyFile(api_keys_path) if api_keys_path else None
         self._tables = TableCache()
         self._router = Router(self._tables.get, wait_for_replica_s=replica_wait_s, refresh_s=0.0)
 
@@ -144,12 +154,14 @@ class OpenAIIngress:
         Only ``model`` is read here; vLLM validates the rest, once, in the replica. Errors of
         our own (the body, routing, capacity) keep the OpenAI error shape."""
         try:
+            key = self._authenticate(request)
             raw = await read_body(request.stream(), request.headers.get("content-length"), self._max_body_bytes)
             model = _model_of(parse_json(raw))
+            self._authorize(key, model)
         except AtomrError as exc:
             return error_response(exc)
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS)
+        headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED)
         items = self._router.stream(model, HttpRequest(request.method, path, headers, raw), method="http")
         try:
             head = await anext(items)  # after routing and vLLM's validation: its status is known
@@ -169,6 +181,18 @@ class OpenAIIngress:
             return error_response(exc)
         return Response(body, status_code=head.status, headers=out_headers)
 
+    def _authenticate(self, request: Request) -> ApiKey | None:
+        """The request's API key (None when the API has no keys); ``ApiKeyError`` (401) if it has none valid."""
+        if self._keys is None or not request.url.path.startswith("/v1/"):
+            return None
+        return self._keys.ring().authenticate(request.headers.get("authorization"))
+
+    @staticmethod
+    def _authorize(key: ApiKey | None, model: str) -> None:
+        if key is not None and not key.may_use(model):
+            log.info("api_key_refused", key=key.name, deployment=model)
+            raise ApiKeyError(403, f"the API key {key.name!r} may not use deployment {model!r}", "model_not_allowed")
+
     # -- models and health -------------------------------------------------------------------
 
     async def _deployments(self) -> list[DeploymentStatus]:
@@ -180,17 +204,20 @@ class OpenAIIngress:
         return [s for s in statuses if not s.removing]
 
     @api.get("/v1/models")
-    async def list_models(self) -> Response:
+    async def list_models(self, request: Request) -> Response:
         try:
+            key = self._authenticate(request)
             deployments = await self._deployments()
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        data = [_model_card(d) for d in deployments if d.replicas_ready > 0]
+        allowed = [d for d in deployments if key is None or key.may_use(d.name)]
+        data = [_model_card(d) for d in allowed if d.replicas_ready > 0]
         return JSONResponse({"object": "list", "data": data})
 
     @api.get("/v1/models/{name}")
-    async def get_model(self, name: str) -> Response:
+    async def get_model(self, name: str, request: Request) -> Response:
         try:
+            self._authorize(self._authenticate(request), name)
             deployments = {d.name: d for d in await self._deployments()}
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)

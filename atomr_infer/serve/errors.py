@@ -3,6 +3,8 @@
     DeploymentNotFound  404  invalid_request_error  model_not_found
     InvalidRequest      400  invalid_request_error  param = the field
     RequestTooLarge     413  invalid_request_error  param = body, the limit in the message
+    ApiKeyError         401  invalid_request_error  missing_api_key | invalid_api_key (WWW-Authenticate)
+                        403  permission_error       model_not_allowed
     CapacityExhausted   429  rate_limit_error       Retry-After header
     NoReadyReplica      503  service_unavailable    Retry-After header
     ManagerUnreachable  503  service_unavailable    Retry-After header
@@ -28,6 +30,7 @@ from atomr_infer.errors import (
     RequestTooLarge,
     RoutingError,
 )
+from atomr_infer.serve.api_keys import ApiKeyError
 
 
 class ManagerUnreachable(RoutingError):
@@ -66,6 +69,10 @@ def _retry_after(seconds: float) -> dict[str, str]:
 
 def http_error(exc: BaseException) -> HttpError:
     """Map an exception to its HTTP error."""
+    if isinstance(exc, ApiKeyError):
+        if exc.status == 401:
+            return HttpError(401, exc.message, "invalid_request_error", None, exc.code, {"WWW-Authenticate": "Bearer"})
+        return HttpError(exc.status, exc.message, "permission_error", "model", exc.code)
     if isinstance(exc, RequestTooLarge):
         return HttpError(413, exc.message, "invalid_request_error", "body", "request_too_large")
     if isinstance(exc, InvalidRequest):

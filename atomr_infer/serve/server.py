@@ -8,6 +8,7 @@ and, if ``run_server`` started Serve and nothing else runs on it, shuts Serve do
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from atomr_infer.errors import AtomrError
@@ -70,20 +71,29 @@ def run_server(
     *,
     replica_wait_s: float = 30.0,
     num_replicas: int = 1,
+    api_keys_path: str | None = None,
 ) -> Server:
     """Deploy the API and return once it is running (``blocking``) or once it is submitted.
 
     ``replica_wait_s``: how long a request waits for a ready replica before 503.
     ``num_replicas``: ingress replicas (each holds its own routing-table cache).
+    ``api_keys_path``: an API keys file (serve/api_keys.py), checked here first; the ingress
+    replicas read it, and re-read it when it changes, from this path (on their node).
     """
     from ray import serve
 
     from atomr_infer.control.client import manager_handle
+    from atomr_infer.serve.api_keys import load_key_file
     from atomr_infer.serve.app import OpenAIIngress
 
+    if api_keys_path is not None:
+        api_keys_path = os.path.abspath(api_keys_path)
+        load_key_file(api_keys_path)  # a bad file fails here, in one line, before anything starts
     manager_handle(address)  # connect, and create the manager if it is not running yet
     started = _start_serve(host, port)
-    app = OpenAIIngress.options(num_replicas=num_replicas).bind(replica_wait_s=replica_wait_s)
+    app = OpenAIIngress.options(num_replicas=num_replicas).bind(
+        replica_wait_s=replica_wait_s, api_keys_path=api_keys_path
+    )
     try:
         serve._run(app, name=APP_NAME, route_prefix="/", _blocking=blocking)
     except BaseException:

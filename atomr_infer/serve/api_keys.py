@@ -1,0 +1,174 @@
+"""API keys for the HTTP API: a YAML file of named keys, checked on every ``/v1/*`` request.
+
+    keys:
+      - name: alice                 # in logs; the key itself never is
+        key: sk-...                 # or key_sha256: <hex>, so the file need not hold the secret
+        deployments: [smollm2]      # optional allow-list
+
+Keys are kept only as SHA-256 digests and compared in constant time (``hmac.compare_digest``
+against every entry, so the time does not say which entry came close). ``KeyFile`` re-reads
+the file when it changes (checked at most every ``RELOAD_CHECK_S``); a file that no longer
+parses keeps the keys it had and logs why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, model_validator
+
+from atomr_infer.errors import AtomrError, RequestError
+from atomr_infer.log import get_logger
+
+log = get_logger(__name__)
+RELOAD_CHECK_S = 1.0
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ApiKeyError(RequestError):
+    """A request without a valid key (401) or with a key that may not use the deployment (403)."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+class _Entry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    key: Annotated[StrictStr, Field(min_length=8)] | None = None
+    key_sha256: StrictStr | None = None
+    deployments: list[StrictStr] | None = None
+    # Named so that a file written for per-key limits fails with a clear reason, not "extra".
+    requests_per_minute: Any = None
+    tokens_per_minute: Any = None
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> _Entry:
+        for limit in ("requests_per_minute", "tokens_per_minute"):
+            if getattr(self, limit) is not None:
+                raise ValueError(f"{limit}: per-key rate limits are not supported yet (remove it)")
+        if (self.key is None) == (self.key_sha256 is None):
+            raise ValueError("give exactly one of key and key_sha256")
+        if self.key_sha256 is not None and not _HEX64.match(self.key_sha256.lower()):
+            raise ValueError("key_sha256 must be 64 hex digits (sha256sum of the key)")
+        return self
+
+    def digest(self) -> bytes:
+        if self.key is not None:
+            return hashlib.sha256(self.key.encode()).digest()
+        assert self.key_sha256 is not None
+        return bytes.fromhex(self.key_sha256.lower())
+
+
+class _File(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    keys: list[_Entry]
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    name: str
+    deployments: frozenset[str] | None  # None: every deployment
+
+    def may_use(self, deployment: str) -> bool:
+        return self.deployments is None or deployment in self.deployments
+
+
+@dataclass(frozen=True)
+class KeyRing:
+    entries: tuple[tuple[bytes, ApiKey], ...]  # (sha256 of the key, what it may do)
+
+    def authenticate(self, authorization: str | None) -> ApiKey:
+        """The key an ``Authorization: Bearer KEY`` header names; ``ApiKeyError`` (401) if none."""
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiKeyError(401, "missing API key: send `Authorization: Bearer <key>`", "missing_api_key")
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        found = None
+        for known, key in self.entries:  # every entry, whatever matched: constant time
+            if hmac.compare_digest(digest, known):
+                found = key
+        if found is None:
+            raise ApiKeyError(401, "invalid API key", "invalid_api_key")
+        return found
+
+
+def parse_key_file(text: str, source: str = "api keys file") -> KeyRing:
+    """A ``KeyRing`` from the file's YAML; ``AtomrError`` naming the field and value if it is wrong."""
+    try:
+        data: Any = yaml.safe_load(text)
+        parsed = _File.model_validate(data)
+    except yaml.YAMLError as exc:
+        raise AtomrError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        value = err.get("input")
+        # Never echo a key: only scalar values of fields other than `key` are shown.
+        secret = bool(err["loc"]) and err["loc"][-1] == "key"
+        shown = f", got {value!r}" if not secret and isinstance(value, str | int | float | bool) else ""
+        message = str(err["msg"]).removeprefix("Value error, ")
+        raise AtomrError(f"{source}: {field}: {message}{shown}") from None
+    names = [e.name for e in parsed.keys]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise AtomrError(f"{source}: keys: the name {dup!r} is used twice")
+    digests = [e.digest() for e in parsed.keys]
+    if len(set(digests)) != len(digests):
+        raise AtomrError(f"{source}: keys: two entries have the same key")
+    return KeyRing(
+        tuple(
+            (d, ApiKey(e.name, frozenset(e.deployments) if e.deployments is not None else None))
+            for d, e in zip(digests, parsed.keys, strict=True)
+        )
+    )
+
+
+def load_key_file(path: str | os.PathLike[str]) -> KeyRing:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise AtomrError(f"api keys file {os.fspath(path)!r}: cannot be read ({exc.strerror})") from None
+    return parse_key_file(text, f"api keys file {os.fspath(path)!r}")
+
+
+class KeyFile:
+    """The keys in ``path``, re-read when the file changes; a bad file keeps the last good keys."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._ring = load_key_file(self.path)
+        self._stamp = self._stat()
+        self._checked = time.monotonic()
+
+    def _stat(self) -> tuple[float, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_mtime, st.st_size
+
+    def ring(self) -> KeyRing:
+        now = time.monotonic()
+        if now - self._checked >= RELOAD_CHECK_S:
+            self._checked = now
+            stamp = self._stat()
+            if stamp != self._stamp:
+                self._stamp = stamp
+                try:
+                    self._ring = load_key_file(self.path)
+                    log.info("api_keys_reloaded", path=self.path, keys=len(self._ring.entries))
+                except AtomrError as exc:
+                    log.error("api_keys_reload_failed", path=self.path, error=str(exc), kept=len(self._ring.entries))
+        return self._ring

@@ -1,0 +1,120 @@
+"""API keys over real HTTP, with the openai client and httpx: 401 without a valid key, 403 for
+a deployment the key may not use, ``/health`` open, and a changed key file taking effect
+within seconds without a restart.
+
+The session's ``atomr serve`` app is re-deployed with a key file for this module (Serve runs
+one HTTP proxy per cluster, so a second server cannot run beside it), then without one again.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import REPLICA_WAIT_S
+
+pytestmark = pytest.mark.e2e
+ATOMR = Path(sys.executable).parent / "atomr"
+ALICE, BOB, CAROL = "sk-alice-0123456789", "sk-bob-0123456789", "sk-carol-0123456789"
+KEYS = f"""
+keys:
+  - name: alice
+    key: {ALICE}
+  - name: bob
+    key: {BOB}
+    deployments: [smollm2]
+"""
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def keyed(openai_server, smollm2, tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    """The API with ``KEYS`` in effect; its URL and the key file."""
+    from atomr_infer.serve import run_server
+
+    path = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    path.write_text(KEYS)
+    host, port = "127.0.0.1", int(openai_server.url.rsplit(":", 1)[1])
+    run_server(host, port, blocking=True, replica_wait_s=REPLICA_WAIT_S, api_keys_path=str(path))
+    try:
+        yield openai_server.url, path
+    finally:  # the session's server again: no keys
+        run_server(host, port, blocking=True, replica_wait_s=REPLICA_WAIT_S)
+
+
+def client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def test_a_valid_key_is_served_streaming_or_not(keyed):
+    url, _ = keyed
+    reply = client(url, ALICE).chat.completions.create(model="smollm2", messages=ASK, temperature=0, max_tokens=16)
+    assert reply.choices[0].message.content
+    stream = client(url, BOB).chat.completions.create(model="smollm2", messages=ASK, max_tokens=8, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def test_no_key_or_a_wrong_key_is_401_with_an_openai_error(keyed):
+    url, _ = keyed
+    with pytest.raises(openai.AuthenticationError) as info:
+        client(url, "sk-wrong-0123456789").chat.completions.create(model="smollm2", messages=ASK, max_tokens=4)
+    assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
+    bare = httpx.post(f"{url}/v1/chat/completions", json={"model": "smollm2", "messages": ASK}, timeout=30)
+    assert bare.status_code == 401 and bare.headers["www-authenticate"] == "Bearer"
+    assert bare.json()["error"]["code"] == "missing_api_key"
+    models = httpx.get(f"{url}/v1/models", timeout=30)
+    assert models.status_code == 401
+
+
+def test_a_deployment_the_key_may_not_use_is_403_and_not_listed(keyed):
+    url, _ = keyed
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        client(url, BOB).chat.completions.create(model="other", messages=ASK, max_tokens=4)
+    assert info.value.status_code == 403 and "'bob' may not use deployment 'other'" in info.value.message
+    with pytest.raises(openai.NotFoundError):  # a key without a list: the deployment does not exist
+        client(url, ALICE).chat.completions.create(model="other", messages=ASK, max_tokens=4)
+    assert [m.id for m in client(url, BOB).models.list()] == ["smollm2"]
+    assert "smollm2" in [m.id for m in client(url, ALICE).models.list()]
+
+
+def test_health_stays_open(keyed):
+    url, _ = keyed
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+
+
+def test_a_changed_key_file_takes_effect_within_seconds(keyed):
+    url, path = keyed
+    path.write_text(KEYS + f"  - name: carol\n    key: {CAROL}\n")
+    later = time.time() + 2  # a later mtime, however coarse the filesystem's clock
+    os.utime(path, (later, later))
+    started, status = time.monotonic(), None
+    while time.monotonic() - started < 15:
+        status = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {CAROL}"}, timeout=30).status_code
+        if status == 200:
+            break
+        time.sleep(0.5)
+    assert status == 200, f"carol's key not accepted {time.monotonic() - started:.0f}s after the change"
+    path.write_text("keys: [{name: broken}]")  # a bad file keeps the keys it had
+    os.utime(path, (later + 2, later + 2))
+    time.sleep(2.5)
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {CAROL}"}, timeout=30).status_code == 200
+
+
+def test_serve_with_a_bad_key_file_fails_in_one_line_before_starting(tmp_path):
+    bad = tmp_path / "keys.yaml"
+    bad.write_text("keys: [{name: a, key_sha256: xyz}]")
+    proc = subprocess.run(
+        [str(ATOMR), "serve", "--api-keys", str(bad), "--address", "127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "NO_COLOR": "1"},
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == [f"error: api keys file '{bad}': keys.0: key_sha256 must be 64 hex digits (sha256sum of the key)"]
