@@ -4,6 +4,7 @@
       - name: alice                 # in logs; the key itself never is
         key: sk-...                 # or key_sha256: <hex>, so the file need not hold the secret
         deployments: [smollm2]      # optional allow-list
+        requests_per_minute: 60     # optional (serve/rate_limit.py)
 
 Keys are kept only as SHA-256 digests and compared in constant time (``hmac.compare_digest``
 against every entry, so the time does not say which entry came close). ``KeyFile`` re-reads
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 
 from atomr_infer.errors import AtomrError, RequestError
 from atomr_infer.log import get_logger
@@ -48,15 +49,14 @@ class _Entry(BaseModel):
     key: Annotated[StrictStr, Field(min_length=8)] | None = None
     key_sha256: StrictStr | None = None
     deployments: list[StrictStr] | None = None
-    # Named so that a file written for per-key limits fails with a clear reason, not "extra".
-    requests_per_minute: Any = None
+    requests_per_minute: Annotated[StrictInt, Field(ge=1, le=10_000_000)] | None = None
+    # Named so that a file written for token limits fails with a clear reason, not "extra".
     tokens_per_minute: Any = None
 
     @model_validator(mode="after")
     def _one_secret(self) -> _Entry:
-        for limit in ("requests_per_minute", "tokens_per_minute"):
-            if getattr(self, limit) is not None:
-                raise ValueError(f"{limit}: per-key rate limits are not supported yet (remove it)")
+        if self.tokens_per_minute is not None:
+            raise ValueError("tokens_per_minute: per-key token limits are not supported yet (remove it)")
         if (self.key is None) == (self.key_sha256 is None):
             raise ValueError("give exactly one of key and key_sha256")
         if self.key_sha256 is not None and not _HEX64.match(self.key_sha256.lower()):
@@ -80,6 +80,7 @@ class _File(BaseModel):
 class ApiKey:
     name: str
     deployments: frozenset[str] | None  # None: every deployment
+    requests_per_minute: int | None = None  # None: unlimited
 
     def may_use(self, deployment: str) -> bool:
         return self.deployments is None or deployment in self.deployments
@@ -129,7 +130,7 @@ def parse_key_file(text: str, source: str = "api keys file") -> KeyRing:
         raise AtomrError(f"{source}: keys: two entries have the same key")
     return KeyRing(
         tuple(
-            (d, ApiKey(e.name, frozenset(e.deployments) if e.deployments is not None else None))
+            (d, ApiKey(e.name, frozenset(e.deployments) if e.deployments is not None else None, e.requests_per_minute))
             for d, e in zip(digests, parsed.keys, strict=True)
         )
     )

@@ -35,6 +35,7 @@ from atomr_infer.routing.router import Router
 from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile
 from atomr_infer.serve.body import MAX_BODY_BYTES, parse_json, read_body
 from atomr_infer.serve.errors import ManagerUnreachable, http_error
+from atomr_infer.serve.rate_limit import RateLimited, limiter_handle
 from atomr_infer.serve.table_cache import TableCache
 from atomr_infer.status import DeploymentStatus
 
@@ -119,6 +120,7 @@ class OpenAIIngress:
     ) -> None:
         self._max_body_bytes = max_body_bytes
         self._keys = KeyFile(api_keys_path) if api_keys_path else None
+        self._limiter: Any = None  # the shared rate-limit actor, on the first limited request
         self._tables = TableCache()
         self._router = Router(self._tables.get, wait_for_replica_s=replica_wait_s, refresh_s=0.0)
 
@@ -158,6 +160,7 @@ class OpenAIIngress:
             raw = await read_body(request.stream(), request.headers.get("content-length"), self._max_body_bytes)
             model = _model_of(parse_json(raw))
             self._authorize(key, model)
+            limit_headers = await self._take_from_budget(key)
         except AtomrError as exc:
             return error_response(exc)
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
@@ -171,7 +174,7 @@ class OpenAIIngress:
         except BaseException:
             await items.aclose()
             raise
-        out_headers = {k: v for k, v in head.headers if k.lower() not in _HOP_HEADERS}
+        out_headers = {k: v for k, v in head.headers if k.lower() not in _HOP_HEADERS} | limit_headers
         if out_headers.get("content-type", "").startswith("text/event-stream"):
             return SSEResponse(_relay(items), status_code=head.status, headers=out_headers)
         try:
@@ -186,6 +189,19 @@ class OpenAIIngress:
         if self._keys is None or not request.url.path.startswith("/v1/"):
             return None
         return self._keys.ring().authenticate(request.headers.get("authorization"))
+
+    async def _take_from_budget(self, key: ApiKey | None) -> dict[str, str]:
+        """One request from the key's ``requests_per_minute`` (shared by every ingress replica):
+        its rate-limit headers, or ``RateLimited`` (429)."""
+        if key is None or key.requests_per_minute is None:
+            return {}
+        if self._limiter is None:
+            self._limiter = limiter_handle()
+        verdict = await self._limiter.take.remote(key.name, key.requests_per_minute)
+        if not verdict.allowed:
+            log.info("api_key_rate_limited", key=key.name, limit=verdict.limit)
+            raise RateLimited(key.name, verdict)
+        return verdict.headers()
 
     @staticmethod
     def _authorize(key: ApiKey | None, model: str) -> None:

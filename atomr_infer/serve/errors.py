@@ -5,6 +5,7 @@
     RequestTooLarge     413  invalid_request_error  param = body, the limit in the message
     ApiKeyError         401  invalid_request_error  missing_api_key | invalid_api_key (WWW-Authenticate)
                         403  permission_error       model_not_allowed
+    RateLimited         429  rate_limit_error       rate_limit_exceeded, Retry-After, x-ratelimit-*
     CapacityExhausted   429  rate_limit_error       Retry-After header
     NoReadyReplica      503  service_unavailable    Retry-After header
     ManagerUnreachable  503  service_unavailable    Retry-After header
@@ -31,6 +32,7 @@ from atomr_infer.errors import (
     RoutingError,
 )
 from atomr_infer.serve.api_keys import ApiKeyError
+from atomr_infer.serve.rate_limit import RateLimited
 
 
 class ManagerUnreachable(RoutingError):
@@ -69,6 +71,8 @@ def _retry_after(seconds: float) -> dict[str, str]:
 
 def http_error(exc: BaseException) -> HttpError:
     """Map an exception to its HTTP error."""
+    if isinstance(exc, RateLimited):
+        return HttpError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded", exc.verdict.headers())
     if isinstance(exc, ApiKeyError):
         if exc.status == 401:
             return HttpError(401, exc.message, "invalid_request_error", None, exc.code, {"WWW-Authenticate": "Bearer"})

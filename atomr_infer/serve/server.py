@@ -8,6 +8,7 @@ and, if ``run_server`` started Serve and nothing else runs on it, shuts Serve do
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -115,6 +116,17 @@ def running_server() -> Server | None:
     return Server(*address, started_serve=False)
 
 
+def _stop_rate_limiter() -> None:
+    """The API's shared rate-limit actor (serve/rate_limit.py) goes with it, if it was started."""
+    import ray
+
+    from atomr_infer.cluster import NAMESPACE
+    from atomr_infer.serve.rate_limit import LIMITER_NAME
+
+    with contextlib.suppress(ValueError):  # never started: no key had a limit
+        ray.kill(ray.get_actor(LIMITER_NAME, namespace=NAMESPACE), no_restart=True)
+
+
 def stop_server(server: Server | None = None, *, shutdown_serve: bool | None = None) -> None:
     """Delete the API application, then shut Serve down if it is now empty and ``shutdown_serve``
     (default: if ``server`` says ``run_server`` started Serve)."""
@@ -123,6 +135,7 @@ def stop_server(server: Server | None = None, *, shutdown_serve: bool | None = N
     if shutdown_serve is None:
         shutdown_serve = server is not None and server.started_serve
     serve.delete(APP_NAME)
+    _stop_rate_limiter()
     if shutdown_serve and not serve.status().applications:
         serve.shutdown()
     log.info("openai_api_stopped")

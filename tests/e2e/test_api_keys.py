@@ -23,7 +23,7 @@ from tests.e2e.conftest import REPLICA_WAIT_S
 
 pytestmark = pytest.mark.e2e
 ATOMR = Path(sys.executable).parent / "atomr"
-ALICE, BOB, CAROL = "sk-alice-0123456789", "sk-bob-0123456789", "sk-carol-0123456789"
+ALICE, BOB, CAROL, DAVE = "sk-alice-0123456789", "sk-bob-0123456789", "sk-carol-0123456789", "sk-dave-0123456789"
 KEYS = f"""
 keys:
   - name: alice
@@ -31,6 +31,9 @@ keys:
   - name: bob
     key: {BOB}
     deployments: [smollm2]
+  - name: dave
+    key: {DAVE}
+    requests_per_minute: 3
 """
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -83,6 +86,20 @@ def test_a_deployment_the_key_may_not_use_is_403_and_not_listed(keyed):
         client(url, ALICE).chat.completions.create(model="other", messages=ASK, max_tokens=4)
     assert [m.id for m in client(url, BOB).models.list()] == ["smollm2"]
     assert "smollm2" in [m.id for m in client(url, ALICE).models.list()]
+
+
+def test_a_key_limited_to_3_requests_per_minute_gets_the_fourth_refused_with_retry_after(keyed):
+    url, _ = keyed
+    body = {"model": "smollm2", "messages": ASK, "max_tokens": 1}
+    headers = {"Authorization": f"Bearer {DAVE}"}
+    answers = [httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60) for _ in range(4)]
+    assert [a.status_code for a in answers] == [200, 200, 200, 429], [a.text for a in answers]
+    assert [a.headers["x-ratelimit-remaining-requests"] for a in answers] == ["2", "1", "0", "0"]
+    refused = answers[-1]
+    assert 1 <= int(refused.headers["retry-after"]) <= 20 and refused.headers["x-ratelimit-limit-requests"] == "3"
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    with pytest.raises(openai.RateLimitError):  # as the openai client sees it
+        client(url, DAVE).chat.completions.create(**body)
 
 
 def test_health_stays_open(keyed):
