@@ -83,4 +83,6 @@ class ManagedDeployment:
         )
         s = self.spec.serving
         aliases = tuple(s.openai.served_model_name)
-        return DeploymentRoute(self.spec.name, s.max_concurrent, s.on_capacity_exhausted, ready, aliases)
+        return DeploymentRoute(
+            self.spec.name, s.max_concurrent, s.on_capacity_exhausted, ready, aliases, s.rate_limits.requests_per_minute
+        )

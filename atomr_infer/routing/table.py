@@ -20,6 +20,7 @@ class DeploymentRoute:
     on_capacity_exhausted: str  # "queue" | "reject"
     replicas: tuple[ReplicaRoute, ...] = ()  # ready replicas only
     aliases: tuple[str, ...] = ()  # serving.openai.served_model_name: more names it answers to
+    requests_per_minute: int | None = None  # serving.rate_limits, enforced by the HTTP ingress
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ class OpenAIIngress:
             raw = await read_body(request.stream(), request.headers.get("content-length"), self._max_body_bytes)
             model = _model_of(parse_json(raw))
             self._authorize(key, model)
-            limit_headers = await self._take_from_budget(key)
+            limit_headers = await self._take_from_budgets(key, model)
         except AtomrError as exc:
             return error_response(exc)
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
@@ -190,18 +190,33 @@ class OpenAIIngress:
             return None
         return self._keys.ring().authenticate(request.headers.get("authorization"))
 
-    async def _take_from_budget(self, key: ApiKey | None) -> dict[str, str]:
-        """One request from the key's ``requests_per_minute`` (shared by every ingress replica):
-        its rate-limit headers, or ``RateLimited`` (429)."""
-        if key is None or key.requests_per_minute is None:
+    async def _take_from_budgets(self, key: ApiKey | None, model: str) -> dict[str, str]:
+        """One request from the key's and the deployment's ``requests_per_minute`` (budgets
+        shared by every ingress replica): the tighter one's rate-limit headers, or
+        ``RateLimited`` (429)."""
+        budgets = []
+        if key is not None and key.requests_per_minute is not None:
+            budgets.append((f"key:{key.name}", f"the API key {key.name!r}", key.requests_per_minute))
+        try:
+            table = await self._router.refresh()
+        except Exception:  # noqa: BLE001 - no table yet: the routing that follows reports why
+            table = self._router.table
+        route = table.find(model)
+        if route is not None and route.requests_per_minute is not None:
+            budgets.append((f"deployment:{route.name}", f"deployment {route.name!r}", route.requests_per_minute))
+        if not budgets:
             return {}
         if self._limiter is None:
             self._limiter = limiter_handle()
-        verdict = await self._limiter.take.remote(key.name, key.requests_per_minute)
-        if not verdict.allowed:
-            log.info("api_key_rate_limited", key=key.name, limit=verdict.limit)
-            raise RateLimited(key.name, verdict)
-        return verdict.headers()
+        tightest = None
+        for bucket, subject, per_minute in budgets:
+            verdict = await self._limiter.take.remote(bucket, per_minute)
+            if not verdict.allowed:
+                log.info("rate_limited", limit=subject, per_minute=per_minute)
+                raise RateLimited(subject, verdict)
+            tightest = verdict if tightest is None or verdict.remaining < tightest.remaining else tightest
+        assert tightest is not None
+        return tightest.headers()
 
     @staticmethod
     def _authorize(key: ApiKey | None, model: str) -> None:

@@ -1,4 +1,5 @@
-"""Per-key request limits, one budget for the whole API however many ingress replicas serve it.
+"""Request limits per API key and per deployment (``serving.rate_limits``), one budget for the
+whole API however many ingress replicas serve it.
 
 A budget is a token bucket: ``requests_per_minute`` requests at once, refilled at that rate.
 The buckets live in one small actor (``atomr-ratelimit``), created by the first ingress
@@ -40,15 +41,15 @@ class Verdict:
 
 
 class RateLimited(RequestError):
-    """Over a key's ``requests_per_minute`` (HTTP 429)."""
+    """Over a key's or a deployment's ``requests_per_minute`` (HTTP 429)."""
 
-    def __init__(self, key_name: str, verdict: Verdict) -> None:
-        super().__init__(key_name, verdict)
-        self.key_name, self.verdict = key_name, verdict
+    def __init__(self, subject: str, verdict: Verdict) -> None:
+        super().__init__(subject, verdict)
+        self.subject, self.verdict = subject, verdict  # "the API key 'alice'", "deployment 'smollm2'"
 
     def __str__(self) -> str:
         return (
-            f"the API key {self.key_name!r} is over its limit of {self.verdict.limit} requests per minute; "
+            f"{self.subject} is over its limit of {self.verdict.limit} requests per minute; "
             f"retry in {max(1, math.ceil(self.verdict.retry_after_s))}s"
         )
 

@@ -144,6 +144,14 @@ class OpenAIServing(_Strict):
         return self
 
 
+class RateLimits(_Strict):
+    """The deployment's budget over the HTTP API, whatever the key (``atomr serve``)."""
+
+    requests_per_minute: Annotated[StrictInt, Field(ge=1, le=100_000_000)] | None = Field(
+        None, description="Requests per minute to this deployment; over it, HTTP 429 with Retry-After."
+    )
+
+
 class Serving(_Strict):
     """Per-replica admission limits (changed in place) and vLLM's OpenAI server options."""
 
@@ -154,6 +162,7 @@ class Serving(_Strict):
         "queue", description="'queue' waits for a free slot; 'reject' fails at once (HTTP 429)."
     )
     openai: OpenAIServing = Field(default_factory=OpenAIServing, description="vLLM's OpenAI server options.")
+    rate_limits: RateLimits = Field(default_factory=RateLimits, description="Over the HTTP API; changed in place.")
 
 
 class Budget(_Strict):

@@ -140,3 +140,27 @@ def test_serve_with_a_bad_key_file_fails_in_one_line_before_starting(tmp_path):
     assert proc.returncode == 1, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines == [f"error: api keys file '{bad}': keys.0: key_sha256 must be 64 hex digits (sha256sum of the key)"]
+
+
+def test_a_deployment_rate_limit_changes_in_place_and_holds_for_every_key(keyed, manager, ray_cluster):
+    from tests.conftest import smollm2_spec
+
+    url, _ = keyed
+    base = smollm2_spec()
+    limited = smollm2_spec(serving={**base.serving.model_dump(), "rate_limits": {"requests_per_minute": 2}})
+    result = ray_cluster.get(manager.apply.remote(limited))
+    assert result.actions == ("update in place (serving.rate_limits.requests_per_minute: unset → 2)",)
+    try:
+        body = {"model": "smollm2", "messages": ASK, "max_tokens": 1}
+        statuses = []
+        for key in (ALICE, BOB, ALICE, BOB, ALICE, BOB):  # two keys, one deployment budget
+            answer = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                                timeout=60)
+            statuses.append(answer.status_code)
+            if answer.status_code == 429:
+                break
+        assert statuses[-1] == 429, statuses  # within a few requests of the table reaching the ingress
+        assert "deployment 'smollm2' is over its limit of 2 requests per minute" in answer.json()["error"]["message"]
+        assert int(answer.headers["retry-after"]) >= 1
+    finally:
+        ray_cluster.get(manager.apply.remote(base))
