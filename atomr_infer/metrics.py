@@ -68,6 +68,15 @@ MANAGER_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "atomr_manager_reconcile_duration_seconds": ("histogram", "Duration of one reconcile pass.", ()),
     "atomr_manager_applies_total": ("counter", "apply() calls by outcome.", ("deployment", "result")),
 }
+API_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "atomr_api_requests_total": (
+        "counter", "HTTP API model requests by API key name ('-' without keys), deployment and status.",
+        ("key", "deployment", "status"),
+    ),
+    "atomr_api_tokens_total": (
+        "counter", "Prompt plus completion tokens of HTTP API requests that report usage.", ("key", "deployment"),
+    ),
+}
 BUCKETS = {
     "atomr_time_to_first_token_seconds": TTFT_BUCKETS,
     "atomr_time_per_output_token_seconds": TPOT_BUCKETS,
@@ -82,7 +91,7 @@ RAY_PREFIX = "ray_"
 def exported_series() -> set[str]:
     """Every Prometheus series name these metrics produce (histograms: _bucket, _count, _sum)."""
     names: set[str] = set()
-    for name, (kind, _, _) in {**REPLICA_METRICS, **MANAGER_METRICS}.items():
+    for name, (kind, _, _) in {**REPLICA_METRICS, **MANAGER_METRICS, **API_METRICS}.items():
         full = RAY_PREFIX + name
         names |= {full + s for s in ("_bucket", "_count", "_sum")} if kind == "histogram" else {full}
     return names
@@ -217,3 +226,16 @@ class ManagerMetrics:
 
     def applied(self, deployment: str, result: str) -> None:
         self._m["atomr_manager_applies_total"].record(1, {"deployment": deployment, "result": result})
+
+
+class ApiMetrics:
+    """The HTTP ingress's metrics: requests and tokens by API key name and deployment."""
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        self._m = _build(API_METRICS, {}, enabled)
+
+    def request(self, key: str, deployment: str, status: int, tokens: int | None) -> None:
+        self._m["atomr_api_requests_total"].record(1, {"key": key, "deployment": deployment, "status": str(status)})
+        if tokens:
+            self._m["atomr_api_tokens_total"].record(tokens, {"key": key, "deployment": deployment})
+

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,6 +33,7 @@ from atomr_infer.errors import AtomrError, DeploymentNotFound, InvalidRequest, N
 from atomr_infer.log import get_logger
 from atomr_infer.replica.openai_app import HttpRequest
 from atomr_infer.routing.router import Router
+from atomr_infer.serve.access_log import AccessLog, usage_tokens
 from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile
 from atomr_infer.serve.body import MAX_BODY_BYTES, parse_json, read_body
 from atomr_infer.serve.errors import ManagerUnreachable, http_error
@@ -121,6 +123,7 @@ class OpenAIIngress:
         self._max_body_bytes = max_body_bytes
         self._keys = KeyFile(api_keys_path) if api_keys_path else None
         self._limiter: Any = None  # the shared rate-limit actor, on the first limited request
+        self._access = AccessLog()
         self._tables = TableCache()
         self._router = Router(self._tables.get, wait_for_replica_s=replica_wait_s, refresh_s=0.0)
 
@@ -155,6 +158,7 @@ class OpenAIIngress:
 
         Only ``model`` is read here; vLLM validates the rest, once, in the replica. Errors of
         our own (the body, routing, capacity) keep the OpenAI error shape."""
+        started, key, model = time.perf_counter(), None, "-"
         try:
             key = self._authenticate(request)
             raw = await read_body(request.stream(), request.headers.get("content-length"), self._max_body_bytes)
@@ -162,7 +166,8 @@ class OpenAIIngress:
             self._authorize(key, model)
             limit_headers = await self._take_from_budgets(key, model)
         except AtomrError as exc:
-            return error_response(exc)
+            return self._logged(error_response(exc), key, model, started)
+        name = key.name if key is not None else None
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED)
         items = self._router.stream(model, HttpRequest(request.method, path, headers, raw), method="http")
@@ -170,19 +175,25 @@ class OpenAIIngress:
             head = await anext(items)  # after routing and vLLM's validation: its status is known
         except Exception as exc:  # noqa: BLE001 - routing and replica errors become OpenAI errors
             await items.aclose()
-            return error_response(exc)
+            return self._logged(error_response(exc), key, model, started)
         except BaseException:
             await items.aclose()
             raise
         out_headers = {k: v for k, v in head.headers if k.lower() not in _HOP_HEADERS} | limit_headers
         if out_headers.get("content-type", "").startswith("text/event-stream"):
-            return SSEResponse(_relay(items), status_code=head.status, headers=out_headers)
+            relayed = self._access.stream(_relay(items), name, model, head.status, started)
+            return SSEResponse(relayed, status_code=head.status, headers=out_headers)
         try:
             async with contextlib.aclosing(items):  # a cancelled task closes it: abort in the engine
                 body = b"".join([chunk async for chunk in items])
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
-            return error_response(exc)
+            return self._logged(error_response(exc), key, model, started)
+        self._access.done(name, model, head.status, usage_tokens(body), started)
         return Response(body, status_code=head.status, headers=out_headers)
+
+    def _logged(self, response: Response, key: ApiKey | None, model: str, started: float) -> Response:
+        self._access.done(key.name if key is not None else None, model, response.status_code, None, started)
+        return response
 
     def _authenticate(self, request: Request) -> ApiKey | None:
         """The request's API key (None when the API has no keys); ``ApiKeyError`` (401) if it has none valid."""

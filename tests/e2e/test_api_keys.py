@@ -164,3 +164,44 @@ def test_a_deployment_rate_limit_changes_in_place_and_holds_for_every_key(keyed,
         assert int(answer.headers["retry-after"]) >= 1
     finally:
         ray_cluster.get(manager.apply.remote(base))
+
+
+def test_every_request_has_an_access_log_line_and_counts_by_key_name(keyed):
+    import glob
+    import json
+
+    import ray
+
+    from tests.integration.test_metrics import poll, total
+
+    url, _ = keyed
+    reply = client(url, ALICE).chat.completions.create(model="smollm2", messages=ASK, temperature=0, max_tokens=5)
+    used = reply.usage.total_tokens
+    httpx.post(f"{url}/v1/chat/completions", json={"model": "smollm2", "messages": ASK}, timeout=30)  # 401
+    logs_dir = ray._private.worker.global_worker.node.get_logs_dir_path()
+
+    def access_lines() -> list[dict]:
+        out = []
+        for path in glob.glob(f"{logs_dir}/worker-*.err"):
+            with open(path, errors="replace") as f:
+                out += [json.loads(ln) for ln in f if ln.startswith("{") and '"api_request"' in ln]
+        return out
+
+    deadline, lines = time.monotonic() + 30, []
+    while time.monotonic() < deadline:
+        lines = access_lines()
+        if any(x["key"] == "alice" and x.get("tokens") == used for x in lines) and any(
+            x["status"] == 401 for x in lines
+        ):
+            break
+        time.sleep(0.5)
+    ours = next(x for x in lines if x["key"] == "alice" and x.get("tokens") == used)
+    assert ours["deployment"] == "smollm2" and ours["status"] == 200 and ours["latency_ms"] > 0, ours
+    refused = next(x for x in lines if x["status"] == 401)
+    assert refused["key"] == "-" and refused["deployment"] == "-", refused  # refused before its body was read
+    assert not any(ALICE in json.dumps(x) for x in lines)  # the key itself is never logged
+    poll(lambda s: total(s, "ray_atomr_api_tokens_total", key="alice", deployment="smollm2") >= used,
+         "alice's tokens in ray_atomr_api_tokens_total")
+    series = poll(lambda s: total(s, "ray_atomr_api_requests_total", key="-", status="401") >= 1,
+                  "the 401 in ray_atomr_api_requests_total")
+    assert total(series, "ray_atomr_api_requests_total", key="alice", deployment="smollm2", status="200") >= 1

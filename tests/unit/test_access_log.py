@@ -1,0 +1,27 @@
+"""Reading the usage a response reports, for the access log and the per-key token metric."""
+
+from __future__ import annotations
+
+import json
+
+from atomr_infer.serve.access_log import usage_tokens
+
+USAGE = {"prompt_tokens": 30, "completion_tokens": 11, "total_tokens": 41}
+
+
+def test_a_json_body_reports_its_total_tokens() -> None:
+    body = json.dumps({"id": "x", "choices": [], "usage": USAGE}).encode()
+    assert usage_tokens(body) == 41
+
+
+def test_a_stream_reports_the_usage_of_its_usage_event() -> None:
+    chunk = {"choices": [], "usage": None}
+    events = [b"data: " + json.dumps(chunk).encode(), b"data: " + json.dumps({"choices": [], "usage": USAGE}).encode()]
+    assert usage_tokens(b"\n\n".join([*events, b"data: [DONE]"]) + b"\n\n") == 41
+
+
+def test_no_usage_or_an_unreadable_one_is_none() -> None:
+    assert usage_tokens(b'data: {"choices": []}\n\n') is None
+    assert usage_tokens(b'data: {"usage": {"total_tokens": "many"}}\n\n') is None
+    assert usage_tokens(b'{"usage": ') is None
+    assert usage_tokens(b"data: {\"usage\": null}\n\n") is None
