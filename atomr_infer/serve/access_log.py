@@ -3,8 +3,9 @@
     api_request key=alice deployment=smollm2 status=200 tokens=41 latency_ms=812.4
 
 ``key`` is the API key's name (``-`` without keys, or before one was accepted); the key itself
-never appears. ``deployment`` is ``-`` for a request refused before its body was read (401). ``tokens`` is the usage the response reports (prompt plus completion), when it
-reports one: every non-streamed answer, and a stream with ``stream_options.include_usage``.
+never appears. ``deployment`` is ``-`` for a request refused before its body was read (401).
+``tokens`` is the usage the response reports (prompt plus completion), when it reports one:
+every non-streamed answer, and a stream with ``stream_options.include_usage``.
 """
 
 from __future__ import annotations
