@@ -40,6 +40,9 @@ def up_command(
     api_keys: str | None = typer.Option(
         None, "--api-keys", help="With --serve: YAML file of API keys every /v1/* request then needs."
     ),
+    max_body_mb: float | None = typer.Option(
+        None, "--max-body-mb", min=0.001, help="With --serve: larger request bodies get 413 (default 16)."
+    ),
 ) -> None:
     """Start (or join) Ray and the atomr manager; print the dashboard URL."""
     if api_keys and not serve:
@@ -64,26 +67,27 @@ def up_command(
     _line("manager", f"atomr-manager running, {count} deployment{'s' if count != 1 else ''}")
     _line("dashboard", common.dashboard_url() or "not running")
     if serve:
-        _start_api(host, port, api_keys)
+        _start_api(host, port, api_keys, int(max_body_mb * 1024 * 1024) if max_body_mb else None)
     code = EXIT_OK if no_gemma else _provision_gemma(control)
     if not deployments:
         _line("next", "atomr deploy deployments/smollm2.yaml")
     raise typer.Exit(code)
 
 
-def _start_api(host: str, port: int, api_keys: str | None = None) -> None:
+def _start_api(host: str, port: int, api_keys: str | None = None, max_body_bytes: int | None = None) -> None:
     """The API on ``host:port``: started, or reported when it already runs there (updated in
-    place when ``api_keys`` is given, so that the keys take effect)."""
+    place when ``api_keys`` or ``max_body_bytes`` is given, so that they take effect)."""
     from atomr_infer.serve import run_server, running_server
 
     common.quiet_serve_logs()
     try:
         current = running_server()
-        if current is not None and (current.host, current.port) == (host, port) and not api_keys:
+        reconfigure = api_keys is not None or max_body_bytes is not None
+        if current is not None and (current.host, current.port) == (host, port) and not reconfigure:
             _line("api", f"{current.base_url} (OpenAI-compatible, already running)")
             return
         _line("api", f"starting the OpenAI-compatible API on {host}:{port} …")
-        server = run_server(host, port, blocking=True, api_keys_path=api_keys)
+        server = run_server(host, port, blocking=True, api_keys_path=api_keys, max_body_bytes=max_body_bytes)
     except AtomrError as exc:  # Serve already runs on another address: the error says which
         fail(exc)
     except Exception as exc:  # noqa: BLE001 - Serve's own errors, in one line

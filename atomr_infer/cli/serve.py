@@ -22,13 +22,19 @@ def serve_command(
     api_keys: str | None = typer.Option(
         None, "--api-keys", help="YAML file of API keys: every /v1/* request then needs one (re-read when it changes)."
     ),
+    max_body_mb: float | None = typer.Option(
+        None, "--max-body-mb", min=0.001, help="Larger request bodies get 413 before they are routed (default 16)."
+    ),
 ) -> None:
     """Serve every deployment over an OpenAI-compatible HTTP API (model = deployment name)."""
     from atomr_infer.serve import run_server, stop_server
 
     common.quiet_serve_logs()
     try:
-        server = run_server(host, port, address, blocking=True, replica_wait_s=replica_wait, api_keys_path=api_keys)
+        server = run_server(
+            host, port, address, blocking=True, replica_wait_s=replica_wait, api_keys_path=api_keys,
+            max_body_bytes=int(max_body_mb * 1024 * 1024) if max_body_mb else None,
+        )
     except Exception as exc:  # noqa: BLE001 - one line, the CLI's exit codes
         fail(exc)
     routes = "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /tokenize, /detokenize"

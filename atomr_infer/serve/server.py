@@ -73,11 +73,13 @@ def run_server(
     replica_wait_s: float = 30.0,
     num_replicas: int = 1,
     api_keys_path: str | None = None,
+    max_body_bytes: int | None = None,
 ) -> Server:
     """Deploy the API and return once it is running (``blocking``) or once it is submitted.
 
     ``replica_wait_s``: how long a request waits for a ready replica before 503.
     ``num_replicas``: ingress replicas (each holds its own routing-table cache).
+    ``max_body_bytes``: larger request bodies get 413 before routing (default 16 MiB).
     ``api_keys_path``: an API keys file (serve/api_keys.py), checked here first; the ingress
     replicas read it, and re-read it when it changes, from this path (on their node).
     """
@@ -92,8 +94,9 @@ def run_server(
         load_key_file(api_keys_path)  # a bad file fails here, in one line, before anything starts
     manager_handle(address)  # connect, and create the manager if it is not running yet
     started = _start_serve(host, port)
+    limits = {"max_body_bytes": max_body_bytes} if max_body_bytes is not None else {}
     app = OpenAIIngress.options(num_replicas=num_replicas).bind(
-        replica_wait_s=replica_wait_s, api_keys_path=api_keys_path
+        replica_wait_s=replica_wait_s, api_keys_path=api_keys_path, **limits
     )
     try:
         serve._run(app, name=APP_NAME, route_prefix="/", _blocking=blocking)

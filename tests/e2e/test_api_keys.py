@@ -1,10 +1,11 @@
-"""API keys over real HTTP, with the openai client and httpx: 401 without a valid key, 403 for
-a deployment the key may not use, ``/health`` open, and a changed key file taking effect
-within seconds without a restart.
+"""API keys and request limits over real HTTP, with the openai client and httpx: 401 without a
+valid key, 403 for a deployment the key may not use, 429 over a key's or a deployment's
+requests per minute, 413 over the configured body size, ``/health`` open, a changed key file
+taking effect within seconds without a restart, and the access log and metrics by key name.
 
-The session's ``atomr serve`` app is re-deployed with a key file and two ingress replicas for
-this module (Serve runs one HTTP proxy per cluster, so a second server cannot run beside it),
-then as it was again.
+The session's ``atomr serve`` app is re-deployed with a key file, two ingress replicas and a
+1 MiB body limit for this module (Serve runs one HTTP proxy per cluster, so a second server
+cannot run beside it), then as it was again.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ keys:
     requests_per_minute: 3
 """
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_BODY = 1 << 20  # configured for this module (the default is 16 MiB)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,10 @@ def keyed(openai_server, smollm2, tmp_path_factory) -> Iterator[tuple[str, Path]
     path.write_text(KEYS)
     host, port = "127.0.0.1", int(openai_server.url.rsplit(":", 1)[1])
     # Two ingress replicas: a limit must hold across them (one budget, not one per replica).
-    run_server(host, port, blocking=True, replica_wait_s=REPLICA_WAIT_S, api_keys_path=str(path), num_replicas=2)
+    run_server(
+        host, port, blocking=True, replica_wait_s=REPLICA_WAIT_S, api_keys_path=str(path), num_replicas=2,
+        max_body_bytes=MAX_BODY,
+    )
     try:
         yield openai_server.url, path
     finally:  # the session's server again: no keys
@@ -205,3 +210,10 @@ def test_every_request_has_an_access_log_line_and_counts_by_key_name(keyed):
     series = poll(lambda s: total(s, "ray_atomr_api_requests_total", key="-", status="401") >= 1,
                   "the 401 in ray_atomr_api_requests_total")
     assert total(series, "ray_atomr_api_requests_total", key="alice", deployment="smollm2", status="200") >= 1
+
+
+def test_a_body_over_the_configured_size_is_413_before_routing(keyed):
+    url, _ = keyed
+    big = {"model": "smollm2", "messages": [{"role": "user", "content": "x" * (MAX_BODY + 1)}]}
+    resp = httpx.post(f"{url}/v1/chat/completions", json=big, headers={"Authorization": f"Bearer {ALICE}"}, timeout=60)
+    assert resp.status_code == 413 and str(MAX_BODY) in resp.json()["error"]["message"], resp.text
