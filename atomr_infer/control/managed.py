@@ -83,6 +83,8 @@ class ManagedDeployment:
         )
         s = self.spec.serving
         aliases = tuple(s.openai.served_model_name)
+        limits = s.rate_limits
         return DeploymentRoute(
-            self.spec.name, s.max_concurrent, s.on_capacity_exhausted, ready, aliases, s.rate_limits.requests_per_minute
+            self.spec.name, s.max_concurrent, s.on_capacity_exhausted, ready, aliases,
+            limits.requests_per_minute, limits.tokens_per_minute,
         )

@@ -21,6 +21,7 @@ class DeploymentRoute:
     replicas: tuple[ReplicaRoute, ...] = ()  # ready replicas only
     aliases: tuple[str, ...] = ()  # serving.openai.served_model_name: more names it answers to
     requests_per_minute: int | None = None  # serving.rate_limits, enforced by the HTTP ingress
+    tokens_per_minute: int | None = None
 
 
 @dataclass(frozen=True)

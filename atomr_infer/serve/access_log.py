@@ -10,32 +10,15 @@ every non-streamed answer, and a stream with ``stream_options.include_usage``.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import ApiMetrics
+from atomr_infer.serve.usage import usage_tokens
 
 log = get_logger(__name__)
 NO_KEY = "-"
-
-
-def usage_tokens(data: bytes) -> int | None:
-    """``usage.total_tokens`` of the last usage in a JSON body or an SSE chunk, if there is one."""
-    at = data.rfind(b'"usage"')
-    if at < 0:
-        return None
-    start = data.rfind(b"data: ", 0, at)
-    if start >= 0:  # an SSE event: its one line of JSON
-        end = data.find(b"\n", at)
-        data = data[start + len(b"data: ") : end if end >= 0 else len(data)]
-    try:
-        usage = json.loads(data).get("usage") or {}
-    except (ValueError, AttributeError):
-        return None
-    total = usage.get("total_tokens")
-    return total if isinstance(total, int) else None
 
 
 class AccessLog:
@@ -49,9 +32,11 @@ class AccessLog:
         self._metrics.request(key, deployment, status, tokens)
 
     async def stream(
-        self, chunks: AsyncIterator[bytes], key: str | None, deployment: str, status: int, started: float
+        self, chunks: AsyncIterator[bytes], key: str | None, deployment: str, status: int, started: float,
+        on_end: Callable[[int | None], None] = lambda tokens: None,
     ) -> AsyncIterator[bytes]:
-        """``chunks`` passed through, logged when the stream ends (or the client leaves)."""
+        """``chunks`` passed through, logged when the stream ends (or the client leaves), and
+        ``on_end`` told the tokens it used."""
         last_usage = b""
         try:
             async for chunk in chunks:
@@ -59,4 +44,9 @@ class AccessLog:
                     last_usage = chunk
                 yield chunk
         finally:
-            self.done(key, deployment, status, usage_tokens(last_usage), started)
+            # Closed early (the client left): close the source too, now, so that the request is
+            # aborted in the engine at once rather than when the generator is collected.
+            await chunks.aclose()  # type: ignore[attr-defined]
+            tokens = usage_tokens(last_usage)
+            on_end(tokens)
+            self.done(key, deployment, status, tokens, started)

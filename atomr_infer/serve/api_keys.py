@@ -5,6 +5,7 @@
         key: sk-...                 # or key_sha256: <hex>, so the file need not hold the secret
         deployments: [smollm2]      # optional allow-list
         requests_per_minute: 60     # optional (serve/rate_limit.py)
+        tokens_per_minute: 20000    # optional: prompt + completion
 
 Keys are kept only as SHA-256 digests and compared in constant time (``hmac.compare_digest``
 against every entry, so the time does not say which entry came close). ``KeyFile`` re-reads
@@ -50,13 +51,10 @@ class _Entry(BaseModel):
     key_sha256: StrictStr | None = None
     deployments: list[StrictStr] | None = None
     requests_per_minute: Annotated[StrictInt, Field(ge=1, le=10_000_000)] | None = None
-    # Named so that a file written for token limits fails with a clear reason, not "extra".
-    tokens_per_minute: Any = None
+    tokens_per_minute: Annotated[StrictInt, Field(ge=1, le=10_000_000_000)] | None = None
 
     @model_validator(mode="after")
     def _one_secret(self) -> _Entry:
-        if self.tokens_per_minute is not None:
-            raise ValueError("tokens_per_minute: per-key token limits are not supported yet (remove it)")
         if (self.key is None) == (self.key_sha256 is None):
             raise ValueError("give exactly one of key and key_sha256")
         if self.key_sha256 is not None and not _HEX64.match(self.key_sha256.lower()):
@@ -81,6 +79,7 @@ class ApiKey:
     name: str
     deployments: frozenset[str] | None  # None: every deployment
     requests_per_minute: int | None = None  # None: unlimited
+    tokens_per_minute: int | None = None  # None: unlimited
 
     def may_use(self, deployment: str) -> bool:
         return self.deployments is None or deployment in self.deployments
@@ -130,7 +129,10 @@ def parse_key_file(text: str, source: str = "api keys file") -> KeyRing:
         raise AtomrError(f"{source}: keys: two entries have the same key")
     return KeyRing(
         tuple(
-            (d, ApiKey(e.name, frozenset(e.deployments) if e.deployments is not None else None, e.requests_per_minute))
+            (d, ApiKey(
+                e.name, frozenset(e.deployments) if e.deployments is not None else None,
+                e.requests_per_minute, e.tokens_per_minute,
+            ))
             for d, e in zip(digests, parsed.keys, strict=True)
         )
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,12 +34,13 @@ from atomr_infer.errors import AtomrError, DeploymentNotFound, InvalidRequest, N
 from atomr_infer.log import get_logger
 from atomr_infer.replica.openai_app import HttpRequest
 from atomr_infer.routing.router import Router
-from atomr_infer.serve.access_log import AccessLog, usage_tokens
+from atomr_infer.serve.access_log import AccessLog
 from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile
 from atomr_infer.serve.body import MAX_BODY_BYTES, parse_json, read_body
 from atomr_infer.serve.errors import ManagerUnreachable, http_error
-from atomr_infer.serve.rate_limit import RateLimited, limiter_handle
+from atomr_infer.serve.rate_limit import Budget, IngressLimits
 from atomr_infer.serve.table_cache import TableCache
+from atomr_infer.serve.usage import usage_not_asked, usage_tokens, without_usage
 from atomr_infer.status import DeploymentStatus
 
 log = get_logger(__name__)
@@ -122,7 +124,7 @@ class OpenAIIngress:
     ) -> None:
         self._max_body_bytes = max_body_bytes
         self._keys = KeyFile(api_keys_path) if api_keys_path else None
-        self._limiter: Any = None  # the shared rate-limit actor, on the first limited request
+        self._limits = IngressLimits()
         self._access = AccessLog()
         self._tables = TableCache()
         self._router = Router(self._tables.get, wait_for_replica_s=replica_wait_s, refresh_s=0.0)
@@ -162,12 +164,19 @@ class OpenAIIngress:
         try:
             key = self._authenticate(request)
             raw = await read_body(request.stream(), request.headers.get("content-length"), self._max_body_bytes)
-            model = _model_of(parse_json(raw))
+            data = parse_json(raw)
+            model = _model_of(data)
             self._authorize(key, model)
-            limit_headers = await self._take_from_budgets(key, model)
+            limit_headers, token_budgets = await self._admit(key, model)
         except AtomrError as exc:
             return self._logged(error_response(exc), key, model, started)
         name = key.name if key is not None else None
+        # A token budget is charged the usage the response reports: ask a stream for it, and
+        # take it out again if the client did not ask.
+        hide_usage = bool(token_budgets) and usage_not_asked(data)
+        if hide_usage:
+            raw = json.dumps({**data, "stream_options": {**(data.get("stream_options") or {}), "include_usage": True}})
+            raw = raw.encode()
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED)
         items = self._router.stream(model, HttpRequest(request.method, path, headers, raw), method="http")
@@ -181,14 +190,20 @@ class OpenAIIngress:
             raise
         out_headers = {k: v for k, v in head.headers if k.lower() not in _HOP_HEADERS} | limit_headers
         if out_headers.get("content-type", "").startswith("text/event-stream"):
-            relayed = self._access.stream(_relay(items), name, model, head.status, started)
-            return SSEResponse(relayed, status_code=head.status, headers=out_headers)
+            relayed = self._access.stream(
+                _relay(items), name, model, head.status, started, lambda n: self._limits.charge(token_budgets, n)
+            )
+            return SSEResponse(
+                without_usage(relayed) if hide_usage else relayed, status_code=head.status, headers=out_headers
+            )
         try:
             async with contextlib.aclosing(items):  # a cancelled task closes it: abort in the engine
                 body = b"".join([chunk async for chunk in items])
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return self._logged(error_response(exc), key, model, started)
-        self._access.done(name, model, head.status, usage_tokens(body), started)
+        tokens = usage_tokens(body)
+        self._limits.charge(token_budgets, tokens)
+        self._access.done(name, model, head.status, tokens, started)
         return Response(body, status_code=head.status, headers=out_headers)
 
     def _logged(self, response: Response, key: ApiKey | None, model: str, started: float) -> Response:
@@ -201,33 +216,20 @@ class OpenAIIngress:
             return None
         return self._keys.ring().authenticate(request.headers.get("authorization"))
 
-    async def _take_from_budgets(self, key: ApiKey | None, model: str) -> dict[str, str]:
-        """One request from the key's and the deployment's ``requests_per_minute`` (budgets
-        shared by every ingress replica): the tighter one's rate-limit headers, or
-        ``RateLimited`` (429)."""
-        budgets = []
-        if key is not None and key.requests_per_minute is not None:
-            budgets.append((f"key:{key.name}", f"the API key {key.name!r}", key.requests_per_minute))
+    async def _admit(self, key: ApiKey | None, model: str) -> tuple[dict[str, str], list[Budget]]:
+        """Under the key's and the deployment's rate limits (budgets shared by every ingress
+        replica): the rate-limit headers and the token budgets to charge, or ``RateLimited``."""
         try:
             table = await self._router.refresh()
         except Exception:  # noqa: BLE001 - no table yet: the routing that follows reports why
             table = self._router.table
         route = table.find(model)
-        if route is not None and route.requests_per_minute is not None:
-            budgets.append((f"deployment:{route.name}", f"deployment {route.name!r}", route.requests_per_minute))
-        if not budgets:
-            return {}
-        if self._limiter is None:
-            self._limiter = limiter_handle()
-        tightest = None
-        for bucket, subject, per_minute in budgets:
-            verdict = await self._limiter.take.remote(bucket, per_minute)
-            if not verdict.allowed:
-                log.info("rate_limited", limit=subject, per_minute=per_minute)
-                raise RateLimited(subject, verdict)
-            tightest = verdict if tightest is None or verdict.remaining < tightest.remaining else tightest
-        assert tightest is not None
-        return tightest.headers()
+        return await self._limits.admit(
+            key.name if key is not None else None,
+            (key.requests_per_minute, key.tokens_per_minute) if key is not None else (None, None),
+            route.name if route is not None else None,
+            (route.requests_per_minute, route.tokens_per_minute) if route is not None else (None, None),
+        )
 
     @staticmethod
     def _authorize(key: ApiKey | None, model: str) -> None:

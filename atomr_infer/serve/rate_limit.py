@@ -1,7 +1,10 @@
-"""Request limits per API key and per deployment (``serving.rate_limits``), one budget for the
-whole API however many ingress replicas serve it.
+"""Request and token limits per API key and per deployment (``serving.rate_limits``), one budget
+for the whole API however many ingress replicas serve it.
 
 A budget is a token bucket: ``requests_per_minute`` requests at once, refilled at that rate.
+A ``tokens_per_minute`` budget admits a request while it is above zero and is charged the
+prompt and completion tokens the response reports once it ends (it may go below zero: the
+next requests wait until it refills), as OpenAI's token limits do.
 The buckets live in one small actor (``atomr-ratelimit``), created by the first ingress
 replica that needs it, so that limits hold across ingress replicas; each limited request
 costs one call to it. A refused request gets 429 with ``Retry-After`` and OpenAI's
@@ -14,6 +17,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from atomr_infer.errors import RequestError
 
@@ -27,13 +31,14 @@ class Verdict:
     remaining: int
     reset_s: float  # until the bucket is full again
     retry_after_s: float = 0.0  # until one request fits, when refused
+    unit: str = "requests"  # or "tokens"
 
     def headers(self) -> dict[str, str]:
         """OpenAI's rate-limit headers (and ``Retry-After`` on a refusal)."""
         out = {
-            "x-ratelimit-limit-requests": str(self.limit),
-            "x-ratelimit-remaining-requests": str(self.remaining),
-            "x-ratelimit-reset-requests": f"{self.reset_s:.3f}s",
+            f"x-ratelimit-limit-{self.unit}": str(self.limit),
+            f"x-ratelimit-remaining-{self.unit}": str(self.remaining),
+            f"x-ratelimit-reset-{self.unit}": f"{self.reset_s:.3f}s",
         }
         if not self.allowed:
             out["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
@@ -41,7 +46,7 @@ class Verdict:
 
 
 class RateLimited(RequestError):
-    """Over a key's or a deployment's ``requests_per_minute`` (HTTP 429)."""
+    """Over a key's or a deployment's ``requests_per_minute`` or ``tokens_per_minute`` (HTTP 429)."""
 
     def __init__(self, subject: str, verdict: Verdict) -> None:
         super().__init__(subject, verdict)
@@ -49,7 +54,7 @@ class RateLimited(RequestError):
 
     def __str__(self) -> str:
         return (
-            f"{self.subject} is over its limit of {self.verdict.limit} requests per minute; "
+            f"{self.subject} is over its limit of {self.verdict.limit} {self.verdict.unit} per minute; "
             f"retry in {max(1, math.ceil(self.verdict.retry_after_s))}s"
         )
 
@@ -61,20 +66,25 @@ class Buckets:
         self._clock = clock
         self._state: dict[str, tuple[float, float, int]] = {}  # name -> (tokens, at, per minute)
 
-    def take(self, name: str, per_minute: int) -> Verdict:
+    def take(
+        self, name: str, per_minute: int, cost: float = 1.0, need: float | None = None, unit: str = "requests"
+    ) -> Verdict:
+        """Allowed when the bucket holds ``need`` (default: ``cost``); then ``cost`` is taken.
+        ``need=1, cost=0`` asks "may a request start"; ``need=0, cost=n`` charges n afterwards."""
+        need = cost if need is None else need
         now = self._clock()
         tokens, at, known = self._state.get(name, (float(per_minute), now, per_minute))
-        if known != per_minute:  # the limit changed with the key file: start full at the new one
+        if known != per_minute:  # the limit changed: start full at the new one
             tokens, at = float(per_minute), now
         rate = per_minute / 60.0
         tokens = min(float(per_minute), tokens + (now - at) * rate)
-        allowed = tokens >= 1.0
+        allowed = tokens >= need
         if allowed:
-            tokens -= 1.0
+            tokens -= cost
         self._state[name] = (tokens, now, per_minute)
         reset = (per_minute - tokens) / rate
-        retry = 0.0 if allowed else (1.0 - tokens) / rate
-        return Verdict(allowed, per_minute, int(tokens), reset, retry)
+        retry = 0.0 if allowed else (need - tokens) / rate
+        return Verdict(allowed, per_minute, max(0, int(tokens)), reset, retry, unit)
 
 
 class RateLimiter:
@@ -83,8 +93,57 @@ class RateLimiter:
     def __init__(self) -> None:
         self._buckets = Buckets()
 
-    def take(self, name: str, per_minute: int) -> Verdict:
-        return self._buckets.take(name, per_minute)
+    def take(
+        self, name: str, per_minute: int, cost: float = 1.0, need: float | None = None, unit: str = "requests"
+    ) -> Verdict:
+        return self._buckets.take(name, per_minute, cost, need, unit)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One limit a request is under: a key's or a deployment's, of requests or of tokens."""
+
+    bucket: str  # "key:alice:requests", "deployment:smollm2:tokens"
+    subject: str  # "the API key 'alice'", "deployment 'smollm2'"
+    per_minute: int
+    unit: str  # "requests" | "tokens"
+
+
+def budgets_of(
+    key_name: str | None, key_limits: tuple[int | None, int | None], deployment: str | None,
+    deployment_limits: tuple[int | None, int | None],
+) -> list[Budget]:
+    """The budgets of a request: the key's and the deployment's (requests, tokens) per minute."""
+    out = []
+    for kind, name, limits in (("key", key_name, key_limits), ("deployment", deployment, deployment_limits)):
+        if name is None:
+            continue
+        subject = f"the API key {name!r}" if kind == "key" else f"deployment {name!r}"
+        for unit, per_minute in zip(("requests", "tokens"), limits, strict=True):
+            if per_minute is not None:
+                out.append(Budget(f"{kind}:{name}:{unit}", subject, per_minute, unit))
+    return out
+
+
+async def admit(limiter: Any, budgets: list[Budget]) -> dict[str, str]:
+    """Take one request from each request budget and check that each token budget is above
+    zero; the tightest budget's headers per unit. ``RateLimited`` on the first that refuses."""
+    tightest: dict[str, Verdict] = {}
+    for b in budgets:
+        cost, need = (1.0, 1.0) if b.unit == "requests" else (0.0, 1.0)
+        verdict = await limiter.take.remote(b.bucket, b.per_minute, cost, need, b.unit)
+        if not verdict.allowed:
+            raise RateLimited(b.subject, verdict)
+        if b.unit not in tightest or verdict.remaining < tightest[b.unit].remaining:
+            tightest[b.unit] = verdict
+    return {k: v for verdict in tightest.values() for k, v in verdict.headers().items()}
+
+
+def charge(limiter: Any, budgets: list[Budget], tokens: int | None) -> None:
+    """Charge a finished request's tokens to its token budgets (not waited for)."""
+    for b in budgets:
+        if b.unit == "tokens" and tokens:
+            limiter.take.remote(b.bucket, b.per_minute, float(tokens), 0.0, b.unit)
 
 
 def limiter_handle():  # noqa: ANN201 - a Ray actor handle
@@ -98,3 +157,29 @@ def limiter_handle():  # noqa: ANN201 - a Ray actor handle
         .options(name=LIMITER_NAME, namespace=NAMESPACE, get_if_exists=True, num_cpus=0, lifetime="detached")
         .remote()
     )
+
+
+class IngressLimits:
+    """An ingress replica's side of the limits: admitting a request under its key's and its
+    deployment's budgets, and charging its tokens when it ends."""
+
+    def __init__(self) -> None:
+        self._limiter: Any = None  # the shared actor, looked up on the first limited request
+
+    async def admit(
+        self, key: str | None, key_limits: tuple[int | None, int | None], deployment: str | None,
+        deployment_limits: tuple[int | None, int | None],
+    ) -> tuple[dict[str, str], list[Budget]]:
+        """The rate-limit headers and the token budgets to charge; ``RateLimited`` (429)."""
+        budgets = budgets_of(key, key_limits, deployment, deployment_limits)
+        if not budgets:
+            return {}, []
+        if self._limiter is None:
+            self._limiter = limiter_handle()
+        headers = await admit(self._limiter, budgets)
+        return headers, [b for b in budgets if b.unit == "tokens"]
+
+    def charge(self, budgets: list[Budget], tokens: int | None) -> None:
+        if budgets and self._limiter is not None:
+            charge(self._limiter, budgets, tokens)
+

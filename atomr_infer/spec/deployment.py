@@ -150,6 +150,9 @@ class RateLimits(_Strict):
     requests_per_minute: Annotated[StrictInt, Field(ge=1, le=100_000_000)] | None = Field(
         None, description="Requests per minute to this deployment; over it, HTTP 429 with Retry-After."
     )
+    tokens_per_minute: Annotated[StrictInt, Field(ge=1, le=100_000_000_000)] | None = Field(
+        None, description="Prompt plus completion tokens per minute; spent, HTTP 429 until it refills."
+    )
 
 
 class Serving(_Strict):

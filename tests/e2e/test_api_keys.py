@@ -26,6 +26,7 @@ from tests.e2e.conftest import REPLICA_WAIT_S
 pytestmark = pytest.mark.e2e
 ATOMR = Path(sys.executable).parent / "atomr"
 ALICE, BOB, CAROL, DAVE = "sk-alice-0123456789", "sk-bob-0123456789", "sk-carol-0123456789", "sk-dave-0123456789"
+ERIN, FRANK = "sk-erin-0123456789", "sk-frank-0123456789"
 KEYS = f"""
 keys:
   - name: alice
@@ -36,6 +37,12 @@ keys:
   - name: dave
     key: {DAVE}
     requests_per_minute: 3
+  - name: erin
+    key: {ERIN}
+    tokens_per_minute: 30
+  - name: frank
+    key: {FRANK}
+    tokens_per_minute: 30
 """
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_BODY = 1 << 20  # configured for this module (the default is 16 MiB)
@@ -217,3 +224,37 @@ def test_a_body_over_the_configured_size_is_413_before_routing(keyed):
     big = {"model": "smollm2", "messages": [{"role": "user", "content": "x" * (MAX_BODY + 1)}]}
     resp = httpx.post(f"{url}/v1/chat/completions", json=big, headers={"Authorization": f"Bearer {ALICE}"}, timeout=60)
     assert resp.status_code == 413 and str(MAX_BODY) in resp.json()["error"]["message"], resp.text
+
+
+def _until_refused(url: str, key: str, body: dict, tries: int = 4) -> list[httpx.Response]:
+    """Requests until one is refused (the charge of the one before may reach the shared
+    limiter a moment after the client has its answer)."""
+    answers = []
+    for _ in range(tries):
+        answers.append(httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                                  timeout=60))
+        if answers[-1].status_code == 429:
+            break
+    return answers
+
+
+def test_a_key_over_its_tokens_per_minute_is_refused_until_it_refills(keyed):
+    url, _ = keyed
+    body = {"model": "smollm2", "messages": ASK, "max_tokens": 8}  # prompt + answer: more than 30 tokens
+    answers = _until_refused(url, ERIN, body)
+    first, refused = answers[0], answers[-1]
+    assert first.status_code == 200 and first.json()["usage"]["total_tokens"] > 30
+    assert first.headers["x-ratelimit-limit-tokens"] == "30" and first.headers["x-ratelimit-remaining-tokens"] == "30"
+    assert refused.status_code == 429, [a.status_code for a in answers]
+    assert "the API key 'erin' is over its limit of 30 tokens per minute" in refused.json()["error"]["message"]
+    assert int(refused.headers["retry-after"]) >= 1
+
+
+def test_a_stream_is_charged_the_usage_its_client_did_not_ask_to_see(keyed):
+    url, _ = keyed
+    body = {"model": "smollm2", "messages": ASK, "max_tokens": 8, "stream": True}
+    answers = _until_refused(url, FRANK, body)
+    first = answers[0]
+    assert first.status_code == 200 and first.text.rstrip().endswith("data: [DONE]")
+    assert '"usage":{' not in first.text.replace(" ", ""), first.text[-300:]  # hidden again
+    assert answers[-1].status_code == 429, [a.status_code for a in answers]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from atomr_infer.serve.access_log import usage_tokens
+from atomr_infer.serve.usage import usage_tokens
 
 USAGE = {"prompt_tokens": 30, "completion_tokens": 11, "total_tokens": 41}
 
@@ -25,3 +25,25 @@ def test_no_usage_or_an_unreadable_one_is_none() -> None:
     assert usage_tokens(b'data: {"usage": {"total_tokens": "many"}}\n\n') is None
     assert usage_tokens(b'{"usage": ') is None
     assert usage_tokens(b"data: {\"usage\": null}\n\n") is None
+
+
+def test_a_stream_that_did_not_ask_for_usage_gets_it_hidden_again() -> None:
+    import asyncio
+
+    from atomr_infer.serve.usage import usage_not_asked, without_usage
+
+    assert usage_not_asked({"stream": True}) and usage_not_asked({"stream": True, "stream_options": {}})
+    assert not usage_not_asked({"stream": True, "stream_options": {"include_usage": True}})
+    assert not usage_not_asked({"stream": False}) and not usage_not_asked({"stream": True, "stream_options": 3})
+    text = b'data: {"choices": [{"delta": {"content": "Hi"}}], "usage": null}\n\n'
+    usage = b"data: " + json.dumps({"choices": [], "usage": USAGE}).encode() + b"\n\n"
+    chunks = [text, usage + b"data: [DONE]\n\n"]
+
+    async def read() -> bytes:
+        async def source():
+            for c in chunks:
+                yield c
+
+        return b"".join([c async for c in without_usage(source())])
+
+    assert asyncio.run(read()) == text + b"data: [DONE]\n\n"

@@ -50,7 +50,7 @@ def test_a_missing_or_wrong_key_is_401(header: str | None, code: str) -> None:
         ("keys: [{name: a}]", "keys.0: give exactly one of key and key_sha256"),
         (f"keys: [{{name: a, key: {ALICE}, key_sha256: {'a' * 64}}}]", "keys.0: give exactly one of key"),
         ("keys: [{name: a, key_sha256: xyz}]", "keys.0: key_sha256 must be 64 hex digits"),
-        (f"keys: [{{name: a, key: {ALICE}, tokens_per_minute: 3}}]", "tokens_per_minute: per-key token limits"),
+        (f"keys: [{{name: a, key: {ALICE}, tokens_per_minute: 0}}]", "keys.0.tokens_per_minute: Input should be"),
         (f"keys: [{{name: a, key: {ALICE}, requests_per_minute: 0}}]", "keys.0.requests_per_minute: Input should be"),
         (f"keys: [{{name: a, key: {ALICE}, colour: red}}]", "keys.0.colour: Extra inputs are not permitted, got 'red'"),
         (f"keys: [{{name: a, key: {ALICE}}}, {{name: a, key: {BOB}}}]", "the name 'a' is used twice"),
@@ -96,6 +96,7 @@ def _rewrite(path: Path, text: str) -> None:
     os.utime(path, (later, later))
 
 
-def test_a_key_carries_its_requests_per_minute() -> None:
-    ring = parse_key_file(f"keys: [{{name: a, key: {ALICE}, requests_per_minute: 3}}]")
-    assert ring.authenticate(f"Bearer {ALICE}").requests_per_minute == 3
+def test_a_key_carries_its_limits() -> None:
+    ring = parse_key_file(f"keys: [{{name: a, key: {ALICE}, requests_per_minute: 3, tokens_per_minute: 500}}]")
+    key = ring.authenticate(f"Bearer {ALICE}")
+    assert (key.requests_per_minute, key.tokens_per_minute) == (3, 500)

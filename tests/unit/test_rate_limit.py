@@ -28,3 +28,26 @@ def test_keys_have_their_own_buckets_and_a_changed_limit_starts_full() -> None:
     assert all(buckets.take("a", 1).allowed for _ in range(1)) and not buckets.take("a", 1).allowed
     assert buckets.take("b", 1).allowed  # another key's budget
     assert buckets.take("a", 5).allowed  # the file raised a's limit: a new, full bucket
+
+
+def test_a_token_budget_admits_while_above_zero_and_is_charged_after() -> None:
+    clock = FakeClock()
+    buckets = Buckets(clock)
+    admit = buckets.take("t", 600, cost=0.0, need=1.0, unit="tokens")
+    assert admit.allowed and admit.headers()["x-ratelimit-remaining-tokens"] == "600"
+    buckets.take("t", 600, cost=650.0, need=0.0, unit="tokens")  # a long answer overdraws it
+    refused = buckets.take("t", 600, cost=0.0, need=1.0, unit="tokens")
+    assert not refused.allowed and refused.retry_after_s == 5.1  # 51 tokens at 10/s
+    clock.advance(5.1)
+    assert buckets.take("t", 600, cost=0.0, need=1.0, unit="tokens").allowed
+
+
+def test_budgets_of_a_request_cover_the_key_and_the_deployment() -> None:
+    from atomr_infer.serve.rate_limit import budgets_of
+
+    budgets = budgets_of("alice", (3, None), "smollm2", (None, 1000))
+    assert [(b.bucket, b.subject, b.per_minute, b.unit) for b in budgets] == [
+        ("key:alice:requests", "the API key 'alice'", 3, "requests"),
+        ("deployment:smollm2:tokens", "deployment 'smollm2'", 1000, "tokens"),
+    ]
+    assert budgets_of(None, (None, None), "smollm2", (None, None)) == []

@@ -59,7 +59,7 @@ FULL: dict[str, Any] = {
             "generation_config": "vllm",
             "override_generation_config": {"temperature": 0.6},
         },
-        "rate_limits": {"requests_per_minute": 600},
+        "rate_limits": {"requests_per_minute": 600, "tokens_per_minute": 60000},
     },
     "budget": {"max_spend_per_hour_usd": 5.0, "max_spend_per_day_usd": 100.0, "on_exceeded": "warn"},
     "restart_on_apply": True,
