@@ -83,11 +83,11 @@ def connect(address: str | None, start: bool, announce: bool = True) -> None:
 
 def control_plane(address: str | None, start: bool = True, announce: bool = True) -> ControlPlane:
     """The manager's typed client; with ``start=False`` nothing is started (error if absent)."""
-    from atomr_infer.control.client import ControlPlane, manager_handle
+    from atomr_infer.control.client import ControlPlane
 
     connect(address, start, announce)
     try:
-        return ControlPlane(manager_handle(address, start=start))
+        return ControlPlane.connect(address, start=start)
     except AtomrError:
         raise
     except Exception as exc:  # noqa: BLE001

@@ -173,10 +173,10 @@ def _remove_everything(timeout: float) -> None:
     import ray
 
     from atomr_infer import cluster
-    from atomr_infer.control.client import ControlPlane, manager_handle
+    from atomr_infer.control.client import ControlPlane
 
     try:
-        control = ControlPlane(manager_handle(None, start=False))  # connect() above chose the cluster
+        control = ControlPlane.connect(None, start=False)  # connect() above chose the cluster
     except AtomrError:
         _line("manager", "not running")
         return

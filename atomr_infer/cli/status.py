@@ -16,11 +16,11 @@ from atomr_infer.status import DeploymentState, DeploymentStatus
 
 def _statuses(address: str | None, name: str | None) -> list[DeploymentStatus] | None:
     """Deployment statuses; None when Ray runs but the manager does not (nothing deployed)."""
-    from atomr_infer.control.client import ControlPlane, manager_handle
+    from atomr_infer.control.client import ControlPlane
 
     common.connect(address, start=False)
     try:
-        control = ControlPlane(manager_handle(address, start=False))
+        control = ControlPlane.connect(address, start=False)
     except AtomrError:
         if name:
             raise DeploymentNotFound(name) from None

@@ -8,7 +8,7 @@ next requests wait until it refills), as OpenAI's token limits do.
 The buckets live in one small actor (``atomr-ratelimit``), created by the first ingress
 replica that needs it, so that limits hold across ingress replicas; each limited request
 costs one call to it. A refused request gets 429 with ``Retry-After`` and OpenAI's
-``x-ratelimit-*-requests`` headers, which accepted ones carry too.
+``x-ratelimit-*-requests`` / ``-tokens`` headers, which accepted ones carry too.
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ class Verdict:
     retry_after_s: float = 0.0  # until one request fits, when refused
     unit: str = "requests"  # or "tokens"
 
+    @property
+    def retry_after(self) -> int:
+        """``retry_after_s`` as ``Retry-After`` says it: whole seconds, at least 1."""
+        return max(1, math.ceil(self.retry_after_s))
+
     def headers(self) -> dict[str, str]:
         """OpenAI's rate-limit headers (and ``Retry-After`` on a refusal)."""
         out = {
@@ -41,7 +46,7 @@ class Verdict:
             f"x-ratelimit-reset-{self.unit}": f"{self.reset_s:.3f}s",
         }
         if not self.allowed:
-            out["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+            out["Retry-After"] = str(self.retry_after)
         return out
 
 
@@ -55,7 +60,7 @@ class RateLimited(RequestError):
     def __str__(self) -> str:
         return (
             f"{self.subject} is over its limit of {self.verdict.limit} {self.verdict.unit} per minute; "
-            f"retry in {max(1, math.ceil(self.verdict.retry_after_s))}s"
+            f"retry in {self.verdict.retry_after}s"
         )
 
 
