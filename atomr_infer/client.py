@@ -106,7 +106,9 @@ class Client:
         key = id(asyncio.get_running_loop())
         router = self._routers.get(key)
         if router is None:
-            router = self._routers[key] = Router(self._fetch, wait_for_replica_s=self._wait_s)
+            router = self._routers[key] = Router(
+                self._fetch, wait_for_replica_s=self._wait_s, demand=self._manager.report_demand.remote
+            )
         return router
 
     # -- async -------------------------------------------------------------------------------

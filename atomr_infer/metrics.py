@@ -67,6 +67,10 @@ REPLICA_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 MANAGER_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "atomr_manager_reconcile_duration_seconds": ("histogram", "Duration of one reconcile pass.", ()),
     "atomr_manager_applies_total": ("counter", "apply() calls by outcome.", ("deployment", "result")),
+    "atomr_manager_scale_decisions_total": (
+        "counter", "Autoscaling decisions by deployment and direction (up, down).", ("deployment", "direction"),
+    ),
+    "atomr_manager_target_replicas": ("gauge", "Replicas the autoscaler aims for.", ("deployment",)),
 }
 API_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "atomr_api_requests_total": (
@@ -226,6 +230,10 @@ class ManagerMetrics:
 
     def applied(self, deployment: str, result: str) -> None:
         self._m["atomr_manager_applies_total"].record(1, {"deployment": deployment, "result": result})
+
+    def scaled(self, deployment: str, direction: str, target: int) -> None:
+        self._m["atomr_manager_scale_decisions_total"].record(1, {"deployment": deployment, "direction": direction})
+        self._m["atomr_manager_target_replicas"].record(target, {"deployment": deployment})
 
 
 class ApiMetrics:

@@ -36,6 +36,9 @@ class DeploymentState(enum.StrEnum):
     ROLLING = "rolling"  # a later generation is replacing or scaling the replicas
     FAILING = "failing"  # replicas fail to start; the manager retries with backoff
     FAILED = "failed"  # a start failure recurred 3 times: nothing more starts until an apply
+    SCALING = "scaling"  # the autoscaler moved the target; replicas start or drain to meet it
+    COLD_START = "cold-start"  # scaled to zero, requests wait while its first replica starts
+    IDLE = "idle"  # scaled to zero; the next request starts a replica
     REMOVING = "removing"  # removed: its replicas drain and stop
 
 
@@ -77,6 +80,9 @@ class DeploymentStatus:
     next_start_in_s: float = 0.0  # backoff before the next start
     removing: bool = False
     spec_hash: str | None = None  # of the desired spec; None while removing
+    placement: str | None = None  # "spread" | "pack"
+    # With autoscaling: bounds, target, load, the last decision and what stopped it (budget).
+    autoscaling: dict[str, Any] | None = None
 
     @property
     def converged(self) -> bool:
@@ -89,9 +95,11 @@ class DeploymentStatus:
         if self.failed:
             return DeploymentState.FAILED
         if self.converged and self.replicas_ready == self.replicas_desired:
-            return DeploymentState.READY
+            return DeploymentState.IDLE if self.autoscaling and self.replicas_desired == 0 else DeploymentState.READY
         if self.last_failure and self.replicas_ready < self.replicas_desired:
             return DeploymentState.FAILING
+        if self.autoscaling and self.converged:
+            return DeploymentState.COLD_START if self.replicas_ready == 0 else DeploymentState.SCALING
         return DeploymentState.STARTING if self.generation == 1 else DeploymentState.ROLLING
 
     def to_dict(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from atomr_infer.engine.cpu import size_kv_cache
@@ -218,3 +218,25 @@ def prices_from_env(environ: dict[str, str] | None = None) -> dict[str, float]:
         except (ValueError, AttributeError, TypeError) as exc:
             raise ValueError(f"ATOMR_GPU_PRICES: not a JSON object of type → $/GPU-hour: {raw!r} ({exc})") from None
     return prices
+
+
+def scale_cap(spec: Deployment, others: Iterable[Deployment], cluster: ClusterView, current: int, wanted: int,
+              sizes: tuple[int | None, int | None, int | None] = (None, None, None)) -> tuple[int, str | None]:
+    """How many replicas (``current`` < n <= ``wanted``) the budget lets ``spec`` scale to, and why
+    not more. GPUs and spend count every replica; CPU memory only the new ones (the running ones
+    already hold theirs in the memory the cluster reports free)."""
+    weights, kv, max_len = sizes
+    others = list(others)
+    failed: list[str] = []  # why the smallest count that failed so far failed
+    for n in range(wanted, current, -1):
+        verdict = check_budget(spec.model_copy(update={"replicas": n}), others,
+                               replace(cluster, cpu_memory_available_bytes=None), False, weights, kv, max_len)
+        over = [f"{c.name} {c.detail}" for c in verdict.checks if not c.ok]
+        if not over and not uses_gpus(spec, cluster) and cluster.cpu_memory_available_bytes:
+            check, _ = _cpu_memory(spec.model_copy(update={"replicas": n - current}),
+                                   cluster.cpu_memory_available_bytes, weights, kv, max_len)
+            over = [] if check.ok else [f"memory {check.detail}"]
+        if not over:
+            return n, (f"{n + 1} replicas would exceed the budget: " + "; ".join(failed)) if failed else None
+        failed = over
+    return current, (f"{current + 1} replicas would exceed the budget: " + "; ".join(failed)) if failed else None

@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from atomr_infer.control.autoscale import Autoscaler, BudgetCap, ScaleDecision
 from atomr_infer.control.reconcile import DeploymentReconciler
 from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
 from atomr_infer.control.store import DeploymentRecord
@@ -31,12 +32,36 @@ class ManagedDeployment:
     spec: Deployment
     record: DeploymentRecord
     reconciler: DeploymentReconciler = field(repr=False)
+    autoscaler: Autoscaler | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, spec: Deployment, reconciler: DeploymentReconciler, generation: int = 1) -> ManagedDeployment:
         managed = cls(spec, DeploymentRecord(normalized(spec), generation, runtime_key(spec, 0)), reconciler)
         reconciler.set_desired(spec, generation, managed.record.runtime_key)
+        managed._follow_autoscaling(spec.replicas)
         return managed
+
+    def _follow_autoscaling(self, start_at: int) -> None:
+        """Autoscaling on: the autoscaler owns the replica count (starting at ``start_at``, kept
+        within the spec's bounds); off: the spec's ``replicas`` does."""
+        cfg = self.spec.autoscaling
+        if cfg is None:
+            self.autoscaler = None
+        elif self.autoscaler is None:
+            self.autoscaler = Autoscaler(start_at)
+        self.reconciler.replicas_wanted = None
+        if self.autoscaler is not None and cfg is not None:
+            self.autoscaler.rebound(cfg)
+            self.reconciler.replicas_wanted = self.autoscaler.target
+
+    def autoscale(self, now: float, cap: BudgetCap) -> ScaleDecision | None:
+        """One autoscaling look at the load (no-op without autoscaling); the reconciler follows."""
+        cfg = self.spec.autoscaling
+        if self.autoscaler is None or cfg is None or self.reconciler.gave_up:
+            return None
+        decision = self.autoscaler.decide(cfg, self.reconciler.in_flight(), now, cap)
+        self.reconciler.replicas_wanted = self.autoscaler.target
+        return decision
 
     def update(self, spec: Deployment, forced_restart: bool) -> None:
         """A changed spec: the next generation (a new runtime key if the replicas must restart)."""
@@ -46,6 +71,7 @@ class ManagedDeployment:
         rec.runtime_key = runtime_key(spec, rec.nonce)
         self.spec = spec
         self.reconciler.set_desired(spec, rec.generation, rec.runtime_key)
+        self._follow_autoscaling(self.reconciler.want)
 
     def synced_record(self) -> DeploymentRecord:
         """The record, with the reconciler's next replica index and its live replicas."""
@@ -55,6 +81,7 @@ class ManagedDeployment:
             for r in self.reconciler.replicas
             if r.live
         }
+        self.record.autoscaled_replicas = self.autoscaler.target if self.autoscaler else None
         return self.record
 
     @classmethod
@@ -74,7 +101,10 @@ class ManagedDeployment:
                         started_at=info.get("started_at", 0.0), state_since=now(),
                     )
                 )
-        return cls(spec, record, reconciler)
+        managed = cls(spec, record, reconciler)
+        scaled = record.autoscaled_replicas
+        managed._follow_autoscaling(scaled if scaled is not None else spec.replicas)
+        return managed
 
     def route(self) -> DeploymentRoute:
         """Its entry in the routing table: the ready replicas and the serving limits."""
@@ -84,7 +114,9 @@ class ManagedDeployment:
         s = self.spec.serving
         aliases = tuple(s.openai.served_model_name)
         limits = s.rate_limits
+        scaling = self.spec.autoscaling
+        cold_start = scaling.cold_start_timeout_s if scaling is not None and scaling.min_replicas == 0 else None
         return DeploymentRoute(
             self.spec.name, s.max_concurrent, s.on_capacity_exhausted, ready, aliases,
-            limits.requests_per_minute, limits.tokens_per_minute,
+            limits.requests_per_minute, limits.tokens_per_minute, cold_start,
         )

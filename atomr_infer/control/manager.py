@@ -21,6 +21,7 @@ from atomr_infer.control.budget import (
     BudgetVerdict,
     ClusterView,
     check_budget,
+    scale_cap,
     size_estimates,
     uses_gpus,
 )
@@ -151,6 +152,11 @@ class DeploymentManager:
         """One pass over every deployment; safe to call any number of times."""
         started = time.perf_counter()
         routes_changed = False
+        for name, managed in self._desired.items():
+            try:
+                self._autoscale(name, managed)
+            except Exception as exc:  # noqa: BLE001 - a failed look at the load never stops the loop
+                log.error("autoscale_failed", deployment=name, error=repr(exc))
         for name, rec in [(n, d.reconciler) for n, d in self._desired.items()] + list(self._removing.items()):
             try:
                 routes_changed |= rec.update()
@@ -170,6 +176,26 @@ class DeploymentManager:
             log.error("state_save_failed", error=repr(exc))
         self.last_reconcile_s = time.perf_counter() - started
         self._metrics.reconcile_pass(self.last_reconcile_s)
+
+    def _autoscale(self, name: str, managed: ManagedDeployment) -> None:
+        decision = managed.autoscale(self._clock(), lambda n: self._scale_cap(managed, n))
+        if decision is None:
+            return
+        log.info("autoscale", deployment=name, replicas_from=decision.from_replicas,
+                 replicas_to=decision.to_replicas, reason=decision.reason)
+        self._metrics.scaled(name, decision.direction, decision.to_replicas)
+
+    def _scale_cap(self, managed: ManagedDeployment, wanted: int) -> tuple[int, str | None]:
+        cluster = self._cluster_view()
+        spec = managed.spec
+        sizes = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
+        return scale_cap(spec, self._others(spec.name), cluster, managed.reconciler.want, wanted, sizes)
+
+    def _others(self, name: str) -> list[Deployment]:
+        """The other deployments as the budget counts them: at their current replica targets."""
+        return [
+            d.spec.model_copy(update={"replicas": d.reconciler.want}) for n, d in self._desired.items() if n != name
+        ]
 
     def _publish(self) -> None:
         deployments = {name: d.route() for name, d in self._desired.items()}
@@ -274,6 +300,24 @@ class DeploymentManager:
             await asyncio.sleep(0.2)
         return self._status(name) if name in self._desired else None
 
+    async def report_demand(self, router_id: str, name: str, waiting: int) -> None:
+        """A router's requests waiting for a replica of ``name`` (a name or an alias): load for
+        the autoscaler, and what starts a deployment scaled to zero."""
+        self._ensure_loop()
+        route = self._table.find(name)
+        managed = self._desired.get(route.name if route else name)
+        if managed is None or managed.autoscaler is None:
+            return
+        managed.autoscaler.report_waiting(router_id, waiting, self._clock())
+        if managed.autoscaler.target == 0 and waiting > 0:
+            self._kick.set()  # a cold start: decide now, not at the next period
+
+    async def node_id(self) -> str:
+        """The Ray node the manager runs on (the head's, when created by ``manager_handle``)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
     async def ping(self) -> str:
         self._ensure_loop()
         return "ok"
@@ -285,7 +329,7 @@ class DeploymentManager:
         return plan_apply(current.spec if current else None, spec, force_restart=force)
 
     def _check(self, spec: Deployment, raise_on_fail: bool) -> BudgetVerdict:
-        others = [d.spec for n, d in self._desired.items() if n != spec.name]
+        others = self._others(spec.name)
         cluster = self._cluster_view()
         weights, kv, max_len = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
         return check_budget(spec, others, cluster, raise_on_fail, weights, kv, max_len)
@@ -316,4 +360,10 @@ class DeploymentManager:
     def _status(self, name: str) -> DeploymentStatus:
         d = self._desired.get(name)
         status = (d.reconciler if d else self._removing[name]).status()
-        return dataclasses.replace(status, removing=d is None, spec_hash=spec_hash(d.spec) if d else None)
+        scaling = None
+        if d is not None and d.autoscaler is not None and d.spec.autoscaling is not None:
+            scaling = d.autoscaler.report(d.spec.autoscaling, self._clock())
+        return dataclasses.replace(
+            status, removing=d is None, spec_hash=spec_hash(d.spec) if d else None, autoscaling=scaling,
+            placement=d.spec.placement if d else None,
+        )

@@ -55,6 +55,7 @@ class DeploymentReconciler:
         self.runtime_key = ""
         self.observed_generation = 0
         self.replicas: list[ReplicaRecord] = []
+        self.replicas_wanted: int | None = None  # the autoscaler's target; None: the spec's replicas
         self.failures = 0
         self.recurring_failures = 0  # start failures that will recur, since the last success
         self.failure_kind = ""  # "recurring" | "transient", of the last failure
@@ -100,6 +101,17 @@ class DeploymentReconciler:
     def finished_removing(self) -> bool:
         return self.spec is None and not any(r.live or r.state == ReplicaState.DRAINING for r in self.replicas)
 
+    @property
+    def want(self) -> int:
+        """Replicas to converge to: the autoscaler's target, else the spec's ``replicas``."""
+        if self.spec is None:
+            return 0
+        return self.spec.replicas if self.replicas_wanted is None else self.replicas_wanted
+
+    def in_flight(self) -> int:
+        """Requests open on the ready replicas, as of their last health checks."""
+        return sum(r.handle.in_flight() for r in self.ready_replicas())
+
     def ready_replicas(self) -> list[ReplicaRecord]:
         return [r for r in self.replicas if r.state == ReplicaState.READY]
 
@@ -144,7 +156,7 @@ class DeploymentReconciler:
                     self._set_state(r, ReplicaState.STOPPED, now, "drained" if poll.done else "drain timed out")
 
     def _converge(self, spec: Deployment, now: float) -> None:
-        want = spec.replicas
+        want = self.want
         new = [r for r in self.replicas if r.live and r.runtime_key == self.runtime_key]
         old = [r for r in self.replicas if r.live and r.runtime_key != self.runtime_key]
 
@@ -189,8 +201,10 @@ class DeploymentReconciler:
     def _start(self, spec: Deployment, now: float) -> bool:
         replica_id = f"r{self._next_index}"
         self._next_index += 1
+        # Where the deployment's replicas are, so that a new one spreads or packs next to them.
+        nodes = [r.handle.placement().get("node_id") for r in self.replicas if r.live]
         try:
-            handle = self._launcher.start(spec, replica_id)
+            handle = self._launcher.start(spec, replica_id, [n for n in nodes if n])
         except Exception as exc:  # noqa: BLE001 - a failed start is a replica failure, not a crash
             self._note_failure(f"{replica_id} could not be created: {exc}", now)
             self._log.error("replica_create_failed", replica=replica_id, error=str(exc))
@@ -240,7 +254,7 @@ class DeploymentReconciler:
         if self.spec is None:
             return self.finished_removing
         live = [r for r in self.replicas if r.live or r.state == ReplicaState.DRAINING]
-        return len(live) == self.spec.replicas and all(
+        return len(live) == self.want and all(
             r.state == ReplicaState.READY and r.runtime_key == self.runtime_key for r in live
         )
 
@@ -271,7 +285,7 @@ class DeploymentReconciler:
             model=spec.model if spec else None,
             generation=self.generation,
             observed_generation=self.observed_generation,
-            replicas_desired=spec.replicas if spec else 0,
+            replicas_desired=self.want,
             replicas_ready=len(self.ready_replicas()),
             replicas=replicas,
             last_failure=self.last_failure or None,

@@ -8,6 +8,7 @@ returns at once: the reconciler polls, it never blocks on a slow replica.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,7 +66,9 @@ class ReplicaHandle(Protocol):
 
 
 class ReplicaLauncher(Protocol):
-    def start(self, deployment: Deployment, replica_id: str) -> ReplicaHandle: ...
+    def start(self, deployment: Deployment, replica_id: str, peer_nodes: Sequence[str] = ()) -> ReplicaHandle:
+        """Create the replica; ``peer_nodes``: the nodes of the deployment's other live replicas
+        (one entry per replica), for ``placement``."""
 
     def adopt(self, deployment: Deployment, replica_id: str) -> ReplicaHandle | None:
         """Re-attach to a live replica by name (after a manager restart); None if gone."""

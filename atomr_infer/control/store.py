@@ -23,6 +23,7 @@ class DeploymentRecord:
     nonce: int = 0  # bumped by forced restarts (restart_on_apply: true)
     next_index: int = 0
     replicas: dict[str, dict[str, Any]] = field(default_factory=dict)  # id → {runtime_key, generation, started_at}
+    autoscaled_replicas: int | None = None  # the autoscaler's target, kept across a manager restart
 
 
 class StateStore:

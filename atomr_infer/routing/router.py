@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -51,6 +52,12 @@ _DEAD = (ActorDiedError, ActorUnavailableError, RayActorError)
 MAX_ATTEMPTS = 4
 # How long a replica's own word on its load counts (a router that sends it nothing hears nothing).
 LOAD_FRESH_S = 1.0
+# How often a router tells the manager, while requests wait for a replica, how many wait
+# (the autoscaler's load; for a deployment scaled to zero, what starts a replica).
+DEMAND_EVERY_S = 0.5
+# demand(router id, deployment, waiting): sends the report without waiting for an answer
+# (``manager.report_demand.remote``).
+DemandReport = Callable[[str, str, int], Any]
 log = get_logger(__name__)
 
 
@@ -61,8 +68,13 @@ class Router:
         wait_for_replica_s: float = 30.0,
         refresh_s: float = 1.0,
         queue_timeout_s: float | None = None,
+        demand: DemandReport | None = None,
     ) -> None:
         self._source = source
+        self._demand = demand
+        self.id = uuid.uuid4().hex[:12]
+        self._waiting: collections.Counter[str] = collections.Counter()  # requests waiting, by deployment
+        self._demand_at: dict[str, float] = {}
         self._wait_s, self._refresh_s = wait_for_replica_s, refresh_s
         # How long a request may wait for a free slot with on_capacity_exhausted=queue;
         # None waits as long as it takes (Ray Serve's default: unbounded queue).
@@ -138,39 +150,57 @@ class Router:
             channel.retire()
             self._retired.append(channel)
 
+    def _report_waiting(self, name: str, now: float) -> None:
+        if self._demand is None or now - self._demand_at.get(name, 0.0) < DEMAND_EVERY_S:
+            return
+        self._demand_at[name] = now
+        try:
+            self._demand(self.id, name, self._waiting[name])
+        except Exception as exc:  # noqa: BLE001 - the manager is away: routing goes on
+            log.warning("demand_report_failed", deployment=name, error=f"{type(exc).__name__}: {exc}")
+
     async def _route(self, name: str) -> tuple[DeploymentRoute, ReplicaRoute]:
-        started = time.monotonic()
-        deadline = started + self._wait_s  # for a ready replica to appear
+        started = appear_from = time.monotonic()  # the wait for a ready replica runs from appear_from
         queue_deadline = None if self._queue_timeout_s is None else started + self._queue_timeout_s
         table = await self.refresh()
         if table.find(name) is None:
             table = await self.refresh(force=True)
-        while True:
-            dep = table.find(name)
-            if dep is None:
-                raise DeploymentNotFound(name, sorted(table.deployments))
-            usable = [r for r in dep.replicas if r.actor_name not in self._excluded]
-            if usable:
-                loads = {r.actor_name: self.load(r.actor_name) for r in usable}
-                choice = pick_replica(usable, loads, dep.max_concurrent)
-                if choice is not None:
-                    return dep, choice
-                if dep.on_capacity_exhausted == "reject":
-                    raise CapacityExhausted(name, dep.max_concurrent)
-            now = time.monotonic()
-            if usable:  # all full: queue for a slot
-                deadline = now + self._wait_s  # replicas exist; that wait is not running
-                if queue_deadline is not None and now >= queue_deadline:
-                    raise CapacityExhausted(name, dep.max_concurrent, retry_after_s=1.0)
-            remaining = deadline - now
-            if remaining <= 0:
-                raise NoReadyReplica(name, now - started)
-            # Wait for a slot to free up or for the table to change, whichever comes first.
-            self._released.clear()
-            try:
-                await asyncio.wait_for(self._released.wait(), timeout=min(remaining, 0.25))
-            except asyncio.TimeoutError:
-                table = await self.refresh(force=not usable)
+        waiting_for: str | None = None  # the deployment this request is counted waiting for
+        try:
+            while True:
+                dep = table.find(name)
+                if dep is None:
+                    raise DeploymentNotFound(name, sorted(table.deployments))
+                usable = [r for r in dep.replicas if r.actor_name not in self._excluded]
+                if usable:
+                    loads = {r.actor_name: self.load(r.actor_name) for r in usable}
+                    choice = pick_replica(usable, loads, dep.max_concurrent)
+                    if choice is not None:
+                        return dep, choice
+                    if dep.on_capacity_exhausted == "reject":
+                        raise CapacityExhausted(name, dep.max_concurrent)
+                now = time.monotonic()
+                if waiting_for is None:
+                    waiting_for = dep.name
+                    self._waiting[dep.name] += 1
+                self._report_waiting(dep.name, now)
+                if usable:  # all full: queue for a slot
+                    appear_from = now  # replicas exist; that wait is not running
+                    if queue_deadline is not None and now >= queue_deadline:
+                        raise CapacityExhausted(name, dep.max_concurrent, retry_after_s=1.0)
+                # A deployment that may scale to zero waits as long as a replica may take to start.
+                remaining = appear_from + max(self._wait_s, dep.cold_start_timeout_s or 0.0) - now
+                if remaining <= 0:
+                    raise NoReadyReplica(name, now - started)
+                # Wait for a slot to free up or for the table to change, whichever comes first.
+                self._released.clear()
+                try:
+                    await asyncio.wait_for(self._released.wait(), timeout=min(remaining, 0.25))
+                except asyncio.TimeoutError:
+                    table = await self.refresh(force=not usable)
+        finally:
+            if waiting_for is not None:
+                self._waiting[waiting_for] -= 1
 
     async def stream(self, name: str, request: Any, method: str = "generate") -> AsyncIterator[Any]:
         """What the replica's streaming ``method`` yields for ``request`` (``generate``: ``Chunk``s;

@@ -22,6 +22,9 @@ class DeploymentRoute:
     aliases: tuple[str, ...] = ()  # serving.openai.served_model_name: more names it answers to
     requests_per_minute: int | None = None  # serving.rate_limits, enforced by the HTTP ingress
     tokens_per_minute: int | None = None
+    # autoscaling.cold_start_timeout_s when it may scale to zero: how long a request waits for a
+    # replica to start (routers report waiting requests, which starts one).
+    cold_start_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,10 @@ class OpenAIIngress:
         self._limits = IngressLimits()
         self._access = AccessLog()
         self._tables = TableCache()
-        self._router = Router(self._tables.get, wait_for_replica_s=replica_wait_s, refresh_s=0.0)
+        self._router = Router(
+            self._tables.get, wait_for_replica_s=replica_wait_s, refresh_s=0.0,
+            demand=lambda *report: self._tables.manager().report_demand.remote(*report),
+        )
 
     def __del__(self) -> None:
         with contextlib.suppress(RuntimeError):  # the loop may be closed already

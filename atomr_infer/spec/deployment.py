@@ -168,6 +168,40 @@ class Serving(_Strict):
     rate_limits: RateLimits = Field(default_factory=RateLimits, description="Over the HTTP API; changed in place.")
 
 
+class Autoscaling(_Strict):
+    """Replicas from load, within bounds (Ray Serve's names and defaults where they mean the same).
+
+    The manager sums the requests in flight on the ready replicas and those waiting in routers,
+    wants ``ceil(load / target_ongoing_requests)`` replicas within ``[min_replicas,
+    max_replicas]``, and moves there once that want has held for the delay. Scaling stops at the
+    deployment's budget (GPUs, memory, spend) and says so in ``atomr status``."""
+
+    min_replicas: Annotated[StrictInt, Field(ge=0, le=1024)] = Field(
+        1, description="Fewest replicas; 0 scales to zero when idle (the next request waits for a cold start)."
+    )
+    max_replicas: Annotated[StrictInt, Field(ge=1, le=1024)] = Field(1, description="Most replicas.")
+    target_ongoing_requests: Annotated[Number, Field(gt=0, le=65_536)] = Field(
+        2, description="Requests in flight or waiting per replica that the manager aims for."
+    )
+    upscale_delay_s: Annotated[Number, Field(ge=0, le=86_400)] = Field(
+        30, description="How long the load must call for more replicas before they start."
+    )
+    downscale_delay_s: Annotated[Number, Field(ge=0, le=86_400)] = Field(
+        600, description="How long the load must call for fewer replicas before they drain and stop."
+    )
+    cold_start_timeout_s: Annotated[Number, Field(gt=0, le=86_400)] = Field(
+        300, description="With min_replicas 0: how long a request waits for the first replica to start."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscaling:
+        if self.max_replicas < self.min_replicas:
+            raise FieldValueError(
+                "max_replicas", f"{self.max_replicas} is below min_replicas ({self.min_replicas})"
+            )
+        return self
+
+
 class Budget(_Strict):
     """Spend limits, checked against the price of the GPUs the deployment reserves."""
 
@@ -202,6 +236,14 @@ class Deployment(_Strict):
     replicas: Annotated[StrictInt, Field(ge=0, le=1024)] = Field(
         1, description="Number of replicas; 0 keeps the spec but serves nothing."
     )
+    autoscaling: Autoscaling | None = Field(
+        None, description="Replicas from load within bounds; `replicas`, if set, is then the starting count."
+    )
+    placement: Literal["spread", "pack"] = Field(
+        "spread",
+        description="'spread' puts the replicas on as many nodes as it can (a node lost takes fewest); "
+        "'pack' on as few (frees whole nodes). A replica's own GPUs are always on one node.",
+    )
     serving: Serving = Field(default_factory=Serving, description="Admission limits per replica.")
     budget: Budget | None = Field(None, description="Spend limits; none means unlimited.")
     restart_on_apply: StrictBool = Field(
@@ -230,6 +272,17 @@ class Deployment(_Strict):
             stacklevel=2,
         )
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replicas_from_autoscaling(cls, data: Any) -> Any:
+        """With autoscaling and no ``replicas``, start at ``min_replicas`` (Ray Serve's
+        ``initial_replicas`` default); written into the spec so that its dump reads back the same."""
+        if not isinstance(data, dict) or data.get("autoscaling") is None or "replicas" in data:
+            return data
+        scaling = data["autoscaling"]
+        low = scaling.min_replicas if isinstance(scaling, Autoscaling) else (scaling or {}).get("min_replicas", 1)
+        return {**data, "replicas": low} if isinstance(low, int) and not isinstance(low, bool) else data
 
     @property
     def idempotent(self) -> bool:
@@ -275,6 +328,13 @@ class Deployment(_Strict):
                 f"is {tp} but gpus is {self.gpus}: one replica shards over its GPUs, "
                 "so set them equal (or leave tensor_parallel_size unset)",
             )
+        scaling = self.autoscaling
+        if scaling is not None and not scaling.min_replicas <= self.replicas <= scaling.max_replicas:
+            raise FieldValueError(
+                "replicas",
+                f"{self.replicas} is outside autoscaling's bounds [{scaling.min_replicas}, {scaling.max_replicas}]: "
+                "with autoscaling, replicas is only the starting count (or leave it out: min_replicas)",
+            )
         hourly = self.budget.max_spend_per_hour_usd if self.budget else None
         daily = self.budget.max_spend_per_day_usd if self.budget else None
         if hourly and daily and daily < hourly:
@@ -286,3 +346,4 @@ class Deployment(_Strict):
     @property
     def tensor_parallel_size(self) -> int:
         return self.gpus
+

@@ -35,6 +35,7 @@ class FakeHandle:
     stopped: bool = False
     draining: bool = False
     adopted: bool = False
+    load: int = 0  # what its health checks say is in flight
 
     def placement(self):
         return {"actor_id": f"id-{self.actor_name}", "node_id": "n0", "gpu_ids": []}
@@ -46,7 +47,7 @@ class FakeHandle:
         return self.health
 
     def in_flight(self):
-        return 0
+        return self.load
 
     def begin_drain(self, timeout_s):
         self.draining = True
@@ -67,7 +68,8 @@ class FakeLauncher:
         self.fail_next = 0
         self.alive: dict[str, FakeHandle] = {}
 
-    def start(self, deployment, replica_id):
+    def start(self, deployment, replica_id, peer_nodes=()):
+        self.peer_nodes = list(peer_nodes)
         if self.fail_next:
             self.fail_next -= 1
             raise RuntimeError("no resources")

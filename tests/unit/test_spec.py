@@ -47,6 +47,15 @@ FULL: dict[str, Any] = {
     },
     "gpus": 2,
     "replicas": 3,
+    "autoscaling": {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "target_ongoing_requests": 8.0,
+        "upscale_delay_s": 5.0,
+        "downscale_delay_s": 120.0,
+        "cold_start_timeout_s": 60.0,
+    },
+    "placement": "pack",
     "serving": {
         "max_concurrent": 16,
         "on_capacity_exhausted": "reject",

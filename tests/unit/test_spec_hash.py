@@ -82,6 +82,10 @@ _OTHER_VALUE: dict[str, Any] = {
     "runtime_config.tensor_parallel_size": FULL["gpus"],  # unset in FULL; only gpus' value is valid
     "serving.openai.served_model_name": ["gemma", "gemma-4"],
     "runtime_config.cpu_threads": 2,
+    "autoscaling": {
+        "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 2.0, "upscale_delay_s": 30.0,
+        "downscale_delay_s": 600.0, "cold_start_timeout_s": 300.0,
+    },
 }
 
 

@@ -1,0 +1,146 @@
+"""Autoscaling: the decision rule alone, then through the manager with its fakes (the replicas'
+in-flight counts are what their health checks would say). The real flow, with a vLLM engine,
+is in tests/integration/test_autoscaling.py."""
+
+from __future__ import annotations
+
+from atomr_infer.control.autoscale import Autoscaler
+from atomr_infer.control.budget import ClusterView, scale_cap
+from atomr_infer.spec import Autoscaling, Deployment
+
+from .test_manager import Harness, spec
+
+CFG = Autoscaling(min_replicas=1, max_replicas=4, target_ongoing_requests=4, upscale_delay_s=3, downscale_delay_s=10)
+
+
+def unlimited(n: int) -> tuple[int, str | None]:
+    return n, None
+
+
+def test_scales_up_only_once_the_load_held_for_the_delay() -> None:
+    a = Autoscaler(1)
+    assert a.decide(CFG, in_flight=16, now=0.0, cap=unlimited) is None
+    assert a.decide(CFG, in_flight=16, now=2.9, cap=unlimited) is None
+    decision = a.decide(CFG, in_flight=16, now=3.0, cap=unlimited)
+    assert decision is not None and (decision.from_replicas, decision.to_replicas, decision.direction) == (1, 4, "up")
+    assert "load 16" in decision.reason and a.target == 4
+
+
+def test_a_dip_restarts_the_delay() -> None:
+    a = Autoscaler(1)
+    a.decide(CFG, in_flight=9, now=0.0, cap=unlimited)
+    a.decide(CFG, in_flight=2, now=2.0, cap=unlimited)  # the want fell back: the timer resets
+    assert a.decide(CFG, in_flight=9, now=4.0, cap=unlimited) is None
+    assert a.decide(CFG, in_flight=9, now=7.0, cap=unlimited).to_replicas == 3
+
+
+def test_scales_down_after_the_downscale_delay_never_below_min() -> None:
+    a = Autoscaler(3)
+    assert a.decide(CFG, in_flight=0, now=0.0, cap=unlimited) is None
+    assert a.decide(CFG, in_flight=0, now=9.0, cap=unlimited) is None
+    decision = a.decide(CFG, in_flight=0, now=10.0, cap=unlimited)
+    assert (decision.to_replicas, decision.direction) == (1, "down") and "no load" in decision.reason
+
+
+def test_from_zero_a_waiting_request_starts_one_at_once() -> None:
+    cfg = CFG.model_copy(update={"min_replicas": 0})
+    a = Autoscaler(0)
+    assert a.decide(cfg, in_flight=0, now=0.0, cap=unlimited) is None
+    a.report_waiting("router-1", 1, now=5.0)
+    decision = a.decide(cfg, in_flight=0, now=5.0, cap=unlimited)
+    assert decision.to_replicas == 1 and decision.reason.startswith("cold start")
+    # A report counts for DEMAND_FRESH_S only: a router that stopped waiting stops counting.
+    assert a.waiting(now=6.0) == 1 and a.waiting(now=8.0) == 0
+
+
+def test_the_budget_stops_scaling_short_and_says_why() -> None:
+    a = Autoscaler(1)
+    a.decide(CFG, in_flight=16, now=0.0, cap=lambda n: (2, "3 replicas would exceed the budget: gpus 3 of 2 GPUs"))
+    decision = a.decide(CFG, in_flight=16, now=3.0, cap=lambda n: (2, "3 replicas would exceed the budget: gpus"))
+    assert decision.to_replicas == 2 and "stopped short of 4" in decision.reason
+    assert a.limited and "exceed the budget" in a.limited
+    # At the cap: no decision, the reason stays.
+    assert a.decide(CFG, in_flight=16, now=9.0, cap=lambda n: (2, "over")) is None
+    assert a.decide(CFG, in_flight=16, now=12.0, cap=lambda n: (2, "over")) is None and a.limited == "over"
+
+
+def test_scale_cap_counts_gpus_and_spend() -> None:
+    cluster = ClusterView(total_gpus=4, accelerator_type="L4")
+    dep = spec(replicas=1, autoscaling={"max_replicas": 8}, budget={"max_spend_per_hour_usd": 2.0})
+    other = spec(name="other", replicas=1)
+    # 4 GPUs, 1 held by another: 3 fit; at $0.80 per L4-hour, $2/hour allows 2.
+    allowed, why = scale_cap(dep, [other], cluster, current=1, wanted=8)
+    assert allowed == 2 and "3 replicas would exceed the budget" in why and "budget.max_spend_per_hour_usd" in why
+    no_budget = dep.model_copy(update={"budget": None})
+    allowed, why = scale_cap(no_budget, [other], cluster, current=1, wanted=8)
+    assert allowed == 3 and "gpus 5 of 4 GPUs" in why
+
+
+def autoscaled(**kw) -> Deployment:
+    scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4, "upscale_delay_s": 2,
+               "downscale_delay_s": 5, **kw}
+    return spec(autoscaling=scaling)
+
+
+def set_load(h: Harness, load: int) -> None:
+    for handle in h.launcher.started:
+        handle.load = load
+
+
+def test_manager_scales_up_with_load_and_back_down_draining_first() -> None:
+    h = Harness()
+    h.call("apply", autoscaled())
+    h.converge()
+    assert h.live() == ["atomr:demo:r0"]
+    set_load(h, 16)
+    h.converge(passes=6)
+    status = h.call("status", "demo")
+    assert h.live() == ["atomr:demo:r0", "atomr:demo:r1"] and status.replicas_desired == 2
+    assert status.autoscaling["last_decision"]["to_replicas"] == 2 and status.state == "ready"
+    set_load(h, 0)
+    h.converge(passes=3)
+    assert len(h.live()) == 2  # the downscale delay has not passed
+    h.converge(passes=6)
+    assert h.live() == ["atomr:demo:r0"]  # the newest went, and it drained first
+    assert h.launcher.started[1].draining and h.launcher.started[1].stopped
+    assert h.call("status", "demo").autoscaling["last_decision"]["to_replicas"] == 1
+
+
+def test_manager_stops_at_the_gpu_budget_and_says_so_in_status() -> None:
+    h = Harness()
+    h.call("apply", spec(name="big", replicas=3))  # 3 of the 4 GPUs
+    h.call("apply", autoscaled(max_replicas=4))
+    h.converge()
+    set_load(h, 40)
+    h.converge(passes=6)
+    status = h.call("status", "demo")
+    assert status.replicas_desired == 1 and len(h.live()) == 1
+    assert "gpus 5 of 4 GPUs" in status.autoscaling["limited_by_budget"]
+
+
+def test_manager_scales_to_zero_and_a_waiting_request_cold_starts_it() -> None:
+    h = Harness()
+    h.call("apply", autoscaled(min_replicas=0))
+    h.converge()
+    status = h.call("status", "demo")
+    assert h.live() == [] and status.state == "idle"
+    h.call("report_demand", "router-a", "demo", 1)
+    h.manager.reconcile_once()
+    status = h.call("status", "demo")
+    assert status.state == "cold-start" and status.replicas_desired == 1 and len(h.live()) == 1
+    h.converge(passes=2)
+    assert h.call("status", "demo").state == "ready"
+    h.converge(passes=8)  # no load for longer than the downscale delay
+    assert h.live() == [] and h.call("status", "demo").state == "idle"
+
+
+def test_the_autoscaled_count_survives_a_manager_restart() -> None:
+    h = Harness()
+    h.call("apply", autoscaled())
+    h.converge()
+    set_load(h, 16)
+    h.converge(passes=6)
+    restarted = Harness(store=h.store, launcher=h.launcher)
+    assert restarted.call("status", "demo").replicas_desired == 2
+    restarted.converge()
+    assert len(restarted.launcher.started) == 2  # both re-adopted, none started
