@@ -7,8 +7,10 @@ PYTEST_ARGS ?=
 setup:
 	@bash scripts/setup.sh
 
+# tests/multinode joins a cluster of its own, so it runs in a pytest session of its own.
 test: setup
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs tests/multinode $(PYTEST_ARGS)
 
 unit: setup
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

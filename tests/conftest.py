@@ -30,6 +30,14 @@ def pytest_unconfigure(config) -> None:
     faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
 
 
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """tests/multinode runs only when named (``make test`` runs it in a session of its own):
+    its cluster and the other tiers' Ray cannot share one process."""
+    if collection_path.name == "multinode" and not any("multinode" in str(a) for a in config.args):
+        return True
+    return None
+
+
 @pytest.fixture(scope="session")
 def bundled_model_dir() -> Path:
     """The bundled SmolLM2 as an HF directory in the default cache (``$ATOMR_CACHE_DIR`` or

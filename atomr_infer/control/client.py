@@ -15,6 +15,7 @@ from typing import Any
 
 from atomr_infer.cluster import MANAGER_NAME, NAMESPACE, connect
 from atomr_infer.control.manager import ApplyResult, DeploymentManager, PlanResult
+from atomr_infer.control.placement import on_head_node
 from atomr_infer.errors import AtomrError, one_line, unwrap
 from atomr_infer.spec import Deployment
 from atomr_infer.status import DeploymentStatus
@@ -32,19 +33,25 @@ def manager_handle(address: str | None = None, start: bool = True) -> Any:
     except ValueError:
         if not start:
             raise AtomrError("the atomr manager is not running (hint: `atomr up` or `atomr deploy FILE`)") from None
-    actor_cls = ray.remote(DeploymentManager)
-    handle = actor_cls.options(
-        name=MANAGER_NAME,
-        namespace=NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,  # two CLIs racing to create it get the same actor
-        max_restarts=-1,  # a crashed manager comes back and re-adopts replicas
-        max_task_retries=0,
-        num_cpus=0,
-        max_concurrency=1000,
-    ).remote()
+    handle = ray.remote(DeploymentManager).options(**manager_options()).remote()
     ray.get(handle.ping.remote())
     return handle
+
+
+def manager_options(name: str = MANAGER_NAME) -> dict[str, Any]:
+    """How the manager actor runs (tests create private managers with the same options)."""
+    return {
+        "name": name,
+        "namespace": NAMESPACE,
+        "lifetime": "detached",
+        "get_if_exists": True,  # two CLIs racing to create it get the same actor
+        "max_restarts": -1,  # a crashed manager comes back and re-adopts replicas
+        "max_task_retries": 0,
+        "num_cpus": 0,
+        "max_concurrency": 1000,
+        # On the head: it lives as long as the cluster (a worker node may go away with the manager).
+        **on_head_node(),
+    }
 
 
 def call(ref: Any, timeout_s: float | None = CALL_TIMEOUT_S) -> Any:

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from atomr_infer.cluster import NAMESPACE
+from atomr_infer.control.placement import node_hint
 from atomr_infer.control.replicas import Poll
 from atomr_infer.engine.cpu import cpu_reservation
 from atomr_infer.errors import AtomrError, EngineStartFailed
@@ -54,8 +55,11 @@ def _poll(fut: Future[Any] | None) -> tuple[Poll, Any]:
 
 
 class RayReplicaHandle:
-    def __init__(self, actor: Any, name: str, reaper: Reaper, pg: Any = None, adopted: bool = False) -> None:
+    def __init__(
+        self, actor: Any, name: str, reaper: Reaper, pg: Any = None, adopted: bool = False, node: str | None = None
+    ) -> None:
         self.actor_name = name
+        self._node = node  # where it was sent, until it says where it runs
         self._actor, self._pg, self._reaper = actor, pg, reaper
         self._ready: Future[Any] | None = actor.ready.remote().future()
         self._health: Future[Any] | None = None
@@ -70,7 +74,7 @@ class RayReplicaHandle:
     def placement(self) -> dict[str, Any]:
         return {
             "actor_id": self._actor._actor_id.hex(),
-            "node_id": self._info.get("node_id"),
+            "node_id": self._info.get("node_id") or self._node,
             "gpu_ids": self._info.get("gpu_ids", []),
             "device": self._info.get("device"),
             "dtype": self._info.get("dtype"),
@@ -152,7 +156,7 @@ class RayReplicaLauncher:
         self._replica_kwargs = replica_kwargs or {}
         self.reaper = Reaper()
 
-    def start(self, deployment: Deployment, replica_id: str) -> RayReplicaHandle:
+    def start(self, deployment: Deployment, replica_id: str, peer_nodes: Sequence[str] = ()) -> RayReplicaHandle:
         name = actor_name(deployment.name, replica_id)
         options: dict[str, Any] = {
             "name": name,
@@ -163,18 +167,26 @@ class RayReplicaLauncher:
         }
         pg = None
         if self._uses_gpus(deployment):
+            need = {"GPU": float(deployment.gpus), "CPU": 1.0}
+            node = node_hint(deployment.placement, need, peer_nodes)
             if deployment.gpus > 1:
-                # Tensor parallel inside one actor: keep its GPUs together on one node.
-                pg = placement_group([{"GPU": deployment.gpus, "CPU": 1}], strategy="STRICT_PACK", name=name)
+                # Tensor parallel inside one actor: its GPUs in one bundle, so on one node.
+                pg = placement_group([need], strategy="STRICT_PACK", name=name, _soft_target_node_id=node)
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg)
+            elif node is not None:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
             options.update(num_gpus=deployment.gpus, num_cpus=1)
         else:
-            options.update(num_gpus=0, num_cpus=cpu_reservation(deployment))
+            cpus = cpu_reservation(deployment)
+            node = node_hint(deployment.placement, {"CPU": float(cpus)}, peer_nodes)
+            if node is not None:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+            options.update(num_gpus=0, num_cpus=cpus)
         actor = replica_actor_class().options(**options).remote(
             deployment.model_dump(mode="json"), replica_id, **self._replica_kwargs
         )
-        log.info("replica_actor_created", deployment=deployment.name, replica=replica_id, actor=name)
-        return RayReplicaHandle(actor, name, self.reaper, pg)
+        log.info("replica_actor_created", deployment=deployment.name, replica=replica_id, actor=name, node=node)
+        return RayReplicaHandle(actor, name, self.reaper, pg, node=node)
 
     def adopt(self, deployment: Deployment, replica_id: str) -> RayReplicaHandle | None:
         name = actor_name(deployment.name, replica_id)

@@ -1,0 +1,69 @@
+"""Which node a new replica goes to: ``placement: spread`` (default) or ``pack``.
+
+Spread puts it on the node with the fewest replicas of its deployment, so that losing a node
+loses the fewest (Ray Serve's default, ``SPREAD``); pack on the node with the most that still
+has room, so that whole nodes stay free for other work (Ray Serve's compact scheduling). Only
+nodes with the resources free now are candidates. The choice is a soft hint to Ray (node
+affinity, or a placement group's target node): if the node filled up meanwhile, Ray places the
+replica elsewhere rather than leaving it pending. A replica's own GPUs are one actor's (or one
+placement-group bundle's) resources, which Ray always takes from a single node.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from atomr_infer.log import get_logger
+
+log = get_logger(__name__)
+
+
+def pick_node(
+    placement: str, free: Mapping[str, Mapping[str, float]], need: Mapping[str, float], peer_nodes: Sequence[str]
+) -> str | None:
+    """The node for a replica needing ``need`` resources, given each alive node's ``free``
+    resources and the nodes of the deployment's other replicas; None when none has room."""
+    fits = [n for n, res in free.items() if all(res.get(k, 0.0) >= v for k, v in need.items() if v > 0)]
+    if not fits:
+        return None
+    count = collections.Counter(peer_nodes)
+    main = "GPU" if need.get("GPU", 0) > 0 else "CPU"
+    if placement == "pack":
+        # Most peers first; then the tightest fit, so that emptier nodes stay free.
+        return min(fits, key=lambda n: (-count[n], free[n].get(main, 0.0), n))
+    return min(fits, key=lambda n: (count[n], -free[n].get(main, 0.0), n))
+
+
+def free_resources_by_node() -> dict[str, dict[str, float]]:
+    """Each alive node's free resources, from Ray (empty when it cannot say)."""
+    try:
+        from ray._private.state import available_resources_per_node  # as Ray Serve reads them
+
+        return {node: dict(res) for node, res in available_resources_per_node().items()}
+    except Exception as exc:  # noqa: BLE001 - no hint then: Ray places the replica itself
+        log.warning("node_resources_unknown", error=repr(exc))
+        return {}
+
+
+def node_hint(placement: str, need: Mapping[str, float], peer_nodes: Sequence[str]) -> str | None:
+    return pick_node(placement, free_resources_by_node(), need, peer_nodes)
+
+
+def head_node_id() -> str | None:
+    """The head node's id (where the manager runs: the node that lives as long as the cluster)."""
+    import ray
+
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return str(node["NodeID"])
+    return None
+
+
+def on_head_node() -> dict[str, Any]:
+    """Actor options that pin an actor to the head node (none if there is no head to find)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    head = head_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(head, soft=False)} if head else {}
