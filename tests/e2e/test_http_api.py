@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.conftest import smollm2_spec
+from tests.e2e.conftest import REPLICA_WAIT_S
 
 pytestmark = pytest.mark.e2e
 
@@ -200,6 +201,25 @@ def test_no_ready_replica_is_503(client, manager, ray_cluster):
         assert info.value.status_code == 503
         assert info.value.response.headers.get("retry-after")
         assert "no ready replica" in error_of(info.value)["message"]
+    finally:
+        ray_cluster.get(manager.remove.remote(name))
+
+
+def test_a_deployment_scaled_to_zero_starts_on_its_first_request_and_serves_it(client, manager, ray_cluster):
+    """Scale from zero with the real engine: the request waits (longer than the ingress's usual
+    wait for a replica) while the manager starts one, then gets its answer."""
+    name = "smollm2-cold"
+    scaling = {"min_replicas": 0, "max_replicas": 1, "downscale_delay_s": 600, "cold_start_timeout_s": 300}
+    ray_cluster.get(manager.apply.remote(smollm2_spec(name=name, replicas=0, autoscaling=scaling)))
+    try:
+        idle = ray_cluster.get(manager.status.remote(name))
+        assert (idle.state, idle.replicas_desired) == ("idle", 0)
+        started = time.monotonic()
+        answer = client.with_options(timeout=300).chat.completions.create(model=name, messages=CHAT, max_tokens=8)
+        assert answer.choices[0].message.content
+        assert time.monotonic() - started > REPLICA_WAIT_S  # it did wait for an engine to start
+        status = ray_cluster.get(manager.status.remote(name))
+        assert status.replicas_ready == 1 and status.autoscaling["last_decision"]["reason"].startswith("cold start")
     finally:
         ray_cluster.get(manager.remove.remote(name))
 
