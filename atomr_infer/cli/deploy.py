@@ -136,6 +136,10 @@ def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
             device_error = str(exc)
         if control is None:
             _say(f"{d.name}: create {render.plural(d.replicas, 'replica')}")
+            if d.autoscaling is not None:
+                from atomr_infer.control.budget import scaling_summary
+
+                _say(f"  scaling: {scaling_summary(d, None)}")
             _say(f"  budget: not checked: {offline}")
         else:
             try:
@@ -144,6 +148,8 @@ def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
                 code = code or report(exc)
                 continue
             _say(f"{d.name}: {'; '.join(plan.actions)}")
+            if plan.scaling:
+                _say(f"  scaling: {plan.scaling}")
             if plan.budget_ok:
                 _say(f"  budget: {plan.budget or 'ok'}")
             else:

@@ -156,6 +156,22 @@ def replicas_lines(rows: Sequence[dict[str, Any]]) -> list[Text]:
     return columns(headers, cells)
 
 
+def scaling_line(status: DeploymentStatus) -> str:
+    """Autoscaling: bounds, target and load, the last decision and what the budget stopped."""
+    a = status.autoscaling or {}
+    line = (f"{status.name}: autoscaling {a['min_replicas']}-{a['max_replicas']}: target {a['target_replicas']} "
+            f"replica(s), load {a['load']:g} ({a['target_ongoing_requests']:g} per replica)")
+    if a.get("waiting"):
+        line += f", {a['waiting']} waiting"
+    last = a.get("last_decision")
+    if last:
+        when = time.strftime("%H:%M:%S", time.localtime(last["at"]))
+        line += f"\n  last: {last['from_replicas']} → {last['to_replicas']} at {when}: {last['reason']}"
+    if a.get("limited_by_budget"):
+        line += f"\n  held by the budget: {a['limited_by_budget']}"
+    return line
+
+
 def failure_line(status: DeploymentStatus) -> str:
     """Why the last replica failed, and whether the manager is still trying."""
     line = f"{status.name}: last failure: {status.last_failure}"

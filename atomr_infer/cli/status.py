@@ -71,6 +71,8 @@ def status_command(
         for line in render.replicas_lines(rows):
             out.print(line, soft_wrap=True)
     for s in statuses:
+        if s.autoscaling:
+            out.print(Text("\n" + render.scaling_line(s), style="dim"), soft_wrap=True)
         if s.last_failure and s.state != DeploymentState.READY:
             out.print(Text("\n" + render.failure_line(s), style="red"), soft_wrap=True)
     if dashboard:

@@ -220,6 +220,28 @@ def prices_from_env(environ: dict[str, str] | None = None) -> dict[str, float]:
     return prices
 
 
+def scaling_summary(spec: Deployment, cluster: ClusterView | None, cap: tuple[int, str | None] | None = None) -> str:
+    """The autoscaling bounds and the worst-case cost (max_replicas at the cluster's GPU price),
+    for ``atomr deploy --dry-run``; ``cap``: where the budget stops scaling (``scale_cap``)."""
+    cfg = spec.autoscaling
+    if cfg is None:
+        return ""
+    text = (f"autoscaling {cfg.min_replicas}-{cfg.max_replicas} replicas, target {cfg.target_ongoing_requests:g} "
+            f"ongoing requests each (up after {cfg.upscale_delay_s:g}s, down after {cfg.downscale_delay_s:g}s)")
+    if cluster is None:
+        return text
+    if uses_gpus(spec, cluster):
+        price = cluster.price_per_gpu_hour()
+        worst = cfg.max_replicas * spec.gpus * price
+        text += (f"; worst case {cfg.max_replicas} x {spec.gpus} GPU x ${price:.2f}/GPU-hour "
+                 f"({cluster.accelerator_type or 'default price'}) = ${worst:.2f}/hour")
+    else:
+        text += f"; worst case {cfg.max_replicas} CPU replicas, no GPU cost"
+    if cap is not None and cap[0] < cfg.max_replicas:
+        text += f"; the budget stops it at {cap[0]}: {cap[1]}"
+    return text
+
+
 def scale_cap(spec: Deployment, others: Iterable[Deployment], cluster: ClusterView, current: int, wanted: int,
               sizes: tuple[int | None, int | None, int | None] = (None, None, None)) -> tuple[int, str | None]:
     """How many replicas (``current`` < n <= ``wanted``) the budget lets ``spec`` scale to, and why

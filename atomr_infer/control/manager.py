@@ -22,6 +22,7 @@ from atomr_infer.control.budget import (
     ClusterView,
     check_budget,
     scale_cap,
+    scaling_summary,
     size_estimates,
     uses_gpus,
 )
@@ -58,6 +59,7 @@ class PlanResult:
     budget_ok: bool
     budget: str
     error: str | None = None  # the error apply would raise, if any
+    scaling: str = ""  # autoscaling bounds and worst-case cost (``scaling_summary``)
 
 
 class DeploymentManager:
@@ -252,7 +254,16 @@ class DeploymentManager:
             error = str(exc)
             verdict = self._check(deployment, raise_on_fail=False)
         actions = tuple(a.summary for a in plan.actions)
-        return PlanResult(deployment.name, plan.changed, actions, verdict.ok and error is None, str(verdict), error)
+        scaling = ""
+        if deployment.autoscaling is not None:
+            cluster = self._cluster_view()
+            sizes = size_estimates(deployment, on_cpu=not uses_gpus(deployment, cluster))
+            cap = scale_cap(deployment, self._others(deployment.name), cluster, deployment.replicas,
+                            deployment.autoscaling.max_replicas, sizes)
+            scaling = scaling_summary(deployment, cluster, cap)
+        return PlanResult(
+            deployment.name, plan.changed, actions, verdict.ok and error is None, str(verdict), error, scaling
+        )
 
     async def remove(self, name: str) -> ApplyResult:
         """Drain and stop a deployment's replicas. Unknown names are a no-op that says so."""

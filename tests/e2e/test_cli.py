@@ -213,6 +213,22 @@ def test_dry_run_of_a_changed_file_shows_the_plan_and_changes_nothing(cli, smoll
     assert [r["actor_id"] for r in after["replicas"]] == [r["actor_id"] for r in before["replicas"]]
 
 
+def test_dry_run_shows_the_autoscaling_bounds_and_the_worst_case_cost(cli, smollm2, tmp_path):
+    elastic = tmp_path / "elastic.yaml"
+    elastic.write_text(
+        "name: elastic\nmodel: bundled:smollm2-135m-instruct\ndevice: auto\n"
+        "autoscaling: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8}\n"
+    )
+    proc = cli.run("deploy", "--dry-run", elastic)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    scaling = next(line for line in proc.stdout.splitlines() if "scaling:" in line)
+    # The test cluster has 2 logical GPUs of no known type (the default price, $2/GPU-hour).
+    assert "autoscaling 1-4 replicas, target 8 ongoing requests each" in scaling, scaling
+    assert "worst case 4 x 1 GPU x $2.00/GPU-hour (default price) = $8.00/hour" in scaling, scaling
+    assert "the budget stops it at 2: 3 replicas would exceed the budget: gpus 3 of 2 GPUs" in scaling, scaling
+    assert [d["name"] for d in cli.status()] == ["smollm2"]
+
+
 def test_over_budget_exits_3_and_creates_nothing(cli, smollm2, tmp_path):
     big = tmp_path / "big.yaml"
     big.write_text("name: big\nmodel: bundled:smollm2-135m-instruct\ndevice: auto\ngpus: 4\n")

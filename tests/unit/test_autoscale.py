@@ -4,6 +4,7 @@ is in tests/integration/test_autoscaling.py."""
 
 from __future__ import annotations
 
+from atomr_infer.cli.render import scaling_line
 from atomr_infer.control.autoscale import Autoscaler
 from atomr_infer.control.budget import ClusterView, scale_cap
 from atomr_infer.spec import Autoscaling, Deployment
@@ -97,6 +98,9 @@ def test_manager_scales_up_with_load_and_back_down_draining_first() -> None:
     status = h.call("status", "demo")
     assert h.live() == ["atomr:demo:r0", "atomr:demo:r1"] and status.replicas_desired == 2
     assert status.autoscaling["last_decision"]["to_replicas"] == 2 and status.state == "ready"
+    shown = scaling_line(status)  # what `atomr status` prints under the table
+    assert "demo: autoscaling 1-2: target 2 replica(s), load 16 (4 per replica)" in shown, shown
+    assert "last: 1 → 2 at" in shown and "load 16 over 1 replica(s)" in shown, shown
     set_load(h, 0)
     h.converge(passes=3)
     assert len(h.live()) == 2  # the downscale delay has not passed
