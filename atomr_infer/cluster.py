@@ -15,10 +15,12 @@ free port when that one is taken), ``ATOMR_RAY_TEMP_DIR`` (Ray's ``--temp-dir``,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from atomr_infer.errors import AtomrError
@@ -96,20 +98,91 @@ def _error_line(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 def connect(address: str | None = None, start: bool = True) -> None:
-    """Connect this process to Ray (see module docstring). No-op when already connected."""
+    """Connect this process to Ray (see module docstring). No-op when already connected.
+    Joining a cluster gives up within ``CONNECT_TIMEOUT_S`` with the address, the reason and a
+    hint (``ray.init`` alone retries an unreachable GCS for many minutes, silently)."""
     import ray
 
     if ray.is_initialized():
         return
     use_local_auth_token()
     target = target_address(address)
-    kwargs: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False, "logging_level": "WARNING"}
     if target:
-        ray.init(address=target, **kwargs)
+        source = "--address" if address else ("RAY_ADDRESS" if os.environ.get("RAY_ADDRESS", "").strip() else "local")
+        check_reachable(target, source)
+        _init_within(target, CONNECT_TIMEOUT_S)
         return
     if not start:
         raise AtomrError("no Ray cluster is running (hint: `atomr up`, or set RAY_ADDRESS)")
-    ray.init(address=start_local_head(), **kwargs)
+    _init_within(start_local_head(), CONNECT_TIMEOUT_S)
+
+
+CONNECT_TIMEOUT_S = 25.0  # plus the command's own start: every command gives up within 30 s
+_JOIN_HINT = ("check the address and that this machine reaches it; a cluster with token auth needs its token "
+              "here (RAY_AUTH_TOKEN or ~/.ray/auth_token)")
+
+
+def check_reachable(target: str, source: str) -> None:
+    """Fail at once where ``ray.init`` would wait: nothing listens at the address, or it is a
+    loopback address of a head that listens on loopback only (Ray swaps a loopback host for
+    this machine's own address before connecting, and then retries that one for many minutes)."""
+    from atomr_infer.local_ray import port_open
+
+    if target.startswith("ray://") or ":" not in target:
+        return
+    host, port_text = target.rsplit(":", 1)
+    host = host.strip("[]")
+    if not port_text.isdigit():
+        return
+    port = int(port_text)
+    if not port_open(host, port, timeout_s=3.0):
+        raise AtomrError(f"no Ray cluster answers at {target} ({source}) (hint: check the address, or `atomr up`)")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        return
+    try:
+        from ray._private.services import get_node_ip_address
+
+        swapped = get_node_ip_address()
+    except Exception:  # noqa: BLE001 - private API: without it, the join's time limit still holds
+        return
+    if swapped not in ("127.0.0.1", "::1") and not port_open(swapped, port, timeout_s=3.0):
+        raise AtomrError(
+            f"the Ray head at {target} ({source}) listens on loopback only, and Ray connects to "
+            f"{swapped}:{port} (this machine's address) instead (hint: start the head with "
+            f"`ray start --head --node-ip-address=127.0.0.1`, which listens on every interface)"
+        )
+
+
+def _init_within(target: str, timeout_s: float) -> None:
+    """``ray.init(address=target)``, given up after ``timeout_s`` with what was tried."""
+    import threading
+
+    import ray
+
+    kwargs: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False, "logging_level": "WARNING"}
+    outcome: list[BaseException | None] = []
+
+    def join() -> None:
+        try:
+            # Off the main thread Ray cannot set its SIGTERM handler and says so; the CLI's own
+            # default (exit) is what it would do anyway.
+            with _quiet("ray._private.worker"):
+                ray.init(address=target, **kwargs)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            outcome.append(exc)
+
+    # A thread, so that the wait has a limit: ray.init itself has none we can set per call.
+    worker = threading.Thread(target=join, name="atomr-ray-join", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not outcome:
+        raise AtomrError(f"could not join the Ray cluster at {target} within {timeout_s:g}s: its GCS does not "
+                         f"answer (hint: {_JOIN_HINT})")
+    error = outcome[0]
+    if error is not None:
+        text = " ".join(str(error).split())
+        raise AtomrError(f"could not join the Ray cluster at {target}: {text[:300]} (hint: {_JOIN_HINT})") from None
 
 
 def target_address(address: str | None = None) -> str | None:
@@ -139,6 +212,20 @@ def find_local_head() -> str | None:
         if port.isdigit() and port_open(host, int(port)):
             return recorded
     return None
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """Only errors from ``logger`` while the block runs."""
+    import logging
+
+    log_ = logging.getLogger(logger)
+    level = log_.level
+    log_.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log_.setLevel(level)
 
 
 def use_local_auth_token() -> None:

@@ -51,25 +51,11 @@ def quiet_serve_logs() -> None:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
 
-def _check_reachable(address: str | None) -> None:
-    """Fail at once on an address nothing listens at (``ray.init`` would retry for a minute)."""
-    from atomr_infer.local_ray import port_open
-
-    target = address or os.environ.get("RAY_ADDRESS")
-    if not target or target.startswith("ray://") or ":" not in target:
-        return
-    host, port = target.rsplit(":", 1)
-    if port.isdigit() and not port_open(host.strip("[]"), int(port), timeout_s=3.0):
-        source = "--address" if address else "RAY_ADDRESS"
-        raise AtomrError(f"no Ray cluster answers at {target} ({source}) (hint: check the address, or `atomr up`)")
-
-
 def connect(address: str | None, start: bool, announce: bool = True) -> None:
     """Join the cluster; with ``start``, start the local head if none runs (saying so)."""
     from atomr_infer import cluster
 
     quiet_logs()
-    _check_reachable(address)
     cluster.use_local_auth_token()
     if start and announce and not cluster.target_address(address):
         err.print(f"starting a local Ray head at {cluster.local_address()} (`atomr down` stops it)", markup=False)

@@ -12,10 +12,12 @@ The tests run in file order: the last ones remove the deployment and stop the cl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -357,3 +359,47 @@ def _alive(pid: int) -> psutil.Process | None:
         return None if proc.status() == psutil.STATUS_ZOMBIE else proc
     except psutil.NoSuchProcess:
         return None
+
+
+# -- a cluster that cannot be joined ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def silent_listener(host: str):
+    """A TCP port that accepts connections and never answers (a GCS that is not there)."""
+    server = socket.socket()
+    server.bind((host, 0))
+    server.listen(16)
+    try:
+        yield server.getsockname()[1]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("command", [["status"], ["deploy", str(SMOLLM2)]])
+def test_a_cluster_that_never_answers_fails_within_30s_naming_the_address(tmp_path, command):
+    with silent_listener("0.0.0.0") as port:
+        env = {**_base_env(tmp_path, free_port()), "RAY_ADDRESS": f"127.0.0.1:{port}"}
+        started = time.monotonic()
+        proc = subprocess.run([str(ATOMR), *command], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+        took = time.monotonic() - started
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert took < 30, f"took {took:.1f}s"
+    error = next(line for line in proc.stderr.splitlines() if line.startswith("error:"))
+    assert f"could not join the Ray cluster at 127.0.0.1:{port} within 25s: its GCS does not answer" in error
+    assert "(hint: check the address" in error
+
+
+def test_a_head_on_loopback_only_fails_at_once_saying_why(tmp_path):
+    from ray._private.services import get_node_ip_address
+
+    swapped = get_node_ip_address()
+    if swapped in ("127.0.0.1", "::1"):
+        pytest.skip("this machine has no address but loopback: Ray does not swap the host")
+    with silent_listener("127.0.0.1") as port:
+        env = {**_base_env(tmp_path, free_port()), "RAY_ADDRESS": f"127.0.0.1:{port}"}
+        proc = subprocess.run([str(ATOMR), "status"], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert f"the Ray head at 127.0.0.1:{port} (RAY_ADDRESS) listens on loopback only" in line, line
+    assert f"Ray connects to {swapped}:{port}" in line and "--node-ip-address=127.0.0.1" in line, line
