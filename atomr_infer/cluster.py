@@ -19,8 +19,8 @@ import contextlib
 import os
 import subprocess
 import sys
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from atomr_infer.errors import AtomrError
