@@ -72,6 +72,12 @@ MANAGER_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "atomr_manager_target_replicas": ("gauge", "Replicas the autoscaler aims for.", ("deployment",)),
 }
+ROUTER_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "atomr_route_decisions_total": (
+        "counter", "prefix_affinity routing decisions by reason (affinity_hit, overflow, no_affinity).",
+        ("deployment", "reason"),
+    ),
+}
 API_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "atomr_api_requests_total": (
         "counter", "HTTP API model requests by API key name ('-' without keys), deployment and status.",
@@ -95,7 +101,7 @@ RAY_PREFIX = "ray_"
 def exported_series() -> set[str]:
     """Every Prometheus series name these metrics produce (histograms: _bucket, _count, _sum)."""
     names: set[str] = set()
-    for name, (kind, _, _) in {**REPLICA_METRICS, **MANAGER_METRICS, **API_METRICS}.items():
+    for name, (kind, _, _) in {**REPLICA_METRICS, **MANAGER_METRICS, **API_METRICS, **ROUTER_METRICS}.items():
         full = RAY_PREFIX + name
         names |= {full + s for s in ("_bucket", "_count", "_sum")} if kind == "histogram" else {full}
     return names
@@ -234,6 +240,16 @@ class ManagerMetrics:
     def scaled(self, deployment: str, direction: str, target: int) -> None:
         self._m["atomr_manager_scale_decisions_total"].record(1, {"deployment": deployment, "direction": direction})
         self._m["atomr_manager_target_replicas"].record(target, {"deployment": deployment})
+
+
+class RouterMetrics:
+    """A router's metrics (in the ingress replicas and in ``Client`` processes)."""
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        self._m = _build(ROUTER_METRICS, {}, enabled)
+
+    def routed(self, deployment: str, reason: str) -> None:
+        self._m["atomr_route_decisions_total"].record(1, {"deployment": deployment, "reason": reason})
 
 
 class ApiMetrics:

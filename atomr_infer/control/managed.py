@@ -119,4 +119,5 @@ class ManagedDeployment:
         return DeploymentRoute(
             self.spec.name, s.max_concurrent, s.on_capacity_exhausted, ready, aliases,
             limits.requests_per_minute, limits.tokens_per_minute, cold_start,
+            self.spec.routing.policy, self.spec.routing.load_bound,
         )

@@ -41,8 +41,10 @@ from atomr_infer.errors import (
     unwrap,
 )
 from atomr_infer.log import get_logger
+from atomr_infer.metrics import RouterMetrics
 from atomr_infer.routing.channel import ReplicaChannel
 from atomr_infer.routing.policy import pick_replica
+from atomr_infer.routing.prefix import PrefixIndex, pick_prefix_affinity, prompt_key
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 
 # fetch(since_version) -> a newer table, or None when ``since_version`` is current.
@@ -75,6 +77,9 @@ class Router:
         self.id = uuid.uuid4().hex[:12]
         self._waiting: collections.Counter[str] = collections.Counter()  # requests waiting, by deployment
         self._demand_at: dict[str, float] = {}
+        self._prefixes: collections.defaultdict[str, PrefixIndex] = collections.defaultdict(PrefixIndex)
+        self.route_reasons: collections.Counter[tuple[str, str]] = collections.Counter()  # (deployment, reason)
+        self._metrics: RouterMetrics | None = None  # built on first use: inside Ray, they are exported
         self._wait_s, self._refresh_s = wait_for_replica_s, refresh_s
         # How long a request may wait for a free slot with on_capacity_exhausted=queue;
         # None waits as long as it takes (Ray Serve's default: unbounded queue).
@@ -159,7 +164,23 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - the manager is away: routing goes on
             log.warning("demand_report_failed", deployment=name, error=f"{type(exc).__name__}: {exc}")
 
-    async def _route(self, name: str) -> tuple[DeploymentRoute, ReplicaRoute]:
+    def _pick(self, dep: DeploymentRoute, usable: list[ReplicaRoute], request: Any) -> ReplicaRoute | None:
+        loads = {r.actor_name: self.load(r.actor_name) for r in usable}
+        if dep.policy != "prefix_affinity":
+            return pick_replica(usable, loads, dep.max_concurrent)
+        key = prompt_key(request)
+        choice, reason = pick_prefix_affinity(
+            usable, loads, dep.max_concurrent, key, self._prefixes[dep.name], dep.load_bound
+        )
+        if choice is not None:
+            self.route_reasons[dep.name, reason] += 1
+            if self._metrics is None:
+                self._metrics = RouterMetrics()
+            self._metrics.routed(dep.name, reason)
+            log.debug("route", deployment=dep.name, replica=choice.actor_name, reason=reason)
+        return choice  # type: ignore[return-value]
+
+    async def _route(self, name: str, request: Any = None) -> tuple[DeploymentRoute, ReplicaRoute]:
         started = appear_from = time.monotonic()  # the wait for a ready replica runs from appear_from
         queue_deadline = None if self._queue_timeout_s is None else started + self._queue_timeout_s
         table = await self.refresh()
@@ -173,8 +194,7 @@ class Router:
                     raise DeploymentNotFound(name, sorted(table.deployments))
                 usable = [r for r in dep.replicas if r.actor_name not in self._excluded]
                 if usable:
-                    loads = {r.actor_name: self.load(r.actor_name) for r in usable}
-                    choice = pick_replica(usable, loads, dep.max_concurrent)
+                    choice = self._pick(dep, usable, request)
                     if choice is not None:
                         return dep, choice
                     if dep.on_capacity_exhausted == "reject":
@@ -207,7 +227,7 @@ class Router:
         ``http``: an ``HttpHead``, then body bytes), routed by deployment name."""
         attempt = 0
         while True:
-            dep, route = await self._route(name)
+            dep, route = await self._route(name, request)
             attempt += 1
             last_try = attempt >= MAX_ATTEMPTS
             self._in_flight[route.actor_name] += 1

@@ -25,6 +25,8 @@ class DeploymentRoute:
     # autoscaling.cold_start_timeout_s when it may scale to zero: how long a request waits for a
     # replica to start (routers report waiting requests, which starts one).
     cold_start_timeout_s: float | None = None
+    policy: str = "power_of_two"  # routing.policy
+    load_bound: float = 1.25  # routing.load_bound (prefix_affinity)
 
 
 @dataclass(frozen=True)

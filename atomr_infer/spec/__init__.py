@@ -1,6 +1,6 @@
 """Deployment specs: the models, loading from YAML/dicts, and the canonical hash."""
 
-from atomr_infer.spec.deployment import Autoscaling, Budget, Deployment, OpenAIServing, Serving, VllmConfig
+from atomr_infer.spec.deployment import Autoscaling, Budget, Deployment, OpenAIServing, Routing, Serving, VllmConfig
 from atomr_infer.spec.hashing import (
     FieldChange,
     normalized,
@@ -13,6 +13,7 @@ from atomr_infer.spec.loading import load_deployments, parse_deployment
 
 __all__ = [
     "Autoscaling",
+    "Routing",
     "OpenAIServing",
     "restarts_replicas",
     "runtime_fields",

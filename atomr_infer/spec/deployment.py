@@ -202,6 +202,19 @@ class Autoscaling(_Strict):
         return self
 
 
+class Routing(_Strict):
+    """How routers pick a replica for a request (changed in place)."""
+
+    policy: Literal["power_of_two", "prefix_affinity"] = Field(
+        "power_of_two",
+        description="'power_of_two': the less loaded of two random replicas; 'prefix_affinity': the "
+        "replica most likely to hold the prompt's prefix in its cache, within load_bound.",
+    )
+    load_bound: Annotated[Number, Field(ge=1, le=10)] = Field(
+        1.25, description="prefix_affinity: above this many times the mean load, overflow to the least loaded."
+    )
+
+
 class Budget(_Strict):
     """Spend limits, checked against the price of the GPUs the deployment reserves."""
 
@@ -245,6 +258,7 @@ class Deployment(_Strict):
         "'pack' on as few (frees whole nodes). A replica's own GPUs are always on one node.",
     )
     serving: Serving = Field(default_factory=Serving, description="Admission limits per replica.")
+    routing: Routing = Field(default_factory=Routing, description="How requests pick a replica; changed in place.")
     budget: Budget | None = Field(None, description="Spend limits; none means unlimited.")
     restart_on_apply: StrictBool = Field(
         False, description="Roll the replicas on every apply, even of an unchanged spec (default: only on change)."
@@ -327,6 +341,12 @@ class Deployment(_Strict):
                 "runtime_config.tensor_parallel_size",
                 f"is {tp} but gpus is {self.gpus}: one replica shards over its GPUs, "
                 "so set them equal (or leave tensor_parallel_size unset)",
+            )
+        if self.routing.policy == "prefix_affinity" and self.runtime_config.enable_prefix_caching is False:
+            raise FieldValueError(
+                "runtime_config.enable_prefix_caching",
+                "is false but routing.policy is prefix_affinity, which routes to the replica whose prefix "
+                "cache holds the prompt: leave it unset (vLLM's default: on) or true",
             )
         scaling = self.autoscaling
         if scaling is not None and not scaling.min_replicas <= self.replicas <= scaling.max_replicas:

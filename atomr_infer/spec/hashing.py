@@ -21,7 +21,7 @@ def normalized(spec: Deployment) -> dict[str, Any]:
 # What a running replica does not depend on: changed in place, or by starting/stopping
 # replicas. Everything else restarts it (rolling): the model, the engine config, and vLLM's
 # OpenAI server options under serving.openai, which the replica's server is built with.
-_NOT_RESTARTING = ("serving", "budget", "restart_on_apply", "replicas", "autoscaling", "placement")
+_NOT_RESTARTING = ("serving", "budget", "restart_on_apply", "replicas", "autoscaling", "placement", "routing")
 _RESTARTING_ANYWAY = ("serving.openai",)
 
 

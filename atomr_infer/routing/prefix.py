@@ -1,0 +1,170 @@
+"""Prefix-cache affinity (``routing.policy: prefix_affinity``): send a request to the replica
+most likely to hold its prompt's prefix in vLLM's prefix cache, without piling onto one.
+
+The router cannot tokenize (the tokenizer and chat template live in the replica), so a prompt
+is cut into fixed blocks of characters (``BLOCK_CHARS``, about 64 tokens of English) and each
+block's hash chains the ones before it, as vLLM's block hashes do over tokens: equal hashes
+mean equal prefixes. Each router keeps an LRU index of which replica it sent each block hash
+to; a request goes to the replica holding its longest indexed prefix (Ray Serve's
+``PrefixCacheAffinityRouter`` keeps a character tree for the same purpose).
+
+A prefix no router index knows (a new conversation, or one another router served) is placed
+by rendezvous hashing of its conversation key: the text up to the first user message for
+chat, the first blocks for a plain prompt. So every router places the same conversation on
+the same replica, and later turns, whose prompts extend it, follow.
+
+Hot spots, the known failure of affinity, are bounded as in consistent hashing with bounded
+loads (Mirrokni, Thorup, Zadimoghaddam 2018): a replica takes a request only while its load is
+below ``load_bound`` x the mean (counting this request) plus one; above it the request
+overflows to the least-loaded replica, and the index follows it there. Pure functions: the router and
+``scripts/sim_routing.py`` run the same code.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+BLOCK_CHARS = 256
+MAX_BLOCKS = 256  # prompts longer than this many blocks are matched on their first ones
+INDEX_ENTRIES = 200_000  # block hashes a router remembers (LRU)
+
+
+class Named(Protocol):
+    actor_name: str
+
+
+@dataclass(frozen=True)
+class PromptKey:
+    blocks: tuple[bytes, ...]  # chained hashes of the prompt's full blocks
+    conversation: bytes  # what places a prefix no index knows
+
+
+def _hash(previous: bytes, text: str) -> bytes:
+    return hashlib.blake2b(previous + text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+
+
+def block_hashes(text: str, block_chars: int = BLOCK_CHARS) -> tuple[bytes, ...]:
+    """The chained hash of every full block of ``text`` (a partial last block is not cached)."""
+    out: list[bytes] = []
+    previous = b""
+    for start in range(0, min(len(text), block_chars * MAX_BLOCKS) - block_chars + 1, block_chars):
+        previous = _hash(previous, text[start : start + block_chars])
+        out.append(previous)
+    return tuple(out)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: the text ones say what the prefix is
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def chat_text(messages: Sequence[Any]) -> tuple[str, str]:
+    """The messages as one text (roles kept: they change the rendered prompt) and its part up
+    to the end of the first user message (the conversation's identity)."""
+    text, key = [], ""
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        text.append(f"\x1e{message.get('role', '')}\x1f{_content_text(message.get('content'))}")
+        if not key and message.get("role") == "user":
+            key = "".join(text)
+    whole = "".join(text)
+    return whole, key or whole
+
+
+def prompt_key(request: Any, block_chars: int = BLOCK_CHARS) -> PromptKey | None:
+    """The prefix key of a request as routers see it: a ``generate`` dict with a ``prompt``, or
+    an OpenAI HTTP request (``body`` with ``messages`` or ``prompt``). None: no text to match."""
+    fields: Any = request
+    body = getattr(request, "body", None)
+    if isinstance(body, bytes | bytearray):
+        try:
+            fields = json.loads(body)
+        except ValueError:
+            return None
+    if not isinstance(fields, dict):
+        return None
+    messages, prompt = fields.get("messages"), fields.get("prompt")
+    if isinstance(messages, list):
+        text, conversation = chat_text(messages)
+    elif isinstance(prompt, str):
+        text, conversation = prompt, prompt[: 2 * block_chars]
+    else:
+        return None
+    return PromptKey(block_hashes(text, block_chars), _hash(b"conversation", conversation))
+
+
+class PrefixIndex:
+    """Which replica each block hash was last sent to, least recently used forgotten first."""
+
+    def __init__(self, capacity: int = INDEX_ENTRIES) -> None:
+        self._where: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        self._capacity = capacity
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def longest(self, blocks: Sequence[bytes], candidates: Mapping[str, Any]) -> tuple[str | None, int]:
+        """The candidate holding the longest prefix of ``blocks``, and how many blocks."""
+        for i in range(len(blocks) - 1, -1, -1):
+            where = self._where.get(blocks[i])
+            if where is not None and where in candidates:
+                return where, i + 1
+        return None, 0
+
+    def record(self, blocks: Sequence[bytes], replica: str) -> None:
+        for block in blocks:
+            self._where[block] = replica
+            self._where.move_to_end(block)
+        while len(self._where) > self._capacity:
+            self._where.popitem(last=False)
+
+
+def rendezvous_order(key: bytes, names: Sequence[str]) -> list[str]:
+    """Names by highest-random-weight for ``key``: stable when other names come and go."""
+    return sorted(names, key=lambda n: hashlib.blake2b(key + n.encode(), digest_size=8).digest(), reverse=True)
+
+
+def pick_prefix_affinity(
+    replicas: Sequence[Named],
+    loads: Mapping[str, int],
+    max_concurrent: int,
+    key: PromptKey | None,
+    index: PrefixIndex,
+    load_bound: float = 1.25,
+) -> tuple[Named | None, str]:
+    """(replica, reason): ``affinity_hit`` (it holds the longest known prefix), ``overflow``
+    (the one that does is above the load bound: the least loaded instead), ``no_affinity``
+    (no known prefix: placed by the conversation's hash within the bound). None when every
+    replica is at ``max_concurrent``. Records the choice in ``index``."""
+    free = {r.actor_name: r for r in replicas if loads.get(r.actor_name, 0) < max_concurrent}
+    if not free:
+        return None, "full"
+    total = sum(loads.get(r.actor_name, 0) for r in replicas) + 1
+    # Bounded load, plus one request of slack: at low load a cache hit is worth more than one
+    # request of imbalance.
+    cap = math.ceil(load_bound * total / max(1, len(replicas))) + 1
+    under = {n: r for n, r in free.items() if loads.get(n, 0) < cap}
+
+    def least_loaded() -> str:
+        return min(free, key=lambda n: (loads.get(n, 0), n))
+
+    if key is None:
+        return free[least_loaded()], "no_affinity"
+    holder, _ = index.longest(key.blocks, free)
+    if holder is not None:
+        name, reason = (holder, "affinity_hit") if holder in under else (least_loaded(), "overflow")
+    else:
+        ordered = rendezvous_order(key.conversation, list(under or free))
+        name, reason = ordered[0], "no_affinity"
+    index.record(key.blocks, name)
+    return free[name], reason

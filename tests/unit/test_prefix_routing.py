@@ -1,0 +1,110 @@
+"""prefix_affinity routing: prompt keys, the choice, and through ``Router.stream`` with replica
+fakes. The policy against simulated caches at scale: scripts/sim_routing.py; against vLLM's
+real prefix cache: scripts/bench_prefix_routing.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from atomr_infer.replica.openai_app import HttpRequest
+from atomr_infer.routing.prefix import PrefixIndex, block_hashes, pick_prefix_affinity, prompt_key
+from atomr_infer.routing.router import Router
+from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
+
+from .fakes import FakeReplica, route
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 40}
+
+
+def chat(*turns: str) -> HttpRequest:
+    said = [{"role": "user" if i % 2 == 0 else "assistant", "content": t * 30} for i, t in enumerate(turns)]
+    messages = [SYSTEM, *said]
+    body = json.dumps({"model": "d", "messages": messages}).encode()
+    return HttpRequest("POST", "/v1/chat/completions", (), body)
+
+
+def replicas(n: int) -> list[ReplicaRoute]:
+    return [ReplicaRoute(f"r{i}", f"atomr:d:r{i}", None) for i in range(n)]
+
+
+def test_block_hashes_chain_so_equal_hashes_mean_equal_prefixes() -> None:
+    a, b = block_hashes("x" * 600 + "y" * 300, 100), block_hashes("x" * 600 + "z" * 300, 100)
+    assert len(a) == len(b) == 9  # full blocks only
+    assert a[:6] == b[:6] and not set(a[6:]) & set(b[6:])
+    assert block_hashes("short", 100) == ()
+
+
+def test_a_later_turn_extends_the_earlier_one_and_keeps_its_conversation_key() -> None:
+    one, two = prompt_key(chat("where is Paris? ")), prompt_key(chat("where is Paris? ", "in France. ", "and Rome? "))
+    assert one is not None and two is not None
+    assert two.blocks[: len(one.blocks) - 1] == one.blocks[: len(one.blocks) - 1]
+    assert one.conversation == two.conversation
+    other = prompt_key(chat("what is 2+2? "))
+    assert other.conversation != one.conversation and other.blocks[0] == one.blocks[0]  # the shared system prompt
+    assert prompt_key({"prompt": "a plain prompt " * 40}).blocks
+    assert prompt_key(HttpRequest("POST", "/v1/models", (), b"not json")) is None
+
+
+def test_the_next_turn_goes_where_the_conversation_went() -> None:
+    index, pool = PrefixIndex(), replicas(4)
+    loads = {r.actor_name: 0 for r in pool}
+    first, reason = pick_prefix_affinity(pool, loads, 8, prompt_key(chat("hello ")), index)
+    assert reason == "no_affinity"
+    loads[first.actor_name] += 1
+    again, reason = pick_prefix_affinity(pool, loads, 8, prompt_key(chat("hello ", "hi! ", "tell me more ")), index)
+    assert (again, reason) == (first, "affinity_hit")
+
+
+def test_two_routers_place_a_new_conversation_on_the_same_replica() -> None:
+    pool = replicas(8)
+    loads = {r.actor_name: 0 for r in pool}
+    for topic in ("a ", "b ", "c ", "d "):
+        key = prompt_key(chat(topic))
+        mine, _ = pick_prefix_affinity(pool, loads, 8, key, PrefixIndex())
+        theirs, _ = pick_prefix_affinity(pool, loads, 8, key, PrefixIndex())
+        assert mine is theirs
+
+
+def test_a_busy_holder_overflows_to_the_least_loaded_and_the_prefix_follows() -> None:
+    index, pool = PrefixIndex(), replicas(3)
+    loads = {r.actor_name: 0 for r in pool}
+    holder, _ = pick_prefix_affinity(pool, loads, 16, prompt_key(chat("x ")), index)
+    loads = {r.actor_name: 1 for r in pool} | {holder.actor_name: 6}  # mean 8/3 x 1.25 < 6
+    moved, reason = pick_prefix_affinity(pool, loads, 16, prompt_key(chat("x ", "y ", "z ")), index)
+    assert reason == "overflow" and moved is not holder and loads[moved.actor_name] == 1
+    loads[holder.actor_name] = 0
+    follows, reason = pick_prefix_affinity(pool, loads, 16, prompt_key(chat("x ", "y ", "z ", "w ")), index)
+    assert (follows, reason) == (moved, "affinity_hit")
+
+
+def test_only_listed_replicas_with_room_are_picked() -> None:
+    index, pool = PrefixIndex(), replicas(2)
+    key = prompt_key(chat("q "))
+    first, _ = pick_prefix_affinity(pool, {}, 4, key, index)
+    rest = [r for r in pool if r is not first]
+    chosen, _ = pick_prefix_affinity(rest, {}, 4, key, index)  # the holder left the table
+    assert chosen is rest[0]
+    full = {r.actor_name: 4 for r in pool}
+    assert pick_prefix_affinity(pool, full, 4, key, index) == (None, "full")
+
+
+def test_the_router_sends_a_conversation_back_to_its_replica() -> None:
+    fakes = [FakeReplica(f"r{i}") for i in range(4)]
+    dep = DeploymentRoute("d", 8, "queue", tuple(route(f) for f in fakes), policy="prefix_affinity")
+    table = RoutingTable(1, {"d": dep})
+
+    async def source(version):
+        return table if version != table.version else None
+
+    async def main() -> Router:
+        r = Router(source)
+        for turns in (("hi ",), ("hi ", "hello ", "more "), ("hi ", "hello ", "more ", "ok ", "and? ")):
+            async for _ in r.stream("d", chat(*turns), method="http"):
+                pass
+        await r.aclose()
+        return r
+
+    r = asyncio.run(main())
+    assert sorted(f.calls for f in fakes) == [0, 0, 0, 3]  # all three turns on one replica
+    assert r.route_reasons == {("d", "no_affinity"): 1, ("d", "affinity_hit"): 2}
