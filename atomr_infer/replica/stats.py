@@ -41,12 +41,15 @@ class ReplicaStats:
     uptime_s: float
     steps: int
     engine_unfinished: int | None  # requests the engine itself still holds
+    prompt_tokens: int = 0  # of finished requests
+    prompt_tokens_cached: int = 0  # of those, found in vLLM's prefix cache
 
 
 class StatsCollector:
     def __init__(self) -> None:
         self.requests_started = self.requests_finished = self.requests_aborted = 0
         self.tokens_generated = 0
+        self.prompt_tokens = self.prompt_tokens_cached = 0
         self._ttft: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self._tpot: collections.deque[float] = collections.deque(maxlen=WINDOW)
 
@@ -59,6 +62,8 @@ class StatsCollector:
     def finished(self, stream: RequestStream) -> None:
         self.requests_finished += 1
         self.tokens_generated += stream.completion_tokens
+        self.prompt_tokens += stream.prompt_tokens
+        self.prompt_tokens_cached += stream.cached_tokens
         if stream.first_token_at is not None:
             self._ttft.append(stream.first_token_at - stream.submitted_at)
             if stream.last_token_at is not None and stream.completion_tokens > 1:
@@ -71,6 +76,8 @@ class StatsCollector:
             requests_finished=self.requests_finished,
             requests_aborted=self.requests_aborted,
             tokens_generated=self.tokens_generated,
+            prompt_tokens=self.prompt_tokens,
+            prompt_tokens_cached=self.prompt_tokens_cached,
             ttft_s=Summary.of(self._ttft),
             time_per_output_token_s=Summary.of(self._tpot),
             **live,  # type: ignore[arg-type]

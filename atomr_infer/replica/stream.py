@@ -21,6 +21,7 @@ class RequestStream:
         "request_id",
         "prompt_tokens",
         "completion_tokens",
+        "cached_tokens",
         "submitted_at",
         "first_token_at",
         "last_token_at",
@@ -34,6 +35,7 @@ class RequestStream:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens vLLM's prefix cache had (its first output says)
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -51,6 +53,7 @@ class RequestStream:
         if self._closed:
             return
         now = time.monotonic()
+        self.cached_tokens = max(self.cached_tokens, getattr(output, "num_cached_tokens", None) or 0)
         if new_tokens:
             self.completion_tokens += new_tokens
             self.first_token_at = self.first_token_at or now

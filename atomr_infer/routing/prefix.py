@@ -11,7 +11,9 @@ to; a request goes to the replica holding its longest indexed prefix (Ray Serve'
 A prefix no router index knows (a new conversation, or one another router served) is placed
 by rendezvous hashing of its conversation key: the text up to the first user message for
 chat, the first blocks for a plain prompt. So every router places the same conversation on
-the same replica, and later turns, whose prompts extend it, follow.
+the same replica, and later turns, whose prompts extend it, follow. A match that covers only
+the system prompt (shared by every conversation that uses it) does not count: it says where
+that prompt went, not this conversation; each replica caches the popular system prompts.
 
 Hot spots, the known failure of affinity, are bounded as in consistent hashing with bounded
 loads (Mirrokni, Thorup, Zadimoghaddam 2018): a replica takes a request only while its load is
@@ -43,6 +45,9 @@ class Named(Protocol):
 class PromptKey:
     blocks: tuple[bytes, ...]  # chained hashes of the prompt's full blocks
     conversation: bytes  # what places a prefix no index knows
+    # Leading blocks every conversation with the same system prompt shares: a match no deeper
+    # than these says where that prompt went, not this conversation.
+    shared: int = 0
 
 
 def _hash(previous: bytes, text: str) -> bytes:
@@ -67,18 +72,22 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def chat_text(messages: Sequence[Any]) -> tuple[str, str]:
-    """The messages as one text (roles kept: they change the rendered prompt) and its part up
-    to the end of the first user message (the conversation's identity)."""
-    text, key = [], ""
+def chat_text(messages: Sequence[Any]) -> tuple[str, str, int]:
+    """The messages as one text (roles kept: they change the rendered prompt), its part up to
+    the end of the first user message (the conversation's identity) and the length of what
+    comes before that message (the system prompt, shared by other conversations)."""
+    text: list[str] = []
+    key, shared = "", 0
     for message in messages:
         if not isinstance(message, dict):
             continue
+        if not key and message.get("role") == "user":
+            shared = sum(map(len, text))
         text.append(f"\x1e{message.get('role', '')}\x1f{_content_text(message.get('content'))}")
         if not key and message.get("role") == "user":
             key = "".join(text)
     whole = "".join(text)
-    return whole, key or whole
+    return whole, key or whole, shared
 
 
 def prompt_key(request: Any, block_chars: int = BLOCK_CHARS) -> PromptKey | None:
@@ -95,12 +104,12 @@ def prompt_key(request: Any, block_chars: int = BLOCK_CHARS) -> PromptKey | None
         return None
     messages, prompt = fields.get("messages"), fields.get("prompt")
     if isinstance(messages, list):
-        text, conversation = chat_text(messages)
+        text, conversation, shared = chat_text(messages)
     elif isinstance(prompt, str):
-        text, conversation = prompt, prompt[: 2 * block_chars]
+        text, conversation, shared = prompt, prompt[: 2 * block_chars], 0
     else:
         return None
-    return PromptKey(block_hashes(text, block_chars), _hash(b"conversation", conversation))
+    return PromptKey(block_hashes(text, block_chars), _hash(b"conversation", conversation), shared // block_chars)
 
 
 class PrefixIndex:
@@ -160,8 +169,8 @@ def pick_prefix_affinity(
 
     if key is None:
         return free[least_loaded()], "no_affinity"
-    holder, _ = index.longest(key.blocks, free)
-    if holder is not None:
+    holder, depth = index.longest(key.blocks, free)
+    if holder is not None and depth > key.shared:
         name, reason = (holder, "affinity_hit") if holder in under else (least_loaded(), "overflow")
     else:
         ordered = rendezvous_order(key.conversation, list(under or free))

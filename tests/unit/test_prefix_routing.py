@@ -18,7 +18,7 @@ SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 40}
 
 
 def chat(*turns: str) -> HttpRequest:
-    said = [{"role": "user" if i % 2 == 0 else "assistant", "content": t * 30} for i, t in enumerate(turns)]
+    said = [{"role": "user" if i % 2 == 0 else "assistant", "content": t * 150} for i, t in enumerate(turns)]
     messages = [SYSTEM, *said]
     body = json.dumps({"model": "d", "messages": messages}).encode()
     return HttpRequest("POST", "/v1/chat/completions", (), body)
@@ -108,3 +108,17 @@ def test_the_router_sends_a_conversation_back_to_its_replica() -> None:
     r = asyncio.run(main())
     assert sorted(f.calls for f in fakes) == [0, 0, 0, 3]  # all three turns on one replica
     assert r.route_reasons == {("d", "no_affinity"): 1, ("d", "affinity_hit"): 2}
+
+
+def test_a_match_on_the_shared_system_prompt_alone_does_not_pull_a_new_conversation() -> None:
+    pool = replicas(8)
+    loads = {r.actor_name: 0 for r in pool}
+    seen = PrefixIndex()
+    for topic in ("a ", "b ", "c "):  # conversations with the same system prompt went somewhere
+        pick_prefix_affinity(pool, loads, 8, prompt_key(chat(topic)), seen)
+    for topic in ("d ", "e ", "f ", "g "):
+        key = prompt_key(chat(topic))
+        assert key.shared >= 1  # its system prompt's blocks are known to `seen`
+        assert pick_prefix_affinity(pool, loads, 8, key, seen)[0] is pick_prefix_affinity(
+            pool, loads, 8, key, PrefixIndex()
+        )[0]

@@ -1,0 +1,281 @@
+"""Routing policies against simulated replicas, from 2 to 1,000 of them.
+
+The policies are atomr's own code (``routing/policy.py``, ``routing/prefix.py``), run against
+simulated replicas: each has a prefix cache of KV blocks with LRU eviction, a prefill server
+(time per uncached prompt token: a request's first token waits for the prefills before it and
+its own) and continuous-batched decode (time per output token, which holds the request in
+flight). The workload is multi-turn chat: conversations start as a Poisson stream sized to the
+replica count, each opens with one of a few shared system prompts (Zipf popularity), and each
+turn's prompt is the whole conversation so far (user and assistant lengths drawn lognormal,
+as LLM chats are), sent after a think time. Several routers share the traffic, each with its
+own index, as several ingress replicas would.
+
+Policies: ``power_of_two`` (atomr's default), ``consistent_hash`` (rendezvous hashing of the
+conversation, no load bound: the hot-spot baseline), ``prefix_affinity``, and ``oracle``
+(knows every replica's cache: the longest cached prefix among replicas within the same load
+bound). Reported per size: prefix hit rate (prompt tokens served from cache), max/mean load
+(request-seconds in flight per replica), and simulated TTFT p50/p99.
+
+    .venv/bin/python scripts/sim_routing.py                  # 2, 10, 100 and 1,000 replicas
+    .venv/bin/python scripts/sim_routing.py --replicas 1000 --turns-per-replica 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import heapq
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from atomr_infer.routing.policy import pick_replica  # noqa: E402
+from atomr_infer.routing.prefix import (  # noqa: E402
+    PrefixIndex,
+    PromptKey,
+    pick_prefix_affinity,
+    rendezvous_order,
+)
+
+BLOCK_TOKENS = 64  # tokens per block (routing/prefix.py's 256 characters)
+
+
+@dataclass
+class Config:
+    replicas: int
+    routers: int = 4
+    turns_per_replica: int = 100  # requests simulated per replica
+    system_prompts: int = 8
+    system_tokens: tuple[int, int] = (1024, 3072)  # uniform
+    user_tokens_median: float = 150
+    output_tokens_median: float = 200
+    turns_median: float = 4
+    think_s: float = 8.0  # mean, exponential
+    prefill_s_per_token: float = 0.00025  # 4k tokens/s of prefill
+    prefill_overhead_s: float = 0.010
+    decode_s_per_token: float = 0.020
+    cache_blocks: int = 1200  # KV blocks per replica (~77k tokens)
+    utilization: float = 2.5  # of the prefill servers if nothing were cached (hits bring it under 1)
+    max_concurrent: int = 64
+    load_bound: float = 1.25
+    seed: int = 1
+
+
+class Replica:
+    def __init__(self, name: str, cache_blocks: int) -> None:
+        self.actor_name = name
+        self.cache: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self.capacity = cache_blocks
+        self.prefill_free_at = 0.0
+        self.load = 0
+        self.served = 0
+        self.busy = 0.0  # request-seconds in flight: its load over the run
+
+    def cached_prefix(self, blocks: tuple[bytes, ...]) -> int:
+        n = 0
+        for b in blocks:
+            if b not in self.cache:
+                break
+            n += 1
+        return n
+
+    def insert(self, blocks: tuple[bytes, ...], holders: dict[bytes, set[str]]) -> None:
+        for b in blocks:
+            if b in self.cache:
+                self.cache.move_to_end(b)
+            else:
+                self.cache[b] = None
+                holders.setdefault(b, set()).add(self.actor_name)
+        while len(self.cache) > self.capacity:
+            old, _ = self.cache.popitem(last=False)
+            holders[old].discard(self.actor_name)
+
+
+@dataclass
+class Conversation:
+    system: tuple[bytes, ...]
+    key: bytes
+    blocks: list[bytes] = field(default_factory=list)  # the conversation so far, in blocks
+    tail: int = 0  # tokens past the last full block
+    turns_left: int = 0
+    serial: int = 0
+
+
+def lognormal(rng: random.Random, median: float, sigma: float = 0.8) -> int:
+    return max(1, int(rng.lognormvariate(math.log(median), sigma)))
+
+
+def extend(conv: Conversation, tokens: int, rng: random.Random) -> None:
+    """Append ``tokens`` tokens; every block filled gets its chained hash."""
+    conv.tail += tokens
+    while conv.tail >= BLOCK_TOKENS:
+        conv.tail -= BLOCK_TOKENS
+        conv.serial += 1
+        previous = conv.blocks[-1] if conv.blocks else b""
+        conv.blocks.append(hash_block(previous, f"{rng.random()}"))
+
+
+def hash_block(previous: bytes, text: str) -> bytes:
+    import hashlib
+
+    return hashlib.blake2b(previous + text.encode(), digest_size=8).digest()
+
+
+def oracle_pick(replicas: list[Replica], loads: dict[str, int], cfg: Config, key: PromptKey,
+                holders: dict[bytes, set[str]]) -> Replica:
+    by_name = {r.actor_name: r for r in replicas}
+    total = sum(loads.values()) + 1
+    cap = math.ceil(cfg.load_bound * total / len(replicas)) + 1
+    under = {n for n, r in by_name.items() if loads[n] < min(cap, cfg.max_concurrent)}
+    best, deepest = None, 0
+    holding = under
+    for depth, b in enumerate(key.blocks, 1):
+        holding = holding & holders.get(b, set())
+        if not holding:
+            break
+        best, deepest = holding, depth
+    if best:
+        return by_name[min(best, key=lambda n: (loads[n], n))]
+    pool = under or set(by_name)
+    return by_name[min(pool, key=lambda n: (loads[n], n))]
+
+
+def simulate(cfg: Config, policy: str) -> dict[str, float]:
+    rng = random.Random(cfg.seed)  # the same workload for every policy
+    pick_rng = random.Random(cfg.seed + 1)
+    replicas = [Replica(f"r{i}", cfg.cache_blocks) for i in range(cfg.replicas)]
+    by_name = {r.actor_name: r for r in replicas}
+    holders: dict[bytes, set[str]] = {}
+    indexes = [PrefixIndex() for _ in range(cfg.routers)]
+    systems = []
+    for s in range(cfg.system_prompts):
+        conv = Conversation((), b"")
+        extend(conv, rng.randint(*cfg.system_tokens), rng)
+        systems.append(tuple(conv.blocks))
+    zipf = [1 / (i + 1) for i in range(cfg.system_prompts)]
+
+    # Arrival rate: enough conversations to keep the prefill servers at ``utilization`` with
+    # no cache hits (a rough mean prompt of system + half a conversation).
+    mean_prompt = statistics.mean(cfg.system_tokens) + cfg.turns_median * (cfg.user_tokens_median +
+                                                                          cfg.output_tokens_median) / 2
+    per_request_s = cfg.prefill_overhead_s + mean_prompt * cfg.prefill_s_per_token
+    requests_per_s = cfg.utilization * cfg.replicas / per_request_s
+    conversations_per_s = requests_per_s / cfg.turns_median
+    total_requests = cfg.turns_per_replica * cfg.replicas
+
+    events: list[tuple[float, int, str, object]] = []
+    seq = 0
+
+    def push(at: float, kind: str, payload: object) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (at, seq, kind, payload))
+
+    t = 0.0
+    started = 0
+    while started < total_requests / cfg.turns_median * 1.2:
+        t += rng.expovariate(conversations_per_s)
+        system = systems[rng.choices(range(cfg.system_prompts), zipf)[0]]
+        conv = Conversation(system, b"", list(system), 0, max(1, int(rng.lognormvariate(math.log(cfg.turns_median), 0.6))))
+        first_user = lognormal(rng, cfg.user_tokens_median)
+        conv.key = hash_block(b"conversation", f"{system[0].hex()}{rng.random()}")
+        push(t, "turn", (conv, first_user))
+        started += 1
+
+    ttfts: list[float] = []
+    prompt_tokens = cached_tokens = 0
+    sent = 0
+    while events and sent < total_requests:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "done":
+            replica, conv, out_tokens = payload  # type: ignore[misc]
+            replica.load -= 1
+            extend(conv, out_tokens, rng)
+            replica.insert(tuple(conv.blocks), holders)
+            conv.turns_left -= 1
+            if conv.turns_left > 0:
+                push(now + rng.expovariate(1 / cfg.think_s), "turn", (conv, lognormal(rng, cfg.user_tokens_median)))
+            continue
+        conv, user_tokens = payload  # type: ignore[misc]
+        extend(conv, user_tokens, rng)
+        blocks = tuple(conv.blocks)
+        key = PromptKey(blocks, conv.key, len(conv.system))
+        loads = {r.actor_name: r.load for r in replicas}
+        if policy == "power_of_two":
+            choice = pick_replica(replicas, loads, cfg.max_concurrent, pick_rng) or min(replicas, key=lambda r: r.load)
+        elif policy == "consistent_hash":
+            choice = by_name[rendezvous_order(conv.key, list(by_name))[0]]
+        elif policy == "prefix_affinity":
+            picked, _ = pick_prefix_affinity(replicas, loads, cfg.max_concurrent, key,
+                                             indexes[pick_rng.randrange(cfg.routers)], cfg.load_bound)
+            choice = picked or min(replicas, key=lambda r: r.load)  # type: ignore[assignment]
+        else:
+            choice = oracle_pick(replicas, loads, cfg, key, holders)
+        replica = by_name[choice.actor_name]  # type: ignore[union-attr]
+        tokens = len(blocks) * BLOCK_TOKENS + conv.tail
+        hit = replica.cached_prefix(blocks) * BLOCK_TOKENS
+        prompt_tokens += tokens
+        cached_tokens += hit
+        start = max(now, replica.prefill_free_at)
+        first_token = start + cfg.prefill_overhead_s + (tokens - hit) * cfg.prefill_s_per_token
+        replica.prefill_free_at = first_token
+        replica.insert(blocks, holders)
+        replica.load += 1
+        replica.served += 1
+        ttfts.append(first_token - now)
+        out_tokens = lognormal(rng, cfg.output_tokens_median)
+        done_at = first_token + out_tokens * cfg.decode_s_per_token
+        replica.busy += done_at - now
+        push(done_at, "done", (replica, conv, out_tokens))
+        sent += 1
+    busy = [r.busy for r in replicas]
+    ttfts.sort()
+    return {
+        "hit_rate": cached_tokens / max(1, prompt_tokens),
+        "max_mean": max(busy) / max(1e-9, statistics.mean(busy)),
+        "ttft_p50": ttfts[len(ttfts) // 2],
+        "ttft_p99": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))],
+        "requests": len(ttfts),
+    }
+
+
+POLICIES = ("power_of_two", "consistent_hash", "prefix_affinity", "oracle")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", type=int, nargs="+", default=[2, 10, 100, 1000])
+    ap.add_argument("--turns-per-replica", type=int, default=100)
+    ap.add_argument("--routers", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    print(f"{'replicas':>8} {'policy':>16} {'hit rate':>9} {'vs oracle':>9} {'max/mean':>9} "
+          f"{'TTFT p50':>9} {'TTFT p99':>9} {'requests':>9} {'sim s':>6}")
+    for n in args.replicas:
+        cfg = Config(replicas=n, routers=args.routers, turns_per_replica=args.turns_per_replica, seed=args.seed)
+        results = {}
+        for policy in POLICIES:
+            began = time.perf_counter()
+            results[policy] = r = simulate(cfg, policy)
+            r["took"] = time.perf_counter() - began
+        oracle = results["oracle"]["hit_rate"]
+        for policy in POLICIES:
+            r = results[policy]
+            print(f"{n:>8} {policy:>16} {r['hit_rate']:>9.3f} {r['hit_rate'] / max(oracle, 1e-9):>9.3f} "
+                  f"{r['max_mean']:>9.2f} {r['ttft_p50'] * 1000:>7.0f}ms {r['ttft_p99'] * 1000:>7.0f}ms "
+                  f"{r['requests']:>9} {r['took']:>6.1f}")
+        pa, p2, ch = results["prefix_affinity"], results["power_of_two"], results["consistent_hash"]
+        print(f"{n:>8} prefix_affinity: hit rate {pa['hit_rate'] / max(oracle, 1e-9):.2f} of the oracle's, "
+              f"max/mean {pa['max_mean']:.2f}, p99 TTFT {pa['ttft_p99'] / p2['ttft_p99']:.2f}x power_of_two's "
+              f"and {pa['ttft_p99'] / ch['ttft_p99']:.2f}x consistent_hash's", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
