@@ -28,7 +28,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 NAME = "bench-prefix"
-WORDS = ["river", "mountain", "system", "answer", "number", "people", "window", "garden", "letter", "market", "silver", "winter", "engine", "bridge", "island", "forest", "doctor", "camera", "planet", "signal", "record", "museum", "theory", "valley", "harbor", "station", "circle", "pocket", "shadow", "orange", "button", "castle", "ticket", "rocket", "candle", "ladder"]
+WORDS = [
+    "river", "mountain", "system", "answer", "number", "people", "window", "garden", "letter", "market",
+    "silver", "winter", "engine", "bridge", "island", "forest", "doctor", "camera", "planet", "signal",
+    "record", "museum", "theory", "valley", "harbor", "station", "circle", "pocket", "shadow", "orange",
+    "button", "castle", "ticket", "rocket", "candle", "ladder",
+]
 
 
 def cpu_line() -> str:

@@ -133,13 +133,13 @@ def oracle_pick(replicas: list[Replica], loads: dict[str, int], cfg: Config, key
     total = sum(loads.values()) + 1
     cap = math.ceil(cfg.load_bound * total / len(replicas)) + 1
     under = {n for n, r in by_name.items() if loads[n] < min(cap, cfg.max_concurrent)}
-    best, deepest = None, 0
+    best = None
     holding = under
-    for depth, b in enumerate(key.blocks, 1):
+    for b in key.blocks:
         holding = holding & holders.get(b, set())
         if not holding:
             break
-        best, deepest = holding, depth
+        best = holding
     if best:
         return by_name[min(best, key=lambda n: (loads[n], n))]
     pool = under or set(by_name)
@@ -154,7 +154,7 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
     holders: dict[bytes, set[str]] = {}
     indexes = [PrefixIndex() for _ in range(cfg.routers)]
     systems = []
-    for s in range(cfg.system_prompts):
+    for _ in range(cfg.system_prompts):
         conv = Conversation((), b"")
         extend(conv, rng.randint(*cfg.system_tokens), rng)
         systems.append(tuple(conv.blocks))
@@ -182,7 +182,8 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
     while started < total_requests / cfg.turns_median * 1.2:
         t += rng.expovariate(conversations_per_s)
         system = systems[rng.choices(range(cfg.system_prompts), zipf)[0]]
-        conv = Conversation(system, b"", list(system), 0, max(1, int(rng.lognormvariate(math.log(cfg.turns_median), 0.6))))
+        turns = max(1, int(rng.lognormvariate(math.log(cfg.turns_median), 0.6)))
+        conv = Conversation(system, b"", list(system), 0, turns)
         first_user = lognormal(rng, cfg.user_tokens_median)
         conv.key = hash_block(b"conversation", f"{system[0].hex()}{rng.random()}")
         push(t, "turn", (conv, first_user))
