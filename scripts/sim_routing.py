@@ -61,7 +61,7 @@ class Config:
     prefill_overhead_s: float = 0.010
     decode_s_per_token: float = 0.020
     cache_blocks: int = 1200  # KV blocks per replica (~77k tokens)
-    utilization: float = 2.5  # of the prefill servers if nothing were cached (hits bring it under 1)
+    utilization: float = 4.0  # of the prefill servers if nothing were cached (hits bring it under 1)
     max_concurrent: int = 64
     load_bound: float = 1.25
     seed: int = 1
@@ -151,6 +151,7 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
     pick_rng = random.Random(cfg.seed + 1)
     replicas = [Replica(f"r{i}", cfg.cache_blocks) for i in range(cfg.replicas)]
     by_name = {r.actor_name: r for r in replicas}
+    names = tuple(by_name)
     holders: dict[bytes, set[str]] = {}
     indexes = [PrefixIndex() for _ in range(cfg.routers)]
     systems = []
@@ -211,7 +212,7 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
         if policy == "power_of_two":
             choice = pick_replica(replicas, loads, cfg.max_concurrent, pick_rng) or min(replicas, key=lambda r: r.load)
         elif policy == "consistent_hash":
-            choice = by_name[rendezvous_order(conv.key, list(by_name))[0]]
+            choice = by_name[rendezvous_order(conv.key, names)[0]]
         elif policy == "prefix_affinity":
             picked, _ = pick_prefix_affinity(replicas, loads, cfg.max_concurrent, key,
                                              indexes[pick_rng.randrange(cfg.routers)], cfg.load_bound)
@@ -255,11 +256,15 @@ def main() -> int:
     ap.add_argument("--turns-per-replica", type=int, default=100)
     ap.add_argument("--routers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--load-bound", type=float, default=1.25, help="routing.load_bound (and the oracle's)")
+    ap.add_argument("--utilization", type=float, default=Config.utilization,
+                    help="offered load: of the prefill servers if nothing were cached")
     args = ap.parse_args()
     print(f"{'replicas':>8} {'policy':>16} {'hit rate':>9} {'vs oracle':>9} {'max/mean':>9} "
           f"{'TTFT p50':>9} {'TTFT p99':>9} {'requests':>9} {'sim s':>6}")
     for n in args.replicas:
-        cfg = Config(replicas=n, routers=args.routers, turns_per_replica=args.turns_per_replica, seed=args.seed)
+        cfg = Config(replicas=n, routers=args.routers, turns_per_replica=args.turns_per_replica, seed=args.seed,
+                     load_bound=args.load_bound, utilization=args.utilization)
         results = {}
         for policy in POLICIES:
             began = time.perf_counter()

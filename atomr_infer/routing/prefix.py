@@ -25,6 +25,7 @@ overflows to the least-loaded replica, and the index follows it there. Pure func
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import json
 import math
@@ -138,9 +139,11 @@ class PrefixIndex:
             self._where.popitem(last=False)
 
 
-def rendezvous_order(key: bytes, names: Sequence[str]) -> list[str]:
-    """Names by highest-random-weight for ``key``: stable when other names come and go."""
-    return sorted(names, key=lambda n: hashlib.blake2b(key + n.encode(), digest_size=8).digest(), reverse=True)
+@functools.lru_cache(maxsize=4096)
+def rendezvous_order(key: bytes, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Names by highest-random-weight for ``key``: stable when other names come and go.
+    Cached: a conversation's turns ask again with the same replica list."""
+    return tuple(sorted(names, key=lambda n: hashlib.blake2b(key + n.encode(), digest_size=8).digest(), reverse=True))
 
 
 def pick_prefix_affinity(
@@ -173,7 +176,8 @@ def pick_prefix_affinity(
     if holder is not None and depth > key.shared:
         name, reason = (holder, "affinity_hit") if holder in under else (least_loaded(), "overflow")
     else:
-        ordered = rendezvous_order(key.conversation, list(under or free))
-        name, reason = ordered[0], "no_affinity"
+        ordered = rendezvous_order(key.conversation, tuple(r.actor_name for r in replicas))
+        name = next((n for n in ordered if n in under), None) or next(n for n in ordered if n in free)
+        reason = "no_affinity"
     index.record(key.blocks, name)
     return free[name], reason
