@@ -164,13 +164,12 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - the manager is away: routing goes on
             log.warning("demand_report_failed", deployment=name, error=f"{type(exc).__name__}: {exc}")
 
-    def _pick(self, dep: DeploymentRoute, usable: list[ReplicaRoute], request: Any) -> ReplicaRoute | None:
+    def _pick(self, dep: DeploymentRoute, usable: list[ReplicaRoute], key: Callable[[], Any]) -> ReplicaRoute | None:
         loads = {r.actor_name: self.load(r.actor_name) for r in usable}
         if dep.policy != "prefix_affinity":
             return pick_replica(usable, loads, dep.max_concurrent)
-        key = prompt_key(request)
         choice, reason = pick_prefix_affinity(
-            usable, loads, dep.max_concurrent, key, self._prefixes[dep.name], dep.load_bound
+            usable, loads, dep.max_concurrent, key(), self._prefixes[dep.name], dep.load_bound
         )
         if choice is not None:
             self.route_reasons[dep.name, reason] += 1
@@ -187,6 +186,13 @@ class Router:
         if table.find(name) is None:
             table = await self.refresh(force=True)
         waiting_for: str | None = None  # the deployment this request is counted waiting for
+        keys: list[Any] = []  # the request's prefix key, read once however long it waits
+
+        def key() -> Any:
+            if not keys:
+                keys.append(prompt_key(request))
+            return keys[0]
+
         try:
             while True:
                 dep = table.find(name)
@@ -194,7 +200,7 @@ class Router:
                     raise DeploymentNotFound(name, sorted(table.deployments))
                 usable = [r for r in dep.replicas if r.actor_name not in self._excluded]
                 if usable:
-                    choice = self._pick(dep, usable, request)
+                    choice = self._pick(dep, usable, key)
                     if choice is not None:
                         return dep, choice
                     if dep.on_capacity_exhausted == "reject":
