@@ -180,18 +180,22 @@ class DeploymentManager:
         self._metrics.reconcile_pass(self.last_reconcile_s)
 
     def _autoscale(self, name: str, managed: ManagedDeployment) -> None:
-        decision = managed.autoscale(self._clock(), lambda n: self._scale_cap(managed, n))
+        decision = managed.autoscale(
+            self._clock(), lambda n: self._scale_cap(managed.spec, managed.reconciler.want, n)
+        )
         if decision is None:
             return
         log.info("autoscale", deployment=name, replicas_from=decision.from_replicas,
                  replicas_to=decision.to_replicas, reason=decision.reason)
         self._metrics.scaled(name, decision.direction, decision.to_replicas)
 
-    def _scale_cap(self, managed: ManagedDeployment, wanted: int) -> tuple[int, str | None]:
-        cluster = self._cluster_view()
-        spec = managed.spec
+    def _scale_cap(
+        self, spec: Deployment, current: int, wanted: int, cluster: ClusterView | None = None
+    ) -> tuple[int, str | None]:
+        """How far the budget lets ``spec`` scale from ``current`` towards ``wanted``, and why not further."""
+        cluster = cluster or self._cluster_view()
         sizes = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
-        return scale_cap(spec, self._others(spec.name), cluster, managed.reconciler.want, wanted, sizes)
+        return scale_cap(spec, self._others(spec.name), cluster, current, wanted, sizes)
 
     def _others(self, name: str) -> list[Deployment]:
         """The other deployments as the budget counts them: at their current replica targets."""
@@ -257,9 +261,7 @@ class DeploymentManager:
         scaling = ""
         if deployment.autoscaling is not None:
             cluster = self._cluster_view()
-            sizes = size_estimates(deployment, on_cpu=not uses_gpus(deployment, cluster))
-            cap = scale_cap(deployment, self._others(deployment.name), cluster, deployment.replicas,
-                            deployment.autoscaling.max_replicas, sizes)
+            cap = self._scale_cap(deployment, deployment.replicas, deployment.autoscaling.max_replicas, cluster)
             scaling = scaling_summary(deployment, cluster, cap)
         return PlanResult(
             deployment.name, plan.changed, actions, verdict.ok and error is None, str(verdict), error, scaling
