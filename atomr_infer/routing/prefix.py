@@ -36,6 +36,7 @@ from typing import Any, Protocol
 BLOCK_CHARS = 256
 MAX_BLOCKS = 256  # prompts longer than this many blocks are matched on their first ones
 INDEX_ENTRIES = 200_000  # block hashes a router remembers (LRU)
+SLACK = 4.0  # requests of imbalance a cache hit is always worth, at any load
 
 
 class Named(Protocol):
@@ -161,11 +162,10 @@ def pick_prefix_affinity(
     free = {r.actor_name: r for r in replicas if loads.get(r.actor_name, 0) < max_concurrent}
     if not free:
         return None, "full"
-    total = sum(loads.get(r.actor_name, 0) for r in replicas) + 1
-    # Bounded load, plus one request of slack: at low load a cache hit is worth more than one
-    # request of imbalance.
-    cap = math.ceil(load_bound * total / max(1, len(replicas))) + 1
-    under = {n: r for n, r in free.items() if loads.get(n, 0) < cap}
+    # The mean load counting this request; a replica may hold up to ``bound`` after taking it.
+    mean = (sum(loads.get(r.actor_name, 0) for r in replicas) + 1) / len(replicas)
+    bound = max(load_bound * mean, mean + SLACK)
+    under = {n: r for n, r in free.items() if loads.get(n, 0) + 1 <= bound}
 
     def least_loaded() -> str:
         return min(free, key=lambda n: (loads.get(n, 0), n))
@@ -176,8 +176,20 @@ def pick_prefix_affinity(
     if holder is not None and depth > key.shared:
         name, reason = (holder, "affinity_hit") if holder in under else (least_loaded(), "overflow")
     else:
-        ordered = rendezvous_order(key.conversation, tuple(r.actor_name for r in replicas))
-        name = next((n for n in ordered if n in under), None) or next(n for n in ordered if n in free)
-        reason = "no_affinity"
+        name, reason = _place(key.conversation, replicas, loads, under or free, (load_bound - 1) * mean), "no_affinity"
     index.record(key.blocks, name)
     return free[name], reason
+
+
+def _place(conversation: bytes, replicas: Sequence[Named], loads: Mapping[str, int], allowed: Mapping[str, Any],
+           headroom: float) -> str:
+    """A conversation no index knows: two choices on its hash. Its first replica by rendezvous
+    hashing, so that every router agrees, unless its second is lighter by more than
+    ``headroom``: the prompt misses the cache on either, and the lighter one serves it sooner.
+    A router that did not place it may later send a turn to the other one: a miss that turn,
+    then the index knows."""
+    ordered = [n for n in rendezvous_order(conversation, tuple(r.actor_name for r in replicas)) if n in allowed]
+    first = ordered[0]
+    if len(ordered) > 1 and loads.get(first, 0) > loads.get(ordered[1], 0) + headroom:
+        return ordered[1]
+    return first

@@ -8,7 +8,7 @@ import asyncio
 import json
 
 from atomr_infer.replica.openai_app import HttpRequest
-from atomr_infer.routing.prefix import PrefixIndex, block_hashes, pick_prefix_affinity, prompt_key
+from atomr_infer.routing.prefix import PrefixIndex, block_hashes, pick_prefix_affinity, prompt_key, rendezvous_order
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 
@@ -70,12 +70,34 @@ def test_a_busy_holder_overflows_to_the_least_loaded_and_the_prefix_follows() ->
     index, pool = PrefixIndex(), replicas(3)
     loads = {r.actor_name: 0 for r in pool}
     holder, _ = pick_prefix_affinity(pool, loads, 16, prompt_key(chat("x ")), index)
-    loads = {r.actor_name: 1 for r in pool} | {holder.actor_name: 6}  # mean 8/3 x 1.25 < 6
+    # mean (2 + 9 + 1) / 3 = 4: the bound is max(1.25 x 4, 4 + SLACK) = 8 < 9 + 1
+    loads = {r.actor_name: 1 for r in pool} | {holder.actor_name: 9}
     moved, reason = pick_prefix_affinity(pool, loads, 16, prompt_key(chat("x ", "y ", "z ")), index)
     assert reason == "overflow" and moved is not holder and loads[moved.actor_name] == 1
     loads[holder.actor_name] = 0
     follows, reason = pick_prefix_affinity(pool, loads, 16, prompt_key(chat("x ", "y ", "z ", "w ")), index)
     assert (follows, reason) == (moved, "affinity_hit")
+
+
+def test_a_cache_hit_is_worth_a_few_requests_of_imbalance() -> None:
+    index, pool = PrefixIndex(), replicas(2)
+    loads = {r.actor_name: 0 for r in pool}
+    holder, _ = pick_prefix_affinity(pool, loads, 16, prompt_key(chat("x ")), index)
+    loads[holder.actor_name] = 4  # mean 2.5, bound 6.5: a hit still beats a full prefill elsewhere
+    again, reason = pick_prefix_affinity(pool, loads, 16, prompt_key(chat("x ", "y ", "z ")), index)
+    assert (again, reason) == (holder, "affinity_hit")
+
+
+def test_a_new_conversation_takes_its_second_choice_when_the_first_is_busier() -> None:
+    pool = replicas(8)
+    key = prompt_key(chat("new topic "))
+    first, second = rendezvous_order(key.conversation, tuple(r.actor_name for r in pool))[:2]
+    loads = {r.actor_name: 2 for r in pool}
+    chosen, reason = pick_prefix_affinity(pool, loads, 16, key, PrefixIndex())
+    assert (chosen.actor_name, reason) == (first, "no_affinity")  # equal loads: every router agrees
+    loads[first] = 3  # within the bound, but heavier than the second by more than (1.25 - 1) x the mean
+    chosen, reason = pick_prefix_affinity(pool, loads, 16, key, PrefixIndex())
+    assert (chosen.actor_name, reason) == (second, "no_affinity")
 
 
 def test_only_listed_replicas_with_room_are_picked() -> None:
