@@ -39,6 +39,7 @@ from atomr_infer.routing.policy import pick_replica  # noqa: E402
 from atomr_infer.routing.prefix import (  # noqa: E402
     PrefixIndex,
     PromptKey,
+    load_cap,
     pick_prefix_affinity,
     rendezvous_order,
 )
@@ -130,9 +131,8 @@ def hash_block(previous: bytes, text: str) -> bytes:
 def oracle_pick(replicas: list[Replica], loads: dict[str, int], cfg: Config, key: PromptKey,
                 holders: dict[bytes, set[str]]) -> Replica:
     by_name = {r.actor_name: r for r in replicas}
-    total = sum(loads.values()) + 1
-    cap = math.ceil(cfg.load_bound * total / len(replicas)) + 1
-    under = {n for n, r in by_name.items() if loads[n] < min(cap, cfg.max_concurrent)}
+    _, cap = load_cap(sum(loads.values()), len(replicas), cfg.load_bound)
+    under = {n for n in by_name if loads[n] + 1 <= cap and loads[n] < cfg.max_concurrent}
     best = None
     holding = under
     for b in key.blocks:

@@ -9,17 +9,21 @@ to; a request goes to the replica holding its longest indexed prefix (Ray Serve'
 ``PrefixCacheAffinityRouter`` keeps a character tree for the same purpose).
 
 A prefix no router index knows (a new conversation, or one another router served) is placed
-by rendezvous hashing of its conversation key: the text up to the first user message for
-chat, the first blocks for a plain prompt. So every router places the same conversation on
-the same replica, and later turns, whose prompts extend it, follow. A match that covers only
-the system prompt (shared by every conversation that uses it) does not count: it says where
-that prompt went, not this conversation; each replica caches the popular system prompts.
+by two choices on the rendezvous hashing of its conversation key (the text up to the first
+user message for chat, the first blocks for a plain prompt): its first replica, unless its
+second is lighter by more than ``(load_bound - 1)`` x the mean load. So routers mostly place
+the same conversation on the same replica, later turns, whose prompts extend it, follow, and
+a cache miss (which costs the same anywhere) does not queue behind a busier replica. A match
+that covers only the system prompt (shared by every conversation that uses it) does not count:
+it says where that prompt went, not this conversation; each replica caches the popular system
+prompts.
 
 Hot spots, the known failure of affinity, are bounded as in consistent hashing with bounded
-loads (Mirrokni, Thorup, Zadimoghaddam 2018): a replica takes a request only while its load is
-below ``load_bound`` x the mean (counting this request) plus one; above it the request
-overflows to the least-loaded replica, and the index follows it there. Pure functions: the router and
-``scripts/sim_routing.py`` run the same code.
+loads (Mirrokni, Thorup, Zadimoghaddam 2018): a replica takes a request only while it
+would then hold at most ``load_bound`` x the mean (counting this request), or the mean plus
+``SLACK`` requests where that is more (at low load a hit is worth a few requests of imbalance);
+above it the request overflows to the least-loaded replica, and the index follows it there.
+Pure functions: the router and ``scripts/sim_routing.py`` run the same code.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import collections
 import functools
 import hashlib
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -162,9 +165,7 @@ def pick_prefix_affinity(
     free = {r.actor_name: r for r in replicas if loads.get(r.actor_name, 0) < max_concurrent}
     if not free:
         return None, "full"
-    # The mean load counting this request; a replica may hold up to ``bound`` after taking it.
-    mean = (sum(loads.get(r.actor_name, 0) for r in replicas) + 1) / len(replicas)
-    bound = max(load_bound * mean, mean + SLACK)
+    mean, bound = load_cap(sum(loads.get(r.actor_name, 0) for r in replicas), len(replicas), load_bound)
     under = {n: r for n, r in free.items() if loads.get(n, 0) + 1 <= bound}
 
     def least_loaded() -> str:
@@ -179,6 +180,13 @@ def pick_prefix_affinity(
         name, reason = _place(key.conversation, replicas, loads, under or free, (load_bound - 1) * mean), "no_affinity"
     index.record(key.blocks, name)
     return free[name], reason
+
+
+def load_cap(total_load: int, replicas: int, load_bound: float) -> tuple[float, float]:
+    """(mean, cap): the mean load counting one more request, and the most a replica may hold
+    after taking it: ``load_bound`` x the mean, or the mean plus ``SLACK`` where that is more."""
+    mean = (total_load + 1) / max(1, replicas)
+    return mean, max(load_bound * mean, mean + SLACK)
 
 
 def _place(conversation: bytes, replicas: Sequence[Named], loads: Mapping[str, int], allowed: Mapping[str, Any],
