@@ -10,8 +10,8 @@ policy), vLLM's prefix-cache hit rate (prompt tokens found cached, from the repl
 and throughput (requests/s); then the ratios.
 
 Prefill is chunked into steps of 256 tokens by default (``--max-batched-tokens``): one CPU
-thread prefills a document's ~1,700 tokens in seconds, and in vLLM's CPU default of 2,048
-tokens a step every other request on the replica waits that long behind it, which no GPU
+thread prefills a document's ~1,700 tokens in seconds, and with vLLM's CPU default of 2,048
+tokens a step, every other request on the replica waits that long behind it, which no GPU
 replica does (its steps of thousands of tokens take tens of milliseconds).
 
     .venv/bin/python scripts/bench_prefix_routing.py [--rounds 2] [--users 4]
