@@ -211,7 +211,9 @@ class Routing(_Strict):
         "replica most likely to hold the prompt's prefix in its cache, within load_bound.",
     )
     load_bound: Annotated[Number, Field(ge=1, le=10)] = Field(
-        1.25, description="prefix_affinity: above this many times the mean load, overflow to the least loaded."
+        1.25,
+        description="prefix_affinity: a replica that would hold more than this many times the mean load "
+        "(and more than the mean plus 4 requests) overflows to the least loaded.",
     )
 
 
