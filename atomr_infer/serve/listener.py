@@ -1,0 +1,148 @@
+"""The API's HTTP listener: uvicorn inside each ingress replica, on the API's own address.
+
+Serve's proxy is not in the path. Through it, every request and every SSE chunk crossed one
+more process (proxy → ingress, one Ray object per chunk): measured with
+``scripts/bench_http.py`` on a 2-core EPYC, TTFT p50 at c=1 was +7 to +18 ms over ``vllm
+serve``'s, and with the ingress serving HTTP itself +0.7 ms (docs/architecture.md). Serve's own
+way to do that (``RAY_SERVE_ENABLE_DIRECT_INGRESS``) must be in the Ray head's environment when
+it starts, gives each replica a port of its own, and holds every ingress replica 35 s when it
+stops; here the ingress replicas of one API share its one port (``SO_REUSEPORT``: the kernel
+spreads connections over them), on the node ``run_server`` ran on, so ``host:port`` means what
+the user typed. Serve still starts, health-checks, restarts and updates the ingress replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from atomr_infer.errors import AtomrError
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def bind(host: str, port: int, *, shared: bool = True) -> socket.socket:
+    """A listening-ready TCP socket on ``host:port``; ``shared``: with ``SO_REUSEPORT``, so that
+    every ingress replica of the API (and its replacement during an update) binds it too.
+    ``AtomrError`` naming the address if it is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise AtomrError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (hint: pick another --port)") from None
+    return sock
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """``bind``, shared, and listening: connections queue in the backlog until uvicorn accepts."""
+    sock = bind(host, port)
+    sock.listen(2048)
+    return sock
+
+
+def check_free(host: str, port: int) -> None:
+    """Raise ``AtomrError`` unless ``host:port`` is free on this node (nothing else listens there)."""
+    bind(host, port, shared=False).close()
+
+
+def cancel_on_hang_up(app: ASGIApp) -> ASGIApp:
+    """Cancel a request's handler when its client hangs up before the response is complete.
+
+    Serve's proxy did this; uvicorn alone does not for a response that is not streamed, so the
+    engine would compute a whole answer for nobody. Once the app has read the body (every
+    forwarded route does; reading it here first would hold a whole body before the ingress's
+    size check), a watcher waits on ``receive``, which then returns only ``http.disconnect``,
+    and cancels the handler; its cancellation closes the router's stream, which aborts the
+    request in the engine."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        body_read = asyncio.Event()
+        state = {"complete": False}
+
+        async def receive_body() -> dict[str, Any]:
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                body_read.set()
+            return message
+
+        async def send_tracked(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["complete"] = True
+            await send(message)
+
+        async def watch(handler: asyncio.Task[None]) -> None:
+            await body_read.wait()
+            message = await receive()
+            if message["type"] == "http.disconnect" and not state["complete"]:
+                handler.cancel()
+
+        handler = asyncio.ensure_future(app(scope, receive_body, send_tracked))
+        watcher = asyncio.ensure_future(watch(handler))
+        try:
+            await asyncio.wait({handler})
+        finally:
+            watcher.cancel()
+            if not handler.done():  # this task was cancelled (the server stops): so is the handler
+                handler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await handler
+        if not handler.cancelled():
+            handler.result()  # the app's own error, for uvicorn to log and answer 500
+
+    return wrapped
+
+
+class HttpListener:
+    """uvicorn serving ``app`` on a bound socket, in the running event loop."""
+
+    def __init__(self, app: ASGIApp, sock: socket.socket, *, limit_concurrency: int) -> None:
+        import uvicorn
+
+        # Our access log (serve/access_log.py) and errors go through structlog; uvicorn's own
+        # error logger would repeat them.
+        logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
+        self._sock = sock
+        self._server = uvicorn.Server(uvicorn.Config(
+            cancel_on_hang_up(app), lifespan="off", access_log=False, log_config=None,
+            limit_concurrency=limit_concurrency, timeout_keep_alive=5,
+        ))
+        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign] # not the main thread
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, ready: Callable[[], bool] = lambda: True) -> None:
+        """Start serving once ``ready()`` (polled); connections wait in the listening socket's
+        backlog until then."""
+        self._task = asyncio.get_running_loop().create_task(self._serve(ready))
+
+    async def _serve(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            await asyncio.sleep(0.05)
+        await self._server.serve(sockets=[self._sock])
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop accepting, let open requests finish for up to ``timeout_s``, then close."""
+        if self._task is None:
+            self._sock.close()
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+        except (TimeoutError, asyncio.CancelledError):
+            self._task.cancel()
+        finally:
+            self._sock.close()

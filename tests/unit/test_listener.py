@@ -1,0 +1,100 @@
+"""The ingress's own HTTP listener (serve/listener.py), with real uvicorn and a real httpx client
+on loopback: a shared port, a taken port, a client that hangs up, a graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from atomr_infer.errors import AtomrError
+from atomr_infer.serve.listener import HttpListener, check_free, listen
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slow_app(events: list[str], delay_s: float) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/slow")
+    async def slow(request: Request) -> JSONResponse:
+        await request.body()  # as the ingress does: the watcher listens once the body is read
+        events.append("started")
+        try:
+            await asyncio.sleep(delay_s)
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            raise
+        events.append("finished")
+        return JSONResponse({"ok": True})
+
+    return app
+
+
+async def wait_for(predicate, timeout_s: float) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+def test_replicas_share_the_port_and_a_taken_port_is_one_clear_error():
+    port = free_port()
+    first, second = listen("127.0.0.1", port), listen("127.0.0.1", port)  # two ingress replicas
+    try:
+        with pytest.raises(AtomrError, match=f"cannot listen on 127.0.0.1:{port}"):
+            check_free("127.0.0.1", port)
+    finally:
+        first.close()
+        second.close()
+    check_free("127.0.0.1", port)  # free again once they are gone
+
+
+def test_a_client_that_hangs_up_cancels_a_response_that_is_not_streamed():
+    events: list[str] = []
+
+    async def run() -> None:
+        port = free_port()
+        listener = HttpListener(slow_app(events, 30.0), listen("127.0.0.1", port), limit_concurrency=8)
+        listener.start()
+        try:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=0.5)) as client:
+                with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+                    await client.post(f"http://127.0.0.1:{port}/slow")
+            assert await wait_for(lambda: "cancelled" in events, 5.0), events
+        finally:
+            await listener.stop(1.0)
+
+    asyncio.run(run())
+    assert events == ["started", "cancelled"]
+
+
+def test_a_request_runs_to_its_end_and_a_stop_lets_an_open_one_finish():
+    events: list[str] = []
+
+    async def run() -> None:
+        port = free_port()
+        listener = HttpListener(slow_app(events, 0.5), listen("127.0.0.1", port), limit_concurrency=8)
+        listener.start()
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            answer = await client.post(f"http://127.0.0.1:{port}/slow")
+            assert (answer.status_code, answer.json()) == (200, {"ok": True})
+            open_request = asyncio.ensure_future(client.post(f"http://127.0.0.1:{port}/slow"))
+            assert await wait_for(lambda: events.count("started") == 2, 5.0)
+            await listener.stop(5.0)
+            assert (await open_request).status_code == 200
+        with pytest.raises(httpx.ConnectError):  # stopped: nothing listens any more
+            httpx.post(f"http://127.0.0.1:{port}/slow", timeout=2.0)
+
+    asyncio.run(run())
+    assert events == ["started", "finished", "started", "finished"]
