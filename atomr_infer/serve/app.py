@@ -46,7 +46,7 @@ from atomr_infer.serve.usage import usage_not_asked, usage_tokens, without_usage
 from atomr_infer.status import DeploymentStatus
 
 log = get_logger(__name__)
-MAX_ONGOING_REQUESTS = 1024  # per ingress replica; the engines' own limits apply behind it
+MAX_ONGOING_REQUESTS = 1024  # Serve's, for handle calls; HTTP comes through the listener, uncapped
 MANAGER_CALL_TIMEOUT_S = 5.0
 GRACEFUL_STOP_S = 10.0  # within Serve's graceful_shutdown_timeout_s (20 s by default)
 
@@ -139,7 +139,7 @@ class OpenAIIngress:
         )
         self._listener = None
         if listen_on is not None:  # bound here, so that a taken port fails the replica at once
-            self._listener = HttpListener(api, listen(*listen_on), limit_concurrency=MAX_ONGOING_REQUESTS)
+            self._listener = HttpListener(api, listen(*listen_on))
             # The routes find this instance through Serve's replica context, set after __init__.
             self._listener.start(ready=lambda: serve.get_replica_context().servable_object is not None)
 

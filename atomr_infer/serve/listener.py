@@ -110,7 +110,10 @@ def cancel_on_hang_up(app: ASGIApp) -> ASGIApp:
 class HttpListener:
     """uvicorn serving ``app`` on a bound socket, in the running event loop."""
 
-    def __init__(self, app: ASGIApp, sock: socket.socket, *, limit_concurrency: int) -> None:
+    def __init__(self, app: ASGIApp, sock: socket.socket) -> None:
+        """No cap on open requests here (as ``vllm serve``): admission is the replicas'
+        (``serving.max_concurrent``, ``on_capacity_exhausted``) and the API keys' rate limits;
+        uvicorn's ``limit_concurrency`` would answer 503 to the 1,025th open stream."""
         import uvicorn
 
         # Our access log (serve/access_log.py) and errors go through structlog; uvicorn's own
@@ -119,7 +122,7 @@ class HttpListener:
         self._sock = sock
         self._server = uvicorn.Server(uvicorn.Config(
             cancel_on_hang_up(app), lifespan="off", access_log=False, log_config=None,
-            limit_concurrency=limit_concurrency, timeout_keep_alive=5,
+            timeout_keep_alive=5,
         ))
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign] # not the main thread
         self._task: asyncio.Task[None] | None = None

@@ -65,7 +65,7 @@ def test_a_client_that_hangs_up_cancels_a_response_that_is_not_streamed():
 
     async def run() -> None:
         port = free_port()
-        listener = HttpListener(slow_app(events, 30.0), listen("127.0.0.1", port), limit_concurrency=8)
+        listener = HttpListener(slow_app(events, 30.0), listen("127.0.0.1", port))
         listener.start()
         try:
             async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=0.5)) as client:
@@ -84,7 +84,7 @@ def test_a_request_runs_to_its_end_and_a_stop_lets_an_open_one_finish():
 
     async def run() -> None:
         port = free_port()
-        listener = HttpListener(slow_app(events, 0.5), listen("127.0.0.1", port), limit_concurrency=8)
+        listener = HttpListener(slow_app(events, 0.5), listen("127.0.0.1", port))
         listener.start()
         async with httpx.AsyncClient(timeout=10.0) as client:
             answer = await client.post(f"http://127.0.0.1:{port}/slow")
