@@ -88,9 +88,14 @@ class TableCache:
             self._handle = None  # look it up again next time: it may have been re-created
             raise
         if newer is not None:
-            self._table = newer
-            self._loaded.set()
+            self._take(newer)
         return newer
+
+    def _take(self, newer: RoutingTable) -> None:
+        # A restarted manager counts from 0 again: "different" is what matters, not "higher".
+        self._table = newer
+        self._loaded.set()
+        log.debug("routing_table_updated", version=newer.version, deployments=sorted(newer.deployments))
 
     async def _poll(self) -> None:
         while True:
@@ -105,10 +110,7 @@ class TableCache:
                 await asyncio.sleep(RETRY_PAUSE_S)
                 continue
             if newer is not None:
-                # A restarted manager counts from 0 again: "different" is what matters, not "higher".
-                self._table = newer
-                self._loaded.set()
-                log.debug("routing_table_updated", version=newer.version, deployments=sorted(newer.deployments))
+                self._take(newer)
 
 
 def _lookup_manager() -> Any:

@@ -4,7 +4,6 @@ on loopback: a shared port, a taken port, a client that hangs up, a graceful sto
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import httpx
 import pytest
@@ -12,13 +11,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from atomr_infer.errors import AtomrError
+from atomr_infer.local_ray import free_port
 from atomr_infer.serve.listener import HttpListener, check_free, listen
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slow_app(events: list[str], delay_s: float) -> FastAPI:
