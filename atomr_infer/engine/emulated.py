@@ -16,7 +16,7 @@ serving layer, and atomr's transport.
 
 from __future__ import annotations
 
-import collections
+import queue
 import threading
 import time
 from typing import Any
@@ -31,7 +31,8 @@ class TimedCore:
         self._step_s, self._token_id = step_s, token_id
         self._lock = threading.Condition()
         self._running: dict[str, list[int]] = {}  # request id -> [emitted, max_tokens]
-        self._done: collections.deque[Any] = collections.deque()  # EngineCoreOutputs not yet taken
+        # EngineCoreOutputs not yet taken, queued as vLLM's SyncMPClient queues a core process's.
+        self.outputs_queue: queue.Queue[Any] = queue.Queue()
         self._stop = False
         self.steps = 0
         self._thread = threading.Thread(target=self._run, name="atomr-timed-core", daemon=True)
@@ -62,8 +63,7 @@ class TimedCore:
                     reason = FinishReason.LENGTH if finished else None
                     outputs.append(EngineCoreOutput(rid, [self._token_id], finish_reason=reason))
                 self.steps += 1
-                self._done.append(EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic()))
-                self._lock.notify_all()
+            self.outputs_queue.put(EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic()))
 
     # -- what LLMEngine calls ------------------------------------------------------------------
 
@@ -81,12 +81,12 @@ class TimedCore:
     def get_output(self) -> Any:
         from vllm.v1.engine import EngineCoreOutputs
 
-        with self._lock:
+        try:
             # LLMEngine steps only while requests are unfinished; a bounded wait keeps an
             # aborted-everything corner from blocking the caller for good.
-            if not self._done and not self._lock.wait_for(lambda: bool(self._done), timeout=1.0):
-                return EngineCoreOutputs(outputs=[], timestamp=time.monotonic())
-            return self._done.popleft()
+            return self.outputs_queue.get(timeout=1.0)
+        except queue.Empty:
+            return EngineCoreOutputs(outputs=[], timestamp=time.monotonic())
 
     def dp_engines_running(self) -> bool:
         return False

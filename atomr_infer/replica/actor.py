@@ -32,6 +32,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from atomr_infer.engine.coalesce import coalesce_core_outputs
 from atomr_infer.engine.device import resolve_device
 from atomr_infer.engine.protocol import Engine
 from atomr_infer.errors import EngineError, EngineStartFailed, InvalidRequest, ReplicaBusy, ReplicaUnavailable
@@ -50,6 +51,7 @@ from atomr_infer.replica.openai_app import HttpHead, HttpRequest, OpenAIApp
 from atomr_infer.replica.periodic import run_every
 from atomr_infer.replica.prompt import PromptBuilder
 from atomr_infer.replica.request import Chunk, GenerateRequest, Usage, parse_request
+from atomr_infer.replica.serving_process import tune_serving_process
 from atomr_infer.replica.stats import ReplicaStats, StatsCollector
 from atomr_infer.replica.step_loop import StepLoop
 from atomr_infer.replica.stream import RequestStream
@@ -62,6 +64,9 @@ EngineFactoryFor = Callable[[Deployment, Callable[[str], None]], Engine]
 # the manager replaces the replica. ATOMR_STEP_TIMEOUT_S overrides it (for engines whose
 # single step can legitimately run longer, e.g. a huge prefill on a slow device).
 DEFAULT_STEP_TIMEOUT_S = 30.0
+# How long the step loop waits for the event loop to take a step's outputs when the core runs
+# on its own (below: _on_outputs). Bounded so a closed or stuck loop cannot hold the engine.
+HANDOFF_WAIT_S = 1.0
 WATCHDOG_PERIOD_S = 1.0
 
 
@@ -102,6 +107,7 @@ class VllmReplica:
         self._prompts: PromptBuilder | None = None
         self._max_model_len: int | None = None
         self._engine: Engine | None = None
+        self._core_runs_ahead = False  # set once the engine is up (engine/coalesce.py)
         self._app: OpenAIApp | None = None  # vLLM's OpenAI server, built once the engine is up
         self._app_lock = asyncio.Lock()
         # Set once the engine is up: only a vLLM engine carries what vLLM's server needs (an
@@ -131,6 +137,11 @@ class VllmReplica:
         self._log.info("replica_start_progress", step=message)
 
     def _on_engine_ready(self, engine: Engine) -> None:
+        # Before the first step: a core in its own process (GPU) hands over every step it has
+        # finished at once, so output processing never falls behind it (engine/coalesce.py).
+        self._core_runs_ahead = coalesce_core_outputs(engine)
+        if self._core_runs_ahead:
+            self._log.info("coalescing_core_outputs")
         self._engine = engine
         self._prompts = PromptBuilder(engine.get_tokenizer(), self._log)
         self._has_openai_app = all(hasattr(engine, a) for a in ("vllm_config", "input_processor", "renderer"))
@@ -144,8 +155,24 @@ class VllmReplica:
 
     def _on_outputs(self, outputs: list[Any]) -> None:
         aloop = self._aloop
-        if aloop is not None and not aloop.is_closed():
+        if aloop is None or aloop.is_closed():
+            return
+        if not self._core_runs_ahead:
+            # The core steps in this thread: its next step overlaps the loop's work on these.
             aloop.call_soon_threadsafe(self._streams.dispatch, outputs)
+            return
+        # The core steps on its own: wait until the loop has taken these outputs. The steps it
+        # finishes meanwhile are then taken as one (CoalescingCoreClient), so a loop that falls
+        # behind gets bigger deltas, not more of them, and the work per token stays bounded.
+        taken = threading.Event()
+        aloop.call_soon_threadsafe(self._dispatch_and_set, outputs, taken)
+        taken.wait(HANDOFF_WAIT_S)
+
+    def _dispatch_and_set(self, outputs: list[Any], taken: threading.Event) -> None:
+        try:
+            self._streams.dispatch(outputs)
+        finally:
+            taken.set()
 
     def _on_loop_error(self, exc: BaseException) -> None:
         if not self._ready.is_set():
@@ -224,6 +251,7 @@ class VllmReplica:
                 await self._openai_app()
             except Exception as exc:
                 raise EngineStartFailed(f"{self!r}: vLLM's OpenAI server failed to start: {exc!r}") from None
+        tune_serving_process()  # started: what exists now lives as long as the process
         return {
             "replica_id": self._replica_id,
             "device": self._device,

@@ -1,0 +1,140 @@
+"""Take every step an engine core in its own process has finished, as one.
+
+With a GPU, vLLM's engine core runs in its own process and steps on its own; its outputs wait
+in the ``SyncMPClient``'s ``outputs_queue`` until ``LLMEngine.step`` takes them, one step at a
+time. Everything after the core (detokenizing, ``RequestOutput``s, vLLM's serving layer, our
+channels) costs per output, so when hundreds of sequences step every few milliseconds that
+work falls behind the core and stays behind: the replica delivers what its front half can
+process, not what the GPU makes.
+
+``CoalescingCoreClient`` wraps that client: ``get_output`` waits for one step as before, then
+takes every further step already queued and returns them merged, one ``EngineCoreOutput`` per
+request carrying all of its new tokens (the shape speculative decoding already gives vLLM's
+output processor). So the cost per output is paid once per request per turn, however far the
+core ran ahead: a front half that keeps up sees one step at a time, exactly as before, and one
+that falls behind sends bigger deltas instead of falling further behind. No timer: nothing
+waits for a step that is not there yet, so the first token leaves at once.
+
+Only plain decode outputs merge (token ids, finish and stop reason). A step carrying anything
+aligned to tokens or events (logprobs, pooling, KV transfer, stats events, ...) or a message
+that is not a step (utility, wave) is returned on its own, in order.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+from typing import Any
+
+# Fields of an EngineCoreOutput that stop a step from merging when set: per-token or
+# per-event data whose alignment a merge would have to rebuild.
+_UNMERGEABLE = (
+    "new_logprobs", "new_prompt_logprobs_tensors", "pooling_output", "events", "kv_transfer_params",
+    "ec_transfer_params", "prefill_stats", "routed_experts", "mm_cache_miss_hashes", "new_sampling_mask",
+    "prompt_token_id_logprobs",
+)
+# Steps merged in one turn at most: bounds one turn's work (and the step-loop watchdog's view of it).
+MAX_STEPS_PER_TURN = 64
+
+
+def is_plain(outputs: Any) -> bool:
+    """Whether one step's ``EngineCoreOutputs`` holds only token deltas (and can merge)."""
+    if isinstance(outputs, BaseException):
+        return False
+    if outputs.utility_output is not None or outputs.wave_complete is not None or outputs.start_wave is not None:
+        return False
+    return all(getattr(o, name, None) is None for o in outputs.outputs for name in _UNMERGEABLE)
+
+
+def merge_steps(steps: list[Any]) -> Any:
+    """One ``EngineCoreOutputs`` for consecutive plain steps: per request, its new tokens in order."""
+    import msgspec
+
+    first, last = steps[0], steps[-1]
+    merged: dict[str, Any] = {}
+    finished: set[str] = set()
+    stats = None
+    for step in steps:
+        stats = step.scheduler_stats if step.scheduler_stats is not None else stats
+        finished |= step.finished_requests or set()
+        for out in step.outputs:
+            seen = merged.get(out.request_id)
+            if seen is None:
+                merged[out.request_id] = out
+            else:
+                merged[out.request_id] = msgspec.structs.replace(
+                    seen,
+                    new_token_ids=seen.new_token_ids + out.new_token_ids,
+                    finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
+                    num_nans_in_logits=seen.num_nans_in_logits + out.num_nans_in_logits,
+                    spec_decode_metrics=out.spec_decode_metrics,
+                )
+    return msgspec.structs.replace(
+        last,
+        engine_index=first.engine_index,
+        outputs=list(merged.values()),
+        scheduler_stats=stats,
+        finished_requests=finished or None,
+    )
+
+
+class CoalescingCoreClient:
+    """An engine-core client (``SyncMPClient``, or anything with ``get_output`` and an
+    ``outputs_queue``) whose ``get_output`` returns every plain step queued, merged."""
+
+    def __init__(self, inner: Any, max_steps: int = MAX_STEPS_PER_TURN) -> None:
+        self._inner = inner
+        self._max_steps = max_steps
+        self._held: collections.deque[Any] = collections.deque()  # taken from the queue, not yet returned
+        self.merged_steps = 0  # steps that rode along with an earlier one (for benchmarks, tests)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _next(self) -> Any:
+        if not self._held:
+            return self._inner.get_output()
+        item = self._held.popleft()
+        if getattr(item, "wave_complete", None) is not None and hasattr(self._inner, "engines_running"):
+            self._inner.engines_running = False  # as the inner client's get_output does
+        if isinstance(item, BaseException):
+            # What the inner client's get_output would have raised for it.
+            fmt = getattr(self._inner, "_format_exception", None)
+            raise (fmt(item) if fmt is not None else item) from None
+        return item
+
+    def get_output(self) -> Any:
+        first = self._next()
+        if not is_plain(first) or self._held:
+            return first
+        steps = [first]
+        pending: queue.Queue[Any] = self._inner.outputs_queue
+        while len(steps) < self._max_steps:
+            try:
+                item = pending.get_nowait()
+            except queue.Empty:
+                break
+            if not is_plain(item):
+                self._held.append(item)  # returned (or raised) on the next call, in order
+                break
+            steps.append(item)
+        if len(steps) == 1:
+            return first
+        self.merged_steps += len(steps) - 1
+        return merge_steps(steps)
+
+
+def coalesce_core_outputs(engine: Any) -> bool:
+    """Wrap ``engine.engine_core`` in a ``CoalescingCoreClient`` where the core runs on its own
+    (its client queues outputs); an in-process core steps when asked, so there is nothing to merge."""
+    if os.environ.get("ATOMR_COALESCE_STEPS", "1") == "0":  # to measure without it
+        return False
+    core = getattr(engine, "engine_core", None)
+    if core is None or isinstance(core, CoalescingCoreClient) or not isinstance(
+        getattr(core, "outputs_queue", None), queue.Queue
+    ):
+        return False
+    engine.engine_core = CoalescingCoreClient(core)
+    return True

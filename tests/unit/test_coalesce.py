@@ -1,0 +1,113 @@
+"""Merging the steps an engine core in its own process has finished (engine/coalesce.py), on
+vLLM's own output types. ``QueuedCore`` stands for vLLM's ``SyncMPClient`` (which needs a core
+process): what the coalescing client uses of it is ``get_output`` and its ``outputs_queue``.
+The same client over a real vLLM front half runs in test_coalesce_engine.py."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+from atomr_infer.engine.coalesce import CoalescingCoreClient, coalesce_core_outputs, is_plain, merge_steps
+
+
+class QueuedCore:
+    def __init__(self) -> None:
+        self.outputs_queue: queue.Queue = queue.Queue()
+        self.aborted: list[str] = []
+
+    def get_output(self):
+        item = self.outputs_queue.get(timeout=5)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def abort_requests(self, ids: list[str]) -> None:
+        self.aborted += ids
+
+
+def step(*outs: EngineCoreOutput, **kw) -> EngineCoreOutputs:
+    return EngineCoreOutputs(outputs=list(outs), **kw)
+
+
+def test_consecutive_steps_merge_per_request_in_order():
+    steps = [
+        step(EngineCoreOutput("a", [1]), EngineCoreOutput("b", [10]), timestamp=1.0),
+        step(EngineCoreOutput("a", [2]), EngineCoreOutput("b", [11], finish_reason=FinishReason.STOP, stop_reason=7),
+             timestamp=2.0, finished_requests={"b"}),
+        step(EngineCoreOutput("a", [3], finish_reason=FinishReason.LENGTH), EngineCoreOutput("c", [20]),
+             timestamp=3.0, finished_requests={"a"}),
+    ]
+    merged = merge_steps(steps)
+    by_id = {o.request_id: o for o in merged.outputs}
+    assert [o.request_id for o in merged.outputs] == ["a", "b", "c"]
+    assert by_id["a"].new_token_ids == [1, 2, 3] and by_id["a"].finish_reason == FinishReason.LENGTH
+    assert by_id["b"].new_token_ids == [10, 11] and by_id["b"].finish_reason == FinishReason.STOP
+    assert by_id["b"].stop_reason == 7
+    assert by_id["c"].new_token_ids == [20] and by_id["c"].finish_reason is None
+    assert merged.finished_requests == {"a", "b"} and merged.timestamp == 3.0
+    assert steps[0].outputs[0].new_token_ids == [1]  # the steps themselves are left as they were
+
+
+def test_a_step_with_per_token_data_is_not_plain():
+    assert is_plain(step(EngineCoreOutput("a", [1])))
+    assert not is_plain(step(EngineCoreOutput("a", [1], kv_transfer_params={"x": 1})))
+    assert not is_plain(step(EngineCoreOutput("a", [1], events=[])))
+    assert not is_plain(step(wave_complete=3))
+    assert not is_plain(RuntimeError("core died"))
+
+
+def test_get_output_takes_every_queued_step_and_keeps_the_rest_in_order():
+    core = QueuedCore()
+    client = CoalescingCoreClient(core)
+    for i in range(3):
+        core.outputs_queue.put(step(EngineCoreOutput("a", [i])))
+    special = step(EngineCoreOutput("a", [3], kv_transfer_params={"k": "v"}))
+    core.outputs_queue.put(special)
+    core.outputs_queue.put(step(EngineCoreOutput("a", [4])))
+
+    first = client.get_output()
+    assert [o.new_token_ids for o in first.outputs] == [[0, 1, 2]]
+    assert client.get_output() is special  # on its own, after the merged ones
+    assert [o.new_token_ids for o in client.get_output().outputs] == [[4]]
+    assert client.merged_steps == 2
+    client.abort_requests(["a"])  # everything else reaches the client it wraps
+    assert core.aborted == ["a"]
+
+
+def test_an_error_queued_behind_steps_is_raised_after_them():
+    core = QueuedCore()
+    client = CoalescingCoreClient(core)
+    core.outputs_queue.put(step(EngineCoreOutput("a", [1])))
+    core.outputs_queue.put(RuntimeError("engine core died"))
+    assert client.get_output().outputs[0].new_token_ids == [1]
+    with pytest.raises(RuntimeError, match="engine core died"):
+        client.get_output()
+
+
+def test_one_turn_takes_at_most_max_steps():
+    core = QueuedCore()
+    client = CoalescingCoreClient(core, max_steps=4)
+    for i in range(6):
+        core.outputs_queue.put(step(EngineCoreOutput("a", [i])))
+    assert client.get_output().outputs[0].new_token_ids == [0, 1, 2, 3]
+    assert client.get_output().outputs[0].new_token_ids == [4, 5]
+
+
+def test_only_a_core_that_queues_its_outputs_is_wrapped(monkeypatch):
+    class Engine:
+        pass
+
+    inproc = Engine()
+    inproc.engine_core = object()  # vLLM's InprocClient steps when asked: nothing queues
+    assert not coalesce_core_outputs(inproc)
+    queued = Engine()
+    queued.engine_core = QueuedCore()
+    assert coalesce_core_outputs(queued) and isinstance(queued.engine_core, CoalescingCoreClient)
+    assert not coalesce_core_outputs(queued)  # not twice
+    monkeypatch.setenv("ATOMR_COALESCE_STEPS", "0")
+    off = Engine()
+    off.engine_core = QueuedCore()
+    assert not coalesce_core_outputs(off)
