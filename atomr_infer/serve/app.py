@@ -34,6 +34,7 @@ from ray import serve
 from atomr_infer.errors import AtomrError, DeploymentNotFound, InvalidRequest, NoReadyReplica
 from atomr_infer.log import get_logger
 from atomr_infer.replica.openai_app import HttpRequest
+from atomr_infer.replica.serving_process import tune_serving_process
 from atomr_infer.routing.router import Router
 from atomr_infer.serve.access_log import AccessLog
 from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile
@@ -142,6 +143,7 @@ class OpenAIIngress:
             self._listener = HttpListener(api, listen(*listen_on))
             # The routes find this instance through Serve's replica context, set after __init__.
             self._listener.start(ready=lambda: serve.get_replica_context().servable_object is not None)
+        tune_serving_process()  # this process streams every response (replica/serving_process.py)
 
     async def __del__(self) -> None:
         """Serve's graceful stop: stop accepting, let open requests finish, then stop."""
