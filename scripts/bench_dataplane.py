@@ -19,6 +19,10 @@ number of streams, that many streamed completions of ``--tokens`` tokens are sen
 - http: ``atomr serve`` (the ingress replica's own HTTP listener) with httpx, like ``router``.
 delivered = completion tokens / wall time from the first request sent to the last token;
 ideal = tokens x step time (every stream running from the start). Compare ratios from one run.
+Each line also gives when the last stream's first output arrived (admission: vLLM's request
+parsing, tokenizing and input processing, per request, plus the transport's open) and
+streaming/ideal: the same ratio without that time, (tokens x step) / (wall - admission), the
+rate once every stream runs, i.e. the cost per token alone.
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 NAME = "emulated"
+FIRST_OUTPUT_AT: list[float] = []  # per stream of the current measure(): when its first output came
+
+
+def arrived(first: bool) -> bool:
+    """Record a stream's first output (call with True once); returns False for the next call."""
+    if first:
+        FIRST_OUTPUT_AT.append(time.perf_counter())
+    return False
 
 
 def usage_tokens(tail: bytes) -> int:
@@ -53,9 +65,10 @@ async def via_router(router, i: int, tokens: int) -> int:
     from atomr_infer.replica.openai_app import HttpRequest
 
     request = HttpRequest("POST", "/v1/completions", (("content-type", "application/json"),), body(i, tokens))
-    tail = b""
+    tail, first = b"", True
     async for piece in router.stream(NAME, request, method="http"):
         if isinstance(piece, bytes):
+            first = arrived(first)
             tail = (tail + piece)[-4096:]
     return usage_tokens(tail)
 
@@ -64,9 +77,10 @@ async def via_local(replica, i: int, tokens: int) -> int:
     from atomr_infer.replica.openai_app import HttpRequest
 
     request = HttpRequest("POST", "/v1/completions", (("content-type", "application/json"),), body(i, tokens))
-    tail = b""
+    tail, first = b"", True
     async for piece in replica.http(request):
         if isinstance(piece, bytes):
+            first = arrived(first)
             tail = (tail + piece)[-4096:]
     return usage_tokens(tail)
 
@@ -97,39 +111,56 @@ def spec_of(model_dir: str):
 
 def report(path: str, n: int, ratio: float, step_s: float) -> None:
     rate, ideal = ratio * n / step_s, n / step_s
-    print(f"{path:>7} {n:>5} streams: delivered/ideal {ratio:.3f} ({rate:,.0f} of {ideal:,.0f} tok/s)", flush=True)
+    print(f"{path:>7} {n:>5} streams: delivered/ideal {ratio:.3f} ({rate:,.0f} of {ideal:,.0f} tok/s); "
+          f"all admitted in {LAST['admitted']:.2f} s, streaming/ideal {LAST['streaming']:.3f}", flush=True)
+    STREAMING.setdefault(path, {})[n] = LAST["streaming"]
+
+
+STREAMING: dict[str, dict[int, float]] = {}  # path -> streams -> streaming/ideal
 
 
 async def via_tokens(router, i: int, tokens: int) -> int:
     """The token-level path (``Chunk``s: no OpenAI serving layer in the replica)."""
     request = {"prompt": f"request {i}", "max_tokens": tokens, "ignore_eos": True}
-    return sum([len(chunk.token_ids) async for chunk in router.stream(NAME, request)])
+    count, first = 0, True
+    async for chunk in router.stream(NAME, request):
+        first = arrived(first)
+        count += len(chunk.token_ids)
+    return count
 
 
 async def via_client(client, i: int, tokens: int) -> int:
-    count = 0
+    count, first = 0, True
     async for chunk in client.astream_complete(NAME, f"request {i}", max_tokens=tokens,
                                                stream_options={"include_usage": True}):
+        first = arrived(first)
         if chunk.usage is not None:
             count = chunk.usage.completion_tokens
     return count
 
 
 async def via_http(http, url: str, i: int, tokens: int) -> int:
-    tail = b""
+    tail, first = b"", True
     async with http.stream("POST", url, content=body(i, tokens), headers={"content-type": "application/json"}) as r:
         r.raise_for_status()
         async for piece in r.aiter_raw():
+            first = arrived(first)
             tail = (tail + piece)[-4096:]
     return usage_tokens(tail)
 
 
+LAST: dict[str, float] = {}  # the last measure()'s admission time and streaming/ideal
+
+
 async def measure(one, streams: int, tokens: int, step_s: float) -> float:
     """delivered / ideal for ``streams`` concurrent requests of ``tokens`` tokens."""
+    FIRST_OUTPUT_AT.clear()
     started = time.perf_counter()
     counts = await asyncio.gather(*(one(i, tokens) for i in range(streams)))
     elapsed = time.perf_counter() - started
     assert all(c == tokens for c in counts), f"short streams: {sorted(set(counts))}"
+    admitted = max(FIRST_OUTPUT_AT) - started
+    LAST.update(admitted=admitted, streaming=(tokens * step_s) / (elapsed - admitted))
     return (tokens * step_s) / elapsed
 
 
@@ -216,9 +247,15 @@ def main() -> None:
     print(f"{'streams':>8} " + " ".join(f"{p:>8}" for p in paths))
     for n in sizes:
         print(f"{n:>8} " + " ".join(f"{results[p][n]:>8.3f}" for p in paths))
+    print("streaming/ideal (admission left out)")
+    for n in sizes:
+        print(f"{n:>8} " + " ".join(f"{STREAMING[p][n]:>8.3f}" for p in paths))
     for path in paths:
         for n in sizes:
             print(f"ratio {path} delivered/ideal @ {n}: {results[path][n]:.3f}")
+    for path in paths:
+        for n in sizes:
+            print(f"ratio {path} streaming/ideal @ {n}: {STREAMING[path][n]:.3f}")
 
 
 if __name__ == "__main__":
