@@ -35,7 +35,14 @@ from typing import Any
 from atomr_infer.engine.coalesce import coalesce_core_outputs
 from atomr_infer.engine.device import resolve_device
 from atomr_infer.engine.protocol import Engine
-from atomr_infer.errors import EngineError, EngineStartFailed, InvalidRequest, ReplicaBusy, ReplicaUnavailable
+from atomr_infer.errors import (
+    AtomrError,
+    EngineError,
+    EngineStartFailed,
+    InvalidRequest,
+    ReplicaBusy,
+    ReplicaUnavailable,
+)
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import GAUGE_PERIOD_S, REPLICA_STATES, ReplicaMetrics, failure_reason
 from atomr_infer.replica.channel import Batch, ChannelHub
@@ -324,6 +331,22 @@ class VllmReplica:
         Returns the requests now open here. Raises ``ReplicaBusy`` at ``limit`` (the routing
         table's ``serving.max_concurrent``, which changes in place; else this replica's spec),
         counted over every router; ``ReplicaUnavailable`` when draining or stopped."""
+        return self._open(channel_id, request_id, method, request, limit)
+
+    async def open_many(self, channel_id: str, requests: list[tuple[str, str, Any, int | None]]) -> list[Any]:
+        """``open`` for each ``(request_id, method, request, limit)``, in order, in one call: a
+        router sends every request it opened here in one turn of its event loop together (a
+        Ray call costs ~0.6 ms of CPU in a burst; a thousand requests at once cost seconds).
+        Returns, per request, what ``open`` returns or the error it raised."""
+        results: list[Any] = []
+        for request_id, method, request, limit in requests:
+            try:
+                results.append(self._open(channel_id, request_id, method, request, limit))
+            except AtomrError as exc:
+                results.append(exc)
+        return results
+
+    def _open(self, channel_id: str, request_id: str, method: str, request: Any, limit: int | None) -> int:
         self._admit()
         limit = limit or self._deployment.serving.max_concurrent
         if self._channels.open_requests >= limit:

@@ -1,7 +1,8 @@
 """A router's end of a replica's channel (replica/channel.py): many requests, one stream.
 
-``ReplicaChannel.request`` opens one request on the replica (``open``, which also admits it)
-and yields what it produces; one task per channel reads the replica's ``channel`` stream and
+``ReplicaChannel.request`` opens one request on the replica (``open_many``, which also admits
+it, carrying every request this router opened there in the same turn of its event loop) and
+yields what it produces; one task per channel reads the replica's ``channel`` stream and
 hands each batch's items to the requests they belong to. Items that arrive while a consumer
 is busy wait in its inbox, and consecutive body bytes are joined, so a slow consumer takes
 fewer, larger pieces. A consumer that leaves before the end cancels its request on the
@@ -89,6 +90,9 @@ class ReplicaChannel:
         self.load_at = 0.0
         self.batches = 0  # messages received (bench_dataplane reports items per message)
         self._retired = False  # no new requests; closes when its last one ends
+        # Requests to open on the replica at the end of this turn of the event loop (_open).
+        self._opening: list[tuple[str, str, Any, int | None, asyncio.Future[Any]]] = []
+        self._sends: set[asyncio.Task[None]] = set()  # open_many calls awaited (kept from the GC)
 
     def _note_load(self, load: int) -> None:
         self.load, self.load_at = load, time.monotonic()
@@ -141,6 +145,53 @@ class ReplicaChannel:
             for inbox in self._inboxes.values():
                 inbox.end(exc)
 
+    def _open(self, request_id: str, method: str, request: Any, limit: int | None) -> asyncio.Future[Any]:
+        """The replica's ``open`` for one request, sent with every other request opened on this
+        channel in the same turn of the event loop (one ``open_many`` call): resolves to the
+        replica's load, or raises what the replica refused it with."""
+        loop = asyncio.get_running_loop()
+        opened = loop.create_future()
+        if not self._opening:
+            # Outside the caller's Ray task context, like the reader: the call serves many requests.
+            loop.call_soon(self._send_opens, context=contextvars.Context())
+        self._opening.append((request_id, method, request, limit, opened))
+        return opened
+
+    def _send_opens(self) -> None:
+        # A request cancelled before this turn is not sent (its caller's cancel finds nothing).
+        sending = [item for item in self._opening if not item[4].done()]
+        self._opening = []
+        if not sending:
+            return
+        waiting = [item[4] for item in sending]
+        try:
+            ref = self._actor.open_many.remote(self.channel_id, [item[:4] for item in sending])
+        except Exception as exc:  # noqa: BLE001 - not sent (e.g. Ray refused the call): each caller sees why
+            for opened in waiting:
+                opened.set_exception(exc)
+            return
+        task = asyncio.get_running_loop().create_task(self._opened(ref, waiting))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+    async def _opened(self, ref: Any, waiting: list[asyncio.Future[Any]]) -> None:
+        try:
+            results = await ref
+        except BaseException as exc:  # the call failed (the replica died): every request did
+            for opened in waiting:
+                if not opened.done():
+                    opened.set_exception(exc if isinstance(exc, Exception) else ConnectionError(repr(exc)))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for opened, result in zip(waiting, results, strict=True):
+            if opened.done():  # its caller was cancelled meanwhile: its own cancel covers it
+                continue
+            if isinstance(result, BaseException):
+                opened.set_exception(result)
+            else:
+                opened.set_result(result)
+
     async def request(self, method: str, request: Any, limit: int | None = None) -> AsyncIterator[Any]:
         """What the replica's ``method`` (``http``, ``generate``) yields for ``request``; the
         replica refuses it with ``ReplicaBusy`` if ``limit`` requests are open there."""
@@ -153,7 +204,7 @@ class ReplicaChannel:
         inbox = self._inboxes[request_id] = _Inbox()
         try:
             try:
-                self._note_load(await self._actor.open.remote(self.channel_id, request_id, method, request, limit))
+                self._note_load(await self._open(request_id, method, request, limit))
             except BaseException as exc:
                 # Refused or failed: nothing runs. Cancelled while waiting: it may have started.
                 inbox.ended = not isinstance(exc, asyncio.CancelledError)

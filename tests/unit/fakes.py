@@ -122,7 +122,7 @@ class _RemoteStream(_Remote):
 
 
 class FakeReplica:
-    """A replica's channel methods (open, channel, cancel) over the real ``ChannelHub``; each
+    """A replica's channel methods (open, open_many, channel, cancel) over the real ``ChannelHub``; each
     request answers one chunk, or every call fails with ``error``, as Ray raises it for a dead,
     unreachable or (a task error) draining replica."""
 
@@ -130,7 +130,21 @@ class FakeReplica:
         self.name, self.error, self.calls = name, error, 0
         self.hub = ChannelHub()
         self.open, self.channel, self.cancel = _Remote(self._open), _RemoteStream(self._channel), _Remote(self._cancel)
-        self.keepalive = _Remote(self._keepalive)
+        self.keepalive, self.open_many = _Remote(self._keepalive), _Remote(self._open_many)
+
+    async def _open_many(self, channel_id, requests):
+        """As the replica's: a dead or unreachable replica fails the call; one that refuses a
+        request (draining: a task error) answers that request with its own error."""
+        if self.error is not None and not isinstance(self.error, RayTaskError):
+            self.calls += 1
+            raise self.error
+        results = []
+        for request_id, method, request, limit in requests:
+            try:
+                results.append(await self._open(channel_id, request_id, method, request, limit))
+            except RayTaskError as exc:
+                results.append(exc.cause)
+        return results
 
     async def _open(self, channel_id, request_id, method, request, limit=None):
         self.calls += 1

@@ -1,0 +1,77 @@
+"""A router opens the requests it sends a replica in one turn of its event loop with one
+``open_many`` call (routing/channel.py), and each request still gets its own answer. The
+replicas are fakes of the actor's channel methods over the real ``ChannelHub``; the real
+replica's ``open_many`` runs in tests/integration/test_channels.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ray.exceptions import RayTaskError
+
+from atomr_infer.errors import ReplicaBusy
+from atomr_infer.routing.router import Router
+from atomr_infer.routing.table import DeploymentRoute, RoutingTable
+
+from .fakes import FakeReplica, route
+
+
+class Recording(FakeReplica):
+    """Records the size of every ``open_many`` call; refuses the requests ``refuse`` picks."""
+
+    def __init__(self, name: str, refuse=lambda n: False) -> None:
+        super().__init__(name)
+        self.batches: list[int] = []
+        self._refuse, self._seen = refuse, 0
+
+    async def _open_many(self, channel_id, requests):
+        self.batches.append(len(requests))
+        return await super()._open_many(channel_id, requests)
+
+    async def _open(self, channel_id, request_id, method, request, limit=None):
+        self._seen += 1
+        if self._refuse(self._seen):
+            self.calls += 1
+            raise RayTaskError("open", "tb", ReplicaBusy(self.name, 1))
+        return await super()._open(channel_id, request_id, method, request, limit)
+
+
+def router(*replicas: FakeReplica) -> Router:
+    table = RoutingTable(1, {"d": DeploymentRoute("d", 1000, "queue", tuple(route(r) for r in replicas))})
+
+    async def source(version):
+        return table if version != table.version else None
+
+    return Router(source, refresh_s=0.0)
+
+
+async def text(r: Router) -> str:
+    return "".join([c.text_delta async for c in r.stream("d", {"prompt": "hi"})])
+
+
+def test_requests_opened_together_go_in_one_call_and_each_gets_its_answer():
+    replica = Recording("r0")
+
+    async def main():
+        r = router(replica)
+        await text(r)  # the routing table is fetched once, before the burst
+        return await asyncio.gather(*(text(r) for _ in range(40)))
+
+    assert asyncio.run(main()) == ["from r0"] * 40
+    assert replica.batches == [1, 40]
+
+
+def test_a_request_refused_inside_a_batch_is_routed_again_alone():
+    picky = Recording("r0", refuse=lambda n: n % 2 == 0)  # busy for every second request it sees
+    other = Recording("r1")
+
+    async def main():
+        r = router(picky, other)
+        await text(r)
+        await text(r)
+        return await asyncio.gather(*(text(r) for _ in range(30)))
+
+    answers = asyncio.run(main())
+    assert len(answers) == 30 and set(answers) <= {"from r0", "from r1"}
+    assert max(picky.batches) > 1  # several requests in one call, some of them refused
+    assert picky._seen // 2 >= 1  # some were refused, and every one of them was answered elsewhere
