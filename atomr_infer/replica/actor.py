@@ -5,8 +5,9 @@ the engine. Requests enter through the loop's inbox; each engine step's outputs 
 with a single ``call_soon_threadsafe`` and are spread over the per-request streams. A stream
 is registered *before* its request is submitted, so no output can arrive for an unknown id.
 
-Routers reach it over channels (replica/channel.py): ``open`` admits and starts a request,
-``channel`` streams batches of every request a router opened, ``cancel`` aborts. A request is
+Routers reach it over channels (replica/channel.py, the methods in replica/channel_methods.py):
+``open_many`` admits and starts requests, ``channel`` streams batches of every request a router
+opened, ``cancel`` aborts. A request is
 one of two kinds, one engine and one step loop behind both:
 - ``http(HttpRequest)``: the OpenAI API. vLLM's own server app runs in the replica over an
   engine client that submits to the step loop (replica/openai_app.py, engine_client.py); the
@@ -36,16 +37,15 @@ from atomr_infer.engine.coalesce import coalesce_core_outputs
 from atomr_infer.engine.device import resolve_device
 from atomr_infer.engine.protocol import Engine
 from atomr_infer.errors import (
-    AtomrError,
     EngineError,
     EngineStartFailed,
     InvalidRequest,
-    ReplicaBusy,
     ReplicaUnavailable,
 )
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import GAUGE_PERIOD_S, REPLICA_STATES, ReplicaMetrics, failure_reason
-from atomr_infer.replica.channel import Batch, ChannelHub
+from atomr_infer.replica.channel import ChannelHub
+from atomr_infer.replica.channel_methods import ChannelMethods
 from atomr_infer.replica.engine_info import (
     engine_memory,
     engine_unfinished,
@@ -53,6 +53,7 @@ from atomr_infer.replica.engine_info import (
     placement,
     start_failure_recurs,
 )
+from atomr_infer.replica.handoff import LoopHandoff
 from atomr_infer.replica.open_streams import OpenStreams
 from atomr_infer.replica.openai_app import HttpHead, HttpRequest, OpenAIApp
 from atomr_infer.replica.periodic import run_every
@@ -71,9 +72,6 @@ EngineFactoryFor = Callable[[Deployment, Callable[[str], None]], Engine]
 # the manager replaces the replica. ATOMR_STEP_TIMEOUT_S overrides it (for engines whose
 # single step can legitimately run longer, e.g. a huge prefill on a slow device).
 DEFAULT_STEP_TIMEOUT_S = 30.0
-# How long the step loop waits for the event loop to take a step's outputs when the core runs
-# on its own (below: _on_outputs). Bounded so a closed or stuck loop cannot hold the engine.
-HANDOFF_WAIT_S = 1.0
 WATCHDOG_PERIOD_S = 1.0
 
 
@@ -83,7 +81,7 @@ def _default_engine_factory(deployment: Deployment, progress: Callable[[str], No
     return build_vllm_engine(deployment, progress)
 
 
-class VllmReplica:
+class VllmReplica(ChannelMethods):
     """One replica of a deployment. Create it with ``VllmReplicaActor.options(...).remote(...)``."""
 
     def __init__(
@@ -104,7 +102,7 @@ class VllmReplica:
         self._metrics = ReplicaMetrics(self._deployment.name, replica_id)
         self._gauge_task: asyncio.Task[None] | None = None
         self._watchdog_task: asyncio.Task[None] | None = None
-        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._handoff = LoopHandoff()  # step-loop thread -> event loop (replica/handoff.py)
         self._draining = False
         self._stopped = False
         self._started_at = time.time()
@@ -114,7 +112,6 @@ class VllmReplica:
         self._prompts: PromptBuilder | None = None
         self._max_model_len: int | None = None
         self._engine: Engine | None = None
-        self._core_runs_ahead = False  # set once the engine is up (engine/coalesce.py)
         self._app: OpenAIApp | None = None  # vLLM's OpenAI server, built once the engine is up
         self._app_lock = asyncio.Lock()
         # Set once the engine is up: only a vLLM engine carries what vLLM's server needs (an
@@ -146,8 +143,8 @@ class VllmReplica:
     def _on_engine_ready(self, engine: Engine) -> None:
         # Before the first step: a core in its own process (GPU) hands over every step it has
         # finished at once, so output processing never falls behind it (engine/coalesce.py).
-        self._core_runs_ahead = coalesce_core_outputs(engine)
-        if self._core_runs_ahead:
+        self._handoff.paced = coalesce_core_outputs(engine)
+        if self._handoff.paced:
             self._log.info("coalescing_core_outputs")
         self._engine = engine
         self._prompts = PromptBuilder(engine.get_tokenizer(), self._log)
@@ -161,25 +158,7 @@ class VllmReplica:
         self._ready.set()
 
     def _on_outputs(self, outputs: list[Any]) -> None:
-        aloop = self._aloop
-        if aloop is None or aloop.is_closed():
-            return
-        if not self._core_runs_ahead:
-            # The core steps in this thread: its next step overlaps the loop's work on these.
-            aloop.call_soon_threadsafe(self._streams.dispatch, outputs)
-            return
-        # The core steps on its own: wait until the loop has taken these outputs. The steps it
-        # finishes meanwhile are then taken as one (CoalescingCoreClient), so a loop that falls
-        # behind gets bigger deltas, not more of them, and the work per token stays bounded.
-        taken = threading.Event()
-        aloop.call_soon_threadsafe(self._dispatch_and_set, outputs, taken)
-        taken.wait(HANDOFF_WAIT_S)
-
-    def _dispatch_and_set(self, outputs: list[Any], taken: threading.Event) -> None:
-        try:
-            self._streams.dispatch(outputs)
-        finally:
-            taken.set()
+        self._handoff.outputs(self._streams.dispatch, outputs)
 
     def _on_loop_error(self, exc: BaseException) -> None:
         if not self._ready.is_set():
@@ -191,15 +170,11 @@ class VllmReplica:
         self._phase = "unhealthy"
         self._log.error("engine_failed", error=repr(exc), open_streams=len(self._streams))
         error = EngineError(f"engine failed on {self!r}: {type(exc).__name__}: {exc}")
-        aloop = self._aloop
-        if aloop is not None and not aloop.is_closed():
-            aloop.call_soon_threadsafe(self._streams.fail_all, error)
+        self._handoff.call(self._streams.fail_all, error)
 
     def _on_rejected(self, request_id: str, exc: BaseException) -> None:
         error: BaseException = InvalidRequest("prompt", str(exc)) if isinstance(exc, ValueError) else exc
-        aloop = self._aloop
-        if aloop is not None and not aloop.is_closed():
-            aloop.call_soon_threadsafe(self._streams.fail_one, request_id, error)
+        self._handoff.call(self._streams.fail_one, request_id, error)
 
     # -- event-loop side --------------------------------------------------------------------
 
@@ -230,13 +205,13 @@ class VllmReplica:
         self._streams.fail_all(self._wedged)
 
     async def _wait_ready(self, timeout: float | None) -> None:
-        self._aloop = self._aloop or asyncio.get_running_loop()
+        aloop = self._handoff.loop = self._handoff.loop or asyncio.get_running_loop()
         if self._gauge_task is None and self._metrics.enabled:
-            self._gauge_task = self._aloop.create_task(
+            self._gauge_task = aloop.create_task(
                 run_every(weakref.ref(self), GAUGE_PERIOD_S, VllmReplica._publish_gauges)
             )
         if self._watchdog_task is None:
-            self._watchdog_task = self._aloop.create_task(
+            self._watchdog_task = aloop.create_task(
                 run_every(weakref.ref(self), WATCHDOG_PERIOD_S, VllmReplica._check_progress)
             )
         if not self._ready.is_set():
@@ -323,61 +298,6 @@ class VllmReplica:
         app = await self._openai_app()
         async for item in app.call(request):
             yield item
-
-    # -- channels: how routers reach the replica --------------------------------------------
-
-    async def open(self, channel_id: str, request_id: str, method: str, request: Any, limit: int | None = None) -> int:
-        """Admit one request and run it into the caller's channel (``generate`` or ``http``).
-        Returns the requests now open here. Raises ``ReplicaBusy`` at ``limit`` (the routing
-        table's ``serving.max_concurrent``, which changes in place; else this replica's spec),
-        counted over every router; ``ReplicaUnavailable`` when draining or stopped."""
-        return self._open(channel_id, request_id, method, request, limit)
-
-    async def open_many(self, channel_id: str, requests: list[tuple[str, str, Any, int | None]]) -> list[Any]:
-        """``open`` for each ``(request_id, method, request, limit)``, in order, in one call: a
-        router sends every request it opened here in one turn of its event loop together (a
-        Ray call costs ~0.6 ms of CPU in a burst; a thousand requests at once cost seconds).
-        Returns, per request, what ``open`` returns or the error it raised."""
-        results: list[Any] = []
-        for request_id, method, request, limit in requests:
-            try:
-                results.append(self._open(channel_id, request_id, method, request, limit))
-            except AtomrError as exc:
-                results.append(exc)
-        return results
-
-    def _open(self, channel_id: str, request_id: str, method: str, request: Any, limit: int | None) -> int:
-        self._admit()
-        limit = limit or self._deployment.serving.max_concurrent
-        if self._channels.open_requests >= limit:
-            raise ReplicaBusy(repr(self), limit)
-        serve = self._serve_http if method == "http" else self._serve_generate
-        self._channels.get(channel_id).start(request_id, lambda put: serve(request, put))
-        return self._channels.open_requests
-
-    async def _serve_http(self, request: HttpRequest, put: Callable[[Any], None]) -> None:
-        await self._wait_ready(None)
-        self._admit()
-        app = await self._openai_app()
-        await app.run(request, put)
-
-    async def _serve_generate(self, request: Any, put: Callable[[Any], None]) -> None:
-        async for chunk in self.generate(request):
-            put(chunk)
-
-    async def channel(self, channel_id: str) -> AsyncIterator[Batch]:
-        """The output of every request opened on ``channel_id``, in batches. Call as a Ray
-        streaming generator, once per router; closing it cancels that router's requests."""
-        async for batch in self._channels.stream(channel_id):
-            yield batch
-
-    async def cancel(self, channel_id: str, request_ids: list[str]) -> None:
-        """The router's consumers left: abort these requests."""
-        self._channels.cancel(channel_id, request_ids)
-
-    async def keepalive(self, channel_id: str) -> None:
-        """The router of ``channel_id`` is alive (replica/channel.py: a channel is a lease)."""
-        self._channels.get(channel_id)
 
     async def _openai_app(self) -> OpenAIApp:
         async with self._app_lock:
