@@ -7,8 +7,8 @@ is registered *before* its request is submitted, so no output can arrive for an 
 
 Routers reach it over channels (replica/channel.py, the methods in replica/channel_methods.py):
 ``open_many`` admits and starts requests, ``channel`` streams batches of every request a router
-opened, ``cancel`` aborts. A request is
-one of two kinds, one engine and one step loop behind both:
+opened, ``cancel`` aborts. A request is one of two kinds, one engine and one step loop behind
+both:
 - ``http(HttpRequest)``: the OpenAI API. vLLM's own server app runs in the replica over an
   engine client that submits to the step loop (replica/openai_app.py, engine_client.py); the
   HTTP ingress and ``Client`` use it, so every field ``vllm serve`` accepts works.
@@ -36,12 +36,7 @@ from typing import Any
 from atomr_infer.engine.coalesce import coalesce_core_outputs
 from atomr_infer.engine.device import resolve_device
 from atomr_infer.engine.protocol import Engine
-from atomr_infer.errors import (
-    EngineError,
-    EngineStartFailed,
-    InvalidRequest,
-    ReplicaUnavailable,
-)
+from atomr_infer.errors import EngineError, EngineStartFailed, InvalidRequest, ReplicaUnavailable
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import GAUGE_PERIOD_S, REPLICA_STATES, ReplicaMetrics, failure_reason
 from atomr_infer.replica.channel import ChannelHub
