@@ -52,31 +52,35 @@ def merge_steps(steps: list[Any]) -> Any:
     import msgspec
 
     first, last = steps[0], steps[-1]
-    merged: dict[str, Any] = {}
+    per_request: dict[str, list[Any]] = {}  # request id -> its outputs, in step order
     finished: set[str] = set()
     stats = None
     for step in steps:
         stats = step.scheduler_stats if step.scheduler_stats is not None else stats
         finished |= step.finished_requests or set()
         for out in step.outputs:
-            seen = merged.get(out.request_id)
-            if seen is None:
-                merged[out.request_id] = out
-            else:
-                merged[out.request_id] = msgspec.structs.replace(
-                    seen,
-                    new_token_ids=seen.new_token_ids + out.new_token_ids,
-                    finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                    num_nans_in_logits=seen.num_nans_in_logits + out.num_nans_in_logits,
-                    spec_decode_metrics=out.spec_decode_metrics,
-                )
+            per_request.setdefault(out.request_id, []).append(out)
     return msgspec.structs.replace(
         last,
         engine_index=first.engine_index,
-        outputs=list(merged.values()),
+        outputs=[outs[0] if len(outs) == 1 else _merge_request(outs) for outs in per_request.values()],
         scheduler_stats=stats,
         finished_requests=finished or None,
+    )
+
+
+def _merge_request(outs: list[Any]) -> Any:
+    """One request's outputs of consecutive steps as one: all the tokens, the last step's end."""
+    import msgspec
+
+    last = outs[-1]
+    return msgspec.structs.replace(
+        outs[0],
+        new_token_ids=[token for out in outs for token in out.new_token_ids],
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        num_nans_in_logits=sum(out.num_nans_in_logits for out in outs),
+        spec_decode_metrics=last.spec_decode_metrics,
     )
 
 

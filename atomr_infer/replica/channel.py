@@ -1,6 +1,6 @@
 """The replica's end of the data path: one channel per router, one Ray object per batch.
 
-A router (the ingress's, a ``Client``'s) opens requests on a replica with ``open`` and reads
+A router (the ingress's, a ``Client``'s) opens requests on a replica with ``open_many`` and reads
 everything those requests produce from one long-lived streaming call, ``channel``. Each object
 on that stream is a ``Batch``: the replica's load, and for every request of that router with
 news, the items it produced since the last batch (an ``HttpHead`` and body bytes, or ``Chunk``s)
@@ -134,7 +134,7 @@ class ChannelHub:
         return sum(c.open_requests for c in self._channels.values())
 
     def get(self, channel_id: str) -> Channel:
-        """The channel ``channel_id``, created by whichever of ``open``, ``channel`` and
+        """The channel ``channel_id``, created by whichever of ``open_many``, ``channel`` and
         ``keepalive`` comes first; the router was just heard from."""
         channel = self._channels.get(channel_id)
         if channel is None:

@@ -25,18 +25,14 @@ class ChannelMethods:
     _openai_app: Callable[[], Awaitable[OpenAIApp]]
     generate: Callable[[Any], AsyncIterator[Any]]
 
-    async def open(self, channel_id: str, request_id: str, method: str, request: Any, limit: int | None = None) -> int:
-        """Admit one request and run it into the caller's channel (``generate`` or ``http``).
-        Returns the requests now open here. Raises ``ReplicaBusy`` at ``limit`` (the routing
-        table's ``serving.max_concurrent``, which changes in place; else this replica's spec),
-        counted over every router; ``ReplicaUnavailable`` when draining or stopped."""
-        return self._open(channel_id, request_id, method, request, limit)
-
     async def open_many(self, channel_id: str, requests: list[tuple[str, str, Any, int | None]]) -> list[Any]:
-        """``open`` for each ``(request_id, method, request, limit)``, in order, in one call: a
-        router sends every request it opened here in one turn of its event loop together (a
-        Ray call costs ~0.6 ms of CPU in a burst; a thousand requests at once cost seconds).
-        Returns, per request, what ``open`` returns or the error it raised."""
+        """Admit each ``(request_id, method, request, limit)`` and run it into the caller's channel
+        (``generate`` or ``http``), in order, in one call: a router sends every request it opened
+        here in one turn of its event loop together (a Ray call costs ~0.6 ms of CPU in a burst;
+        a thousand requests at once cost seconds). Returns, per request, the requests now open
+        here, or the error that refused it: ``ReplicaBusy`` at ``limit`` (the routing table's
+        ``serving.max_concurrent``, which changes in place; else this replica's spec), counted
+        over every router; ``ReplicaUnavailable`` when draining or stopped."""
         results: list[Any] = []
         for request_id, method, request, limit in requests:
             try:

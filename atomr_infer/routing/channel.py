@@ -146,7 +146,7 @@ class ReplicaChannel:
                 inbox.end(exc)
 
     def _open(self, request_id: str, method: str, request: Any, limit: int | None) -> asyncio.Future[Any]:
-        """The replica's ``open`` for one request, sent with every other request opened on this
+        """Open one request on the replica, sent with every other request opened on this
         channel in the same turn of the event loop (one ``open_many`` call): resolves to the
         replica's load, or raises what the replica refused it with."""
         loop = asyncio.get_running_loop()

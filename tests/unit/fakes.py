@@ -122,14 +122,14 @@ class _RemoteStream(_Remote):
 
 
 class FakeReplica:
-    """A replica's channel methods (open, open_many, channel, cancel) over the real ``ChannelHub``; each
+    """A replica's channel methods (open_many, channel, cancel) over the real ``ChannelHub``; each
     request answers one chunk, or every call fails with ``error``, as Ray raises it for a dead,
     unreachable or (a task error) draining replica."""
 
     def __init__(self, name: str, error: BaseException | None = None) -> None:
         self.name, self.error, self.calls = name, error, 0
         self.hub = ChannelHub()
-        self.open, self.channel, self.cancel = _Remote(self._open), _RemoteStream(self._channel), _Remote(self._cancel)
+        self.channel, self.cancel = _RemoteStream(self._channel), _Remote(self._cancel)
         self.keepalive, self.open_many = _Remote(self._keepalive), _Remote(self._open_many)
 
     async def _open_many(self, channel_id, requests):
