@@ -139,6 +139,10 @@ class Client:
                     event, pending = pending.split(b"\n\n", 1)
                     data = event.removeprefix(b"data: ").strip()
                     if data == b"[DONE]":
+                        # Read on to the end, which follows at once: leaving here would cancel
+                        # on the replica a request that has finished (a Ray call each).
+                        async for _ in items:
+                            pass
                         return
                     if data.startswith(b'{"error"'):  # vLLM's in-band error after the stream started
                         raise _error(int(json.loads(data)["error"].get("code") or 500), data)
