@@ -140,9 +140,11 @@ class Client:
                     data = event.removeprefix(b"data: ").strip()
                     if data == b"[DONE]":
                         # Read on to the end, which follows at once: leaving here would cancel
-                        # on the replica a request that has finished (a Ray call each).
-                        async for _ in items:
-                            pass
+                        # on the replica a request that has finished (a Ray call each). The
+                        # answer is whole: a failure after it (the replica died) is not the caller's.
+                        with contextlib.suppress(Exception):
+                            async for _ in items:
+                                pass
                         return
                     if data.startswith(b'{"error"'):  # vLLM's in-band error after the stream started
                         raise _error(int(json.loads(data)["error"].get("code") or 500), data)

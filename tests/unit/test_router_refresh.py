@@ -1,5 +1,4 @@
-"""One routing-table fetch at a time, and a Client that reads a finished stream to its end
-(no Ray: the replica is a fake of its channel methods over the real ``ChannelHub``)."""
+"""One routing-table fetch at a time: requests that arrive together share it (no Ray)."""
 
 from __future__ import annotations
 
@@ -7,12 +6,10 @@ import asyncio
 
 import pytest
 
-from atomr_infer.client import Client
-from atomr_infer.replica.openai_app import HttpHead
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, RoutingTable
 
-from .fakes import FakeReplica, _Remote, route
+from .fakes import FakeReplica, route
 
 
 class SlowSource:
@@ -73,57 +70,3 @@ def test_a_cancelled_fetch_leaves_the_others_to_fetch_again():
             await first
 
     asyncio.run(main())
-
-
-class SseReplica(FakeReplica):
-    """Answers an ``http`` request as vLLM streams one: a head, an event, ``[DONE]``; the end of
-    the request comes a moment later, in a batch of its own."""
-
-    async def _answer(self, put):
-        put(HttpHead(200, (("content-type", "text/event-stream"),)))
-        put(b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n')
-        put(b"data: [DONE]\n\n")
-        await asyncio.sleep(0.05)
-
-    async def _cancel(self, channel_id, request_ids):
-        self.cancelled += len(request_ids)
-        await super()._cancel(channel_id, request_ids)
-
-
-class FakeManager:
-    def __init__(self, source: SlowSource) -> None:
-        self.routing_table = _Remote(source)
-        self.report_demand = _Remote(self._demand)
-
-    async def _demand(self, *args):
-        return None
-
-
-def test_a_client_stream_read_to_done_cancels_nothing_on_the_replica():
-    replica = SseReplica("r0")
-    replica.cancelled = 0
-    client = Client(manager=FakeManager(SlowSource(replica, delay_s=0.0)))
-
-    async def one():
-        return [e async for e in client.astream_chat_events("d", [{"role": "user", "content": "x"}])]
-
-    async def main():
-        return await asyncio.gather(*(one() for _ in range(20)))
-
-    streams = asyncio.run(main())
-    assert all(s == [{"choices": [{"delta": {"content": "hi"}}]}] for s in streams)
-    assert replica.cancelled == 0
-
-
-def test_a_client_that_leaves_mid_stream_still_cancels_its_request():
-    replica = SseReplica("r0")
-    replica.cancelled = 0
-    client = Client(manager=FakeManager(SlowSource(replica, delay_s=0.0)))
-
-    async def main():
-        async for _ in client.astream_chat_events("d", [{"role": "user", "content": "x"}]):
-            break  # leaves after the first event: the request has not ended
-        await asyncio.sleep(0.01)  # the cancel call runs
-
-    asyncio.run(main())
-    assert replica.cancelled == 1
