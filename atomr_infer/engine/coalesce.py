@@ -16,8 +16,10 @@ that falls behind sends bigger deltas instead of falling further behind. No time
 waits for a step that is not there yet, so the first token leaves at once.
 
 Only plain decode outputs merge (token ids, finish and stop reason). A step carrying anything
-aligned to tokens or events (logprobs, pooling, KV transfer, stats events, ...) or a message
-that is not a step (utility, wave) is returned on its own, in order.
+aligned to tokens or events (logprobs, pooling, KV transfer, stats events, ...), a step whose
+scheduler stats count something of their own (prefix-cache lookups of newly scheduled requests,
+speculative decoding), or a message that is not a step (utility, wave) is returned on its own,
+in order.
 """
 
 from __future__ import annotations
@@ -44,7 +46,30 @@ def is_plain(outputs: Any) -> bool:
         return False
     if outputs.utility_output is not None or outputs.wave_complete is not None or outputs.start_wave is not None:
         return False
+    if _counts_in(outputs.scheduler_stats):
+        return False
     return all(getattr(o, name, None) is None for o in outputs.outputs for name in _UNMERGEABLE)
+
+
+# SchedulerStats fields that, when set, are this step's own counts (vLLM's metrics add them up).
+_STEP_COUNTS = (
+    "kv_cache_eviction_events", "spec_decoding_stats", "kv_connector_stats", "ec_connector_stats",
+    "cudagraph_stats", "perf_stats", "iteration_details",
+)
+
+
+def _counts_in(stats: Any) -> bool:
+    """Whether a step's ``SchedulerStats`` (present when vLLM logs stats) holds counts of its own:
+    a merged step keeps only the last step's stats, right for the gauges (running, waiting, KV
+    use) and a loss for counts. A decode step counts nothing (no prefix-cache lookups, no
+    evictions) unless speculative decoding or a KV connector is on."""
+    if stats is None:
+        return False
+    for cache in (getattr(stats, "prefix_cache_stats", None), getattr(stats, "connector_prefix_cache_stats", None)):
+        if cache is not None and (cache.reset or cache.requests or cache.queries
+                                  or getattr(cache, "preempted_requests", 0)):
+            return True
+    return any(getattr(stats, name, None) for name in _STEP_COUNTS)
 
 
 def merge_steps(steps: list[Any]) -> Any:

@@ -111,3 +111,25 @@ def test_only_a_core_that_queues_its_outputs_is_wrapped(monkeypatch):
     off = Engine()
     off.engine_core = QueuedCore()
     assert not coalesce_core_outputs(off)
+
+
+def test_steps_whose_stats_count_something_are_not_merged():
+    from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+
+    def stats(**kw) -> SchedulerStats:
+        return SchedulerStats(num_running_reqs=2, **kw)
+
+    decode = [step(EngineCoreOutput("a", [i]), scheduler_stats=stats(kv_cache_usage=i / 10)) for i in range(3)]
+    assert all(is_plain(s) for s in decode)  # gauges only: the last step's are the right ones
+    assert merge_steps(decode).scheduler_stats.kv_cache_usage == 0.2
+    lookups = stats(prefix_cache_stats=PrefixCacheStats(requests=1, queries=64, hits=32))
+    assert not is_plain(step(EngineCoreOutput("a", [1]), scheduler_stats=lookups))
+
+    core = QueuedCore()
+    client = CoalescingCoreClient(core)
+    for s in (decode[0], step(EngineCoreOutput("a", [9]), scheduler_stats=lookups), decode[1], decode[2]):
+        core.outputs_queue.put(s)
+    assert client.get_output() is decode[0]
+    counted = client.get_output()  # on its own: its prefix-cache counts reach vLLM's metrics
+    assert counted.scheduler_stats.prefix_cache_stats.queries == 64
+    assert [o.new_token_ids for o in client.get_output().outputs] == [[1, 2]]
