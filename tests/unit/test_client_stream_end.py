@@ -36,29 +36,36 @@ class FakeManager:
         return None
 
 
+MESSAGES = [{"role": "user", "content": "x"}]
+ANSWER = [{"choices": [{"delta": {"content": "hi"}}]}]
+
+
+def client_of(replica: SseReplica) -> Client:
+    replica.cancelled = 0
+    return Client(manager=FakeManager(SlowSource(replica, delay_s=0.0)))
+
+
 def test_a_client_stream_read_to_done_cancels_nothing_on_the_replica():
     replica = SseReplica("r0")
-    replica.cancelled = 0
-    client = Client(manager=FakeManager(SlowSource(replica, delay_s=0.0)))
+    client = client_of(replica)
 
     async def one():
-        return [e async for e in client.astream_chat_events("d", [{"role": "user", "content": "x"}])]
+        return [e async for e in client.astream_chat_events("d", MESSAGES)]
 
     async def main():
         return await asyncio.gather(*(one() for _ in range(20)))
 
     streams = asyncio.run(main())
-    assert all(s == [{"choices": [{"delta": {"content": "hi"}}]}] for s in streams)
+    assert all(s == ANSWER for s in streams)
     assert replica.cancelled == 0
 
 
 def test_a_client_that_leaves_mid_stream_still_cancels_its_request():
     replica = SseReplica("r0")
-    replica.cancelled = 0
-    client = Client(manager=FakeManager(SlowSource(replica, delay_s=0.0)))
+    client = client_of(replica)
 
     async def main():
-        async for _ in client.astream_chat_events("d", [{"role": "user", "content": "x"}]):
+        async for _ in client.astream_chat_events("d", MESSAGES):
             break  # leaves after the first event: the request has not ended
         await asyncio.sleep(0.01)  # the cancel call runs
 
@@ -74,10 +81,9 @@ class FailsAfterDone(SseReplica):
 
 def test_a_failure_after_done_does_not_fail_a_whole_answer():
     replica = FailsAfterDone("r0")
-    replica.cancelled = 0
-    client = Client(manager=FakeManager(SlowSource(replica, delay_s=0.0)))
+    client = client_of(replica)
 
     async def main():
-        return [e async for e in client.astream_chat_events("d", [{"role": "user", "content": "x"}])]
+        return [e async for e in client.astream_chat_events("d", MESSAGES)]
 
-    assert asyncio.run(main()) == [{"choices": [{"delta": {"content": "hi"}}]}]
+    assert asyncio.run(main()) == ANSWER
