@@ -18,13 +18,15 @@ waits for a step that is not there yet, so the first token leaves at once.
 Only plain decode outputs merge (token ids, finish and stop reason). A step carrying anything
 aligned to tokens or events (logprobs, pooling, KV transfer, stats events, ...), a step whose
 scheduler stats count something of their own (prefix-cache lookups of newly scheduled requests,
-speculative decoding), or a message that is not a step (utility, wave) is returned on its own,
-in order.
+evictions; speculative decoding's counts are added up instead), or a message that is not a
+step (utility, wave) is returned on its own, in order.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
 import os
 import queue
 from typing import Any
@@ -51,9 +53,10 @@ def is_plain(outputs: Any) -> bool:
     return all(getattr(o, name, None) is None for o in outputs.outputs for name in _UNMERGEABLE)
 
 
-# SchedulerStats fields that, when set, are this step's own counts (vLLM's metrics add them up).
+# SchedulerStats fields that, when set, are this step's own counts (vLLM's metrics add them up);
+# speculative decoding's are summed by the merge instead (every step of it has them).
 _STEP_COUNTS = (
-    "kv_cache_eviction_events", "spec_decoding_stats", "kv_connector_stats", "ec_connector_stats",
+    "kv_cache_eviction_events", "kv_connector_stats", "ec_connector_stats",
     "cudagraph_stats", "perf_stats", "iteration_details",
 )
 
@@ -62,7 +65,7 @@ def _counts_in(stats: Any) -> bool:
     """Whether a step's ``SchedulerStats`` (present when vLLM logs stats) holds counts of its own:
     a merged step keeps only the last step's stats, right for the gauges (running, waiting, KV
     use) and a loss for counts. A decode step counts nothing (no prefix-cache lookups, no
-    evictions) unless speculative decoding or a KV connector is on."""
+    evictions) unless a KV connector is on; speculative decoding's counts are summed."""
     if stats is None:
         return False
     for cache in (getattr(stats, "prefix_cache_stats", None), getattr(stats, "connector_prefix_cache_stats", None)):
@@ -79,9 +82,7 @@ def merge_steps(steps: list[Any]) -> Any:
     first, last = steps[0], steps[-1]
     per_request: dict[str, list[Any]] = {}  # request id -> its outputs, in step order
     finished: set[str] = set()
-    stats = None
     for step in steps:
-        stats = step.scheduler_stats if step.scheduler_stats is not None else stats
         finished |= step.finished_requests or set()
         for out in step.outputs:
             per_request.setdefault(out.request_id, []).append(out)
@@ -89,9 +90,34 @@ def merge_steps(steps: list[Any]) -> Any:
         last,
         engine_index=first.engine_index,
         outputs=[outs[0] if len(outs) == 1 else _merge_request(outs) for outs in per_request.values()],
-        scheduler_stats=stats,
+        scheduler_stats=_merge_stats([step.scheduler_stats for step in steps if step.scheduler_stats is not None]),
         finished_requests=finished or None,
     )
+
+
+def _merge_stats(stats: list[Any]) -> Any:
+    """The last step's ``SchedulerStats`` (its gauges are the current ones), with speculative
+    decoding's counts of every step added up."""
+    if not stats:
+        return None
+    spec = [s.spec_decoding_stats for s in stats if getattr(s, "spec_decoding_stats", None) is not None]
+    if len(spec) <= 1 and (not spec or spec[0] is stats[-1].spec_decoding_stats):
+        return stats[-1]
+    total = spec[0]
+    for more in spec[1:]:
+        total = dataclasses.replace(
+            total,
+            num_drafts=total.num_drafts + more.num_drafts,
+            num_draft_tokens=total.num_draft_tokens + more.num_draft_tokens,
+            num_accepted_tokens=total.num_accepted_tokens + more.num_accepted_tokens,
+            num_accepted_tokens_per_pos=_add(total.num_accepted_tokens_per_pos, more.num_accepted_tokens_per_pos),
+            num_draft_tokens_per_pos=_add(total.num_draft_tokens_per_pos, more.num_draft_tokens_per_pos),
+        )
+    return dataclasses.replace(stats[-1], spec_decoding_stats=total)
+
+
+def _add(a: list[int], b: list[int]) -> list[int]:
+    return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
 
 
 def _merge_request(outs: list[Any]) -> Any:

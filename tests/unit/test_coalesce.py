@@ -133,3 +133,29 @@ def test_steps_whose_stats_count_something_are_not_merged():
     counted = client.get_output()  # on its own: its prefix-cache counts reach vLLM's metrics
     assert counted.scheduler_stats.prefix_cache_stats.queries == 64
     assert [o.new_token_ids for o in client.get_output().outputs] == [[1, 2]]
+
+
+def test_speculative_decodings_counts_are_added_up_over_merged_steps():
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    def spec(*drafts: tuple[int, int]) -> SpecDecodingStats:
+        stats = SpecDecodingStats.new(3)
+        for drafted, accepted in drafts:
+            stats.observe_draft(drafted, accepted)
+        return stats
+
+    steps = [
+        step(EngineCoreOutput("a", [1, 2]), scheduler_stats=SchedulerStats(spec_decoding_stats=spec((3, 1)))),
+        step(EngineCoreOutput("a", [3]), scheduler_stats=SchedulerStats(num_running_reqs=1)),
+        step(EngineCoreOutput("a", [4, 5, 6]), scheduler_stats=SchedulerStats(
+            num_running_reqs=2, spec_decoding_stats=spec((3, 2), (2, 2)))),
+    ]
+    assert all(is_plain(s) for s in steps)
+    merged = merge_steps(steps)
+    total = merged.scheduler_stats.spec_decoding_stats
+    assert merged.outputs[0].new_token_ids == [1, 2, 3, 4, 5, 6]
+    assert (total.num_drafts, total.num_draft_tokens, total.num_accepted_tokens) == (3, 8, 5)
+    assert total.num_accepted_tokens_per_pos == [3, 2, 0] and total.num_draft_tokens_per_pos == [3, 3, 2]
+    assert merged.scheduler_stats.num_running_reqs == 2  # a gauge: the last step's
+    assert steps[2].scheduler_stats.spec_decoding_stats.num_drafts == 2  # the steps are left as they were
