@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import os
 import queue
@@ -101,19 +102,22 @@ def _merge_stats(stats: list[Any]) -> Any:
     if not stats:
         return None
     spec = [s.spec_decoding_stats for s in stats if getattr(s, "spec_decoding_stats", None) is not None]
-    if len(spec) <= 1 and (not spec or spec[0] is stats[-1].spec_decoding_stats):
+    total = functools.reduce(_add_spec, spec) if spec else None
+    if total is getattr(stats[-1], "spec_decoding_stats", None):  # none, or only the last step's
         return stats[-1]
-    total = spec[0]
-    for more in spec[1:]:
-        total = dataclasses.replace(
-            total,
-            num_drafts=total.num_drafts + more.num_drafts,
-            num_draft_tokens=total.num_draft_tokens + more.num_draft_tokens,
-            num_accepted_tokens=total.num_accepted_tokens + more.num_accepted_tokens,
-            num_accepted_tokens_per_pos=_add(total.num_accepted_tokens_per_pos, more.num_accepted_tokens_per_pos),
-            num_draft_tokens_per_pos=_add(total.num_draft_tokens_per_pos, more.num_draft_tokens_per_pos),
-        )
     return dataclasses.replace(stats[-1], spec_decoding_stats=total)
+
+
+def _add_spec(a: Any, b: Any) -> Any:
+    """Two steps' ``SpecDecodingStats`` as one (a new object: the steps' own are left as they were)."""
+    return dataclasses.replace(
+        a,
+        num_drafts=a.num_drafts + b.num_drafts,
+        num_draft_tokens=a.num_draft_tokens + b.num_draft_tokens,
+        num_accepted_tokens=a.num_accepted_tokens + b.num_accepted_tokens,
+        num_accepted_tokens_per_pos=_add(a.num_accepted_tokens_per_pos, b.num_accepted_tokens_per_pos),
+        num_draft_tokens_per_pos=_add(a.num_draft_tokens_per_pos, b.num_draft_tokens_per_pos),
+    )
 
 
 def _add(a: list[int], b: list[int]) -> list[int]:
