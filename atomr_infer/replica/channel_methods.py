@@ -1,8 +1,8 @@
 """The replica's methods that routers call (replica/channel.py holds the channels themselves).
 
 A mixin of ``VllmReplica`` (replica/actor.py), kept apart because it is the replica's network
-face: opening requests (one at a time, or every request a router opened in one turn of its
-event loop at once), the channel stream, cancel and keepalive. What it uses of the replica is
+face: opening requests (every request a router opened in one turn of its event loop, in one
+call), the channel stream, cancel and keepalive. What it uses of the replica is
 declared below.
 """
 
