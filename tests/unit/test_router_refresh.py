@@ -13,16 +13,18 @@ from .fakes import FakeReplica, route
 
 
 class SlowSource:
-    """A manager whose routing table takes ``delay_s`` to come, counting the calls."""
+    """A manager whose routing table takes ``delay_s`` to come (or until ``gate`` is set, when
+    there is one), counting the calls."""
 
     def __init__(self, replica: FakeReplica | None = None, delay_s: float = 0.05, fail: bool = False) -> None:
         self.calls, self.delay_s, self.fail = 0, delay_s, fail
+        self.gate: asyncio.Event | None = None
         replicas = () if replica is None else (route(replica),)
         self.table = RoutingTable(1, {"d": DeploymentRoute("d", 4096, "queue", replicas)})
 
     async def __call__(self, version: int) -> RoutingTable | None:
         self.calls += 1
-        await asyncio.sleep(self.delay_s)
+        await (self.gate.wait() if self.gate is not None else asyncio.sleep(self.delay_s))
         if self.fail:
             raise ConnectionError("the manager is down")
         return self.table if version != self.table.version else None
@@ -58,12 +60,16 @@ def test_a_cancelled_fetch_leaves_the_others_to_fetch_again():
     source = SlowSource()
 
     async def main():
+        source.gate = asyncio.Event()  # every fetch waits for it: no timing involved
         router = Router(source)
         first = asyncio.ensure_future(router.refresh())
-        await asyncio.sleep(0.01)  # the fetch has started
+        while source.calls == 0:
+            await asyncio.sleep(0)  # until the fetch has started
         waiter = asyncio.ensure_future(router.refresh())
         await asyncio.sleep(0)
         first.cancel()
+        await asyncio.sleep(0)
+        source.gate.set()
         table = await waiter
         assert table.version == 1 and source.calls == 2
         with pytest.raises(asyncio.CancelledError):
