@@ -9,8 +9,8 @@
 
 Keys are kept only as SHA-256 digests and compared in constant time (``hmac.compare_digest``
 against every entry, so the time does not say which entry came close). ``KeyFile`` re-reads
-the file when it changes (checked at most every ``RELOAD_CHECK_S``); a file that no longer
-parses keeps the keys it had and logs why.
+the file when it changes (checked at most every ``RELOAD_CHECK_S`` on a request, and as often
+by a watcher thread); a file that no longer parses keeps the keys it had and logs why.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,11 +150,25 @@ def load_key_file(path: str | os.PathLike[str]) -> KeyRing:
 class KeyFile:
     """The keys in ``path``, re-read when the file changes; a bad file keeps the last good keys."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], watch: bool = False) -> None:
         self.path = os.fspath(path)
         self._ring = load_key_file(self.path)
         self._stamp = self._stat()
         self._checked = time.monotonic()
+        self._reloading = threading.Lock()
+        self._stopped = threading.Event()
+        if watch:
+            threading.Thread(target=self._watch, name="atomr-api-keys", daemon=True).start()
+
+    def _watch(self) -> None:
+        # Each ingress replica loads every good version, with traffic or without: one that got no
+        # request while the file held a new key, then saw the file broken, kept its older keys
+        # and refused a key that the other replicas took.
+        while not self._stopped.wait(RELOAD_CHECK_S):
+            self.ring()
+
+    def stop(self) -> None:
+        self._stopped.set()
 
     def _stat(self) -> tuple[float, int] | None:
         try:
@@ -164,14 +179,21 @@ class KeyFile:
 
     def ring(self) -> KeyRing:
         now = time.monotonic()
-        if now - self._checked >= RELOAD_CHECK_S:
-            self._checked = now
-            stamp = self._stat()
-            if stamp != self._stamp:
-                self._stamp = stamp
-                try:
-                    self._ring = load_key_file(self.path)
-                    log.info("api_keys_reloaded", path=self.path, keys=len(self._ring.entries))
-                except AtomrError as exc:
-                    log.error("api_keys_reload_failed", path=self.path, error=str(exc), kept=len(self._ring.entries))
+        # Not while the watcher reloads: the keys it replaces serve meanwhile.
+        if now - self._checked >= RELOAD_CHECK_S and self._reloading.acquire(blocking=False):
+            try:
+                self._checked = now
+                self._reload()
+            finally:
+                self._reloading.release()
         return self._ring
+
+    def _reload(self) -> None:
+        stamp = self._stat()
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self._ring = load_key_file(self.path)
+                log.info("api_keys_reloaded", path=self.path, keys=len(self._ring.entries))
+            except AtomrError as exc:
+                log.error("api_keys_reload_failed", path=self.path, error=str(exc), kept=len(self._ring.entries))

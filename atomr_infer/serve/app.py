@@ -129,7 +129,7 @@ class OpenAIIngress:
     ) -> None:
         """``listen_on``: the API's ``(host, port)``, served by this replica itself (serve/listener.py)."""
         self._max_body_bytes = max_body_bytes
-        self._keys = KeyFile(api_keys_path) if api_keys_path else None
+        self._keys = KeyFile(api_keys_path, watch=True) if api_keys_path else None
         self._limits = IngressLimits()
         self._access = AccessLog()
         self._tables = TableCache()
@@ -147,6 +147,8 @@ class OpenAIIngress:
 
     async def __del__(self) -> None:
         """Serve's graceful stop: stop accepting, let open requests finish, then stop."""
+        if self._keys is not None:
+            self._keys.stop()
         if self._listener is not None:
             await self._listener.stop(GRACEFUL_STOP_S)
         with contextlib.suppress(RuntimeError):  # the loop may be closed already

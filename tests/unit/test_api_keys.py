@@ -89,11 +89,28 @@ def test_a_changed_file_takes_effect_and_a_bad_one_keeps_the_last_good_keys(
     assert keys.ring().authenticate(f"Bearer {BOB}").name == "carol"  # kept
 
 
-def _rewrite(path: Path, text: str) -> None:
+def test_the_watcher_loads_a_good_version_that_no_request_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(api_keys, "RELOAD_CHECK_S", 0.05)
+    path = tmp_path / "keys.yaml"
+    path.write_text(FILE)
+    keys = KeyFile(path, watch=True)
+    try:
+        _rewrite(path, f"keys: [{{name: carol, key: {BOB}}}]")
+        time.sleep(1.0)  # no request meanwhile: only the watcher reads it
+        _rewrite(path, "keys: [{name: broken}]", later=4)
+        # Without the watcher, this first request would read the broken file and keep alice's.
+        assert keys.ring().authenticate(f"Bearer {BOB}").name == "carol"
+    finally:
+        keys.stop()
+
+
+def _rewrite(path: Path, text: str, later: float = 2) -> None:
     """Write ``text`` with a later mtime (a filesystem's mtime may be coarse)."""
     path.write_text(text)
-    later = time.time() + 2
-    os.utime(path, (later, later))
+    at = time.time() + later
+    os.utime(path, (at, at))
 
 
 def test_a_key_carries_its_limits() -> None:
