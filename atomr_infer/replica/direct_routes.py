@@ -30,11 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# Middleware a direct call may leave out. CORS only adds headers to the response's head (its
-# preflight answers OPTIONS, which never comes this way), and a direct answer's head gets them
-# from the app's own CORS middleware; ScalingMiddleware answers 503 while an elastic expert-parallel engine
-# rescales (atomr runs none); the Prometheus instrumentator counts HTTP requests in the replica's
-# own registry, which nothing serves (atomr's metrics are the replica's stats, replica/stats.py).
+# Middleware a direct call may leave out. CORS only adds headers to the head (its preflight
+# answers OPTIONS, which never comes this way), and a direct answer's head gets them from the
+# app's own CORS middleware; ScalingMiddleware answers 503 while an elastic expert-parallel
+# engine rescales (atomr runs none); the Prometheus instrumentator counts HTTP requests in the
+# replica's own registry, which nothing serves (atomr's metrics are the replica's stats).
 SKIPPABLE_MIDDLEWARE = frozenset({"CORSMiddleware", "ScalingMiddleware", "PrometheusInstrumentatorMiddleware"})
 LOAD_METRICS_HEADER = "endpoint-load-metrics-format"  # vLLM's routes answer it with ORCA headers
 
@@ -117,7 +117,7 @@ class DirectRoutes:
         try:
             result = await getattr(serving, route.method)(request, raw)
             task = asyncio.current_task()
-            if task is not None and task.cancelling():
+            if getattr(task, "cancelling", lambda: 0)():  # Python >= 3.11 says; else it is sent, unread
                 # vLLM answers a cancelled whole request "client disconnected"; nobody reads it.
                 raise asyncio.CancelledError
             response = self._response(route, result, raw)
