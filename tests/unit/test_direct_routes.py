@@ -36,6 +36,12 @@ class StandInServing:
             return self._stream(["data: one\n\n", "data: two\n\n", "data: [DONE]\n\n"])
         if what == "hang":
             return self._hang()
+        if what == "hang-whole":  # as vLLM's serving objects answer a whole request cancelled
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.closed.set()
+                return ErrorResponse(error=ErrorInfo(message="Client disconnected", type="BadRequestError", code=400))
         if what == "error":
             return ErrorResponse(error=ErrorInfo(message="no such thing", type="NotFoundError", code=404))
         if what == "value":
@@ -158,6 +164,20 @@ def test_cancelling_a_direct_stream_closes_vllms_generator(vllm_app, serving):
     items = asyncio.run(main())
     assert items[0].status == 200 and items[1] == b"data: first\n\n"
     assert serving.calls == [{"routed": False}]
+
+
+def test_a_cancelled_whole_request_ends_cancelled_with_nothing_sent(vllm_app, serving):
+    async def main():
+        items: list = []
+        task = asyncio.create_task(OpenAIApp(vllm_app).run(completion("hang-whole"), items.append))
+        while not serving.calls:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):  # not vLLM's "client disconnected" answer
+            await task
+        return items
+
+    assert asyncio.run(main()) == [] and serving.closed.is_set()
 
 
 def test_an_app_with_other_middleware_or_a_replaced_route_is_run_whole(vllm_app):
