@@ -11,14 +11,15 @@ LLM's replicas call vLLM's serving objects the same way.
 
 What answers is still vLLM's: its request model validates the body (as FastAPI does: the JSON,
 then the model), its serving object answers, its exception handlers turn an exception into a
-response, and the head is that of the response class its route returns. Only a request whose
-answer cannot differ from the app's comes this way; any other runs through the app, so vLLM
-answers it (its 4xx among them) exactly as ``vllm serve`` does:
+response, and the head is that of the response class its route returns, passed through the
+app's own CORS middleware. Only a request whose answer cannot differ from the app's comes this
+way; any other runs through the app, so vLLM answers it (its 4xx among them) exactly as
+``vllm serve`` does:
 - another path or method, or a query string;
 - a content type other than JSON, or a body that does not validate;
-- an ``origin`` header (the app's CORS middleware answers those);
-- an app whose route for the path is not vLLM's own (a plugin's), that has middleware other
-  than those below, or that counts server load.
+- an app whose route for the path is not vLLM's own (a plugin's) or has other dependencies,
+  with dependency overrides, middleware other than those below, debug on, or server load
+  counted.
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ from typing import Any
 # app's own CORS middleware; ScalingMiddleware answers 503 while an elastic expert-parallel
 # engine rescales (atomr runs none); the Prometheus instrumentator counts HTTP requests in the
 # replica's own registry, which nothing serves (atomr's metrics are the replica's stats).
-SKIPPABLE_MIDDLEWARE = frozenset({"CORSMiddleware", "ScalingMiddleware", "PrometheusInstrumentatorMiddleware"})
+SKIPPABLE_MIDDLEWARE = frozenset({
+    "starlette.middleware.cors.CORSMiddleware",
+    "vllm.entrypoints.serve.elastic_ep.middleware.ScalingMiddleware",
+    "prometheus_fastapi_instrumentator.middleware.PrometheusInstrumentatorMiddleware",
+})
+JSON_CHECK = "vllm.entrypoints.serve.utils.api_utils.validate_json_request"  # the routes' one dependency
 LOAD_METRICS_HEADER = "endpoint-load-metrics-format"  # vLLM's routes answer it with ORCA headers
 
 
@@ -68,18 +74,23 @@ def eligible_routes(app: Any) -> dict[str, Route]:
     """The routes of ``vllm_routes`` that a POST to their path reaches in ``app`` unchanged."""
     from starlette.routing import Match
 
-    if getattr(app.state, "enable_server_load_tracking", False):
+    if getattr(app.state, "enable_server_load_tracking", False) or app.debug or app.dependency_overrides:
         return {}
-    if any(getattr(m.cls, "__name__", "") not in SKIPPABLE_MIDDLEWARE for m in app.user_middleware):
+    if any(_name(m.cls) not in SKIPPABLE_MIDDLEWARE for m in app.user_middleware):
         return {}
     out = {}
     for path, route in vllm_routes().items():
-        scope = {"type": "http", "path": path, "method": "POST", "root_path": ""}
+        scope = {"type": "http", "path": path, "method": "POST", "root_path": "", "headers": []}
         reached = next((r for r in app.routes if r.matches(scope)[0] == Match.FULL), None)
         endpoint = getattr(reached, "endpoint", None)
-        if endpoint is not None and f"{endpoint.__module__}.{endpoint.__qualname__}" == route.endpoint:
+        depends = [_name(d.dependency) for d in getattr(reached, "dependencies", ())]
+        if endpoint is not None and _name(endpoint) == route.endpoint and depends == [JSON_CHECK]:
             out[path] = route
     return out
+
+
+def _name(thing: Any) -> str:
+    return f"{getattr(thing, '__module__', '')}.{getattr(thing, '__qualname__', '')}"
 
 
 Head = Callable[[int, tuple[tuple[str, str], ...]], Any]  # a response's status and headers, as the caller sends them
@@ -91,6 +102,18 @@ class DirectRoutes:
         self._routes = eligible_routes(app)
         self._make_head = head
         self._cors = _cors_of(app)
+        # Split as Starlette's app splits them: 500 and Exception go to its outermost middleware,
+        # which answers, then raises; the others to its exception middleware, inside CORS.
+        self._error_handler: Any = None
+        self._status_handlers: dict[int, Any] = {}
+        self._class_handlers: dict[type, Any] = {}
+        for key, handler in app.exception_handlers.items():
+            if key in (500, Exception):
+                self._error_handler = handler
+            elif isinstance(key, int):
+                self._status_handlers[key] = handler
+            else:
+                self._class_handlers[key] = handler
 
     def route_of(self, method: str, path: str, headers: tuple[tuple[str, str], ...]) -> Route | None:
         """The route to call directly for this request, or None: run it through the app."""
@@ -117,7 +140,7 @@ class DirectRoutes:
         try:
             result = await getattr(serving, route.method)(request, raw)
             task = asyncio.current_task()
-            if getattr(task, "cancelling", lambda: 0)():  # Python >= 3.11 says; else it is sent, unread
+            if task is not None and task.cancelling():  # (vLLM needs Python >= 3.11, as this does)
                 # vLLM answers a cancelled whole request "client disconnected"; nobody reads it.
                 raise asyncio.CancelledError
             response = self._response(route, result, raw)
@@ -127,12 +150,17 @@ class DirectRoutes:
         put(await self._head(response, raw))
         iterator = getattr(response, "body_iterator", None)
         if iterator is None:
-            put(response.body)
+            if response.body:
+                put(response.body)
             return True
         try:
             async for piece in iterator:
                 if piece:
                     put(piece if isinstance(piece, bytes) else piece.encode(response.charset))
+        except Exception as exc:
+            if self._handler_for(exc) is not None:  # as Starlette's exception middleware says it
+                raise RuntimeError("Caught handled exception, but response already started.") from exc
+            raise
         finally:
             await iterator.aclose()  # also when cancelled: the request's end aborts it in the engine
         return True
@@ -158,46 +186,60 @@ class DirectRoutes:
         return self._make_head(response.status_code, heads)
 
     async def _head(self, response: Any, raw: Any) -> Any:
-        message = {"type": "http.response.start", "status": response.status_code, "headers": list(response.raw_headers)}
-        if self._cors is not None:  # its hook on the head, as it wraps the app's ``send``
-            sent: list[dict[str, Any]] = []
+        """The head as the app sends it: through its CORS middleware, run as ASGI around it."""
+        if self._cors is None:
+            return self._plain_head(response)
+        start = {"type": "http.response.start", "status": response.status_code, "headers": list(response.raw_headers)}
+        sent: list[dict[str, Any]] = []
 
-            async def keep(m: dict[str, Any]) -> None:
-                sent.append(m)
+        async def keep(message: dict[str, Any]) -> None:
+            sent.append(message)
 
-            await self._cors.send(message, send=keep, request_headers=raw.headers)
-            message = sent[0]
-        heads = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"])
-        return self._make_head(message["status"], heads)
+        await self._cors({**raw.scope, HEAD_KEY: start}, raw.receive, keep)
+        heads = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in sent[0]["headers"])
+        return self._make_head(sent[0]["status"], heads)
+
+    def _handler_for(self, exc: Exception) -> Any:
+        """The exception middleware's handler for ``exc``, as Starlette looks it up, or None."""
+        from starlette.exceptions import HTTPException
+
+        if isinstance(exc, HTTPException) and exc.status_code in self._status_handlers:
+            return self._status_handlers[exc.status_code]
+        return next((self._class_handlers[c] for c in type(exc).__mro__ if c in self._class_handlers), None)
 
     async def _answer_error(self, raw: Any, exc: Exception, put: Callable[[Any], None]) -> None:
         """As Starlette's middleware would: the handler of the exception's nearest class answers;
-        one that only the app's catch-all (``Exception``) handles is answered, then raised."""
-        from starlette.exceptions import HTTPException
+        one that only the app's catch-all (500 or ``Exception``) handles is answered, then raised."""
         from starlette.responses import PlainTextResponse
 
-        handlers = self._app.exception_handlers
-        handler = handlers.get(exc.status_code) if isinstance(exc, HTTPException) else None
-        cls = next((c for c in type(exc).__mro__ if c in handlers and c is not Exception), None)
-        handler = handler or (handlers[cls] if cls is not None else None)
+        handler = self._handler_for(exc)
         caught = handler is not None
-        handler = handler or handlers.get(500) or handlers.get(Exception)
+        handler = handler or self._error_handler
         response = handler(raw, exc) if handler else PlainTextResponse("Internal Server Error", 500)
         if inspect.isawaitable(response):
             response = await response
-        # The catch-all's answer comes from the outermost middleware, outside CORS.
-        put(await self._head(response, raw) if caught else self._plain_head(response))
-        put(response.body)
+        if response is not None:
+            # The catch-all's answer comes from the outermost middleware, outside CORS.
+            put(await self._head(response, raw) if caught else self._plain_head(response))
+            if response.body:
+                put(response.body)
         if not caught:
             raise exc
 
 
+HEAD_KEY = "atomr.direct_head"  # the scope key that hands a direct answer's head to _send_head
+
+
+async def _send_head(scope: Any, receive: Any, send: Any) -> None:
+    await send(scope[HEAD_KEY])
+
+
 def _cors_of(app: Any) -> Any:
-    """The app's CORS middleware as it configured it, or None."""
+    """The app's CORS middleware as it configured it, around ``_send_head``; or None."""
     from starlette.middleware.cors import CORSMiddleware
 
     entry = next((m for m in app.user_middleware if m.cls is CORSMiddleware), None)
-    return None if entry is None else CORSMiddleware(None, *entry.args, **entry.kwargs)
+    return None if entry is None else CORSMiddleware(_send_head, *entry.args, **entry.kwargs)
 
 
 def _receive(body: bytes) -> Callable[[], Any]:

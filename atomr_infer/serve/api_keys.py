@@ -9,8 +9,8 @@
 
 Keys are kept only as SHA-256 digests and compared in constant time (``hmac.compare_digest``
 against every entry, so the time does not say which entry came close). ``KeyFile`` re-reads
-the file when it changes (checked at most every ``RELOAD_CHECK_S`` on a request, and as often
-by a watcher thread); a file that no longer parses keeps the keys it had and logs why.
+the file when it changes (checked every ``RELOAD_CHECK_S`` by a watcher thread in the ingress,
+else at most that often on a request); a file that no longer parses keeps the keys it had and logs why.
 """
 
 from __future__ import annotations
@@ -155,17 +155,17 @@ class KeyFile:
         self._ring = load_key_file(self.path)
         self._stamp = self._stat()
         self._checked = time.monotonic()
-        self._reloading = threading.Lock()
         self._stopped = threading.Event()
+        self._watched = watch
         if watch:
             threading.Thread(target=self._watch, name="atomr-api-keys", daemon=True).start()
 
     def _watch(self) -> None:
         # Each ingress replica loads every good version, with traffic or without: one that got no
         # request while the file held a new key, then saw the file broken, kept its older keys
-        # and refused a key that the other replicas took.
+        # and refused a key that the other replicas took. (And no request reads the file.)
         while not self._stopped.wait(RELOAD_CHECK_S):
-            self.ring()
+            self._reload()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -179,14 +179,10 @@ class KeyFile:
 
     def ring(self) -> KeyRing:
         now = time.monotonic()
-        # Not while the watcher reloads: the keys it replaces serve meanwhile.
-        if now - self._checked >= RELOAD_CHECK_S and self._reloading.acquire(blocking=False):
-            try:
-                self._checked = now
-                self._reload()
-            finally:
-                self._reloading.release()
-        return self._ring
+        if not self._watched and now - self._checked >= RELOAD_CHECK_S:
+            self._checked = now
+            self._reload()
+        return self._ring  # one reference, swapped whole by the watcher
 
     def _reload(self) -> None:
         stamp = self._stat()

@@ -46,6 +46,8 @@ class StandInServing:
             return ErrorResponse(error=ErrorInfo(message="no such thing", type="NotFoundError", code=404))
         if what == "value":
             raise ValueError("bad value")
+        if what == "fails-midway":
+            return self._fails_midway()
         if what == "boom":
             raise RuntimeError("boom")
         return whole_type(id="x", created=1, model="emu", choices=[], usage=UsageInfo())
@@ -64,6 +66,10 @@ class StandInServing:
         for event in events:
             await asyncio.sleep(0)
             yield event
+
+    async def _fails_midway(self):
+        yield "data: first\n\n"
+        raise ValueError("midway")
 
     async def _hang(self):
         try:
@@ -124,13 +130,31 @@ def test_plain_requests_are_called_directly_and_answered_as_the_app_answers(vllm
     assert serving.calls == [{"routed": False}, {"routed": True}]  # directly, then through the app
     head, *body = direct[0]
     assert isinstance(head, HttpHead) and head.status == status and body and direct[1] is None
-    assert ("vary", "Origin") in head.headers  # the app's CORS middleware had its say
 
 
-def test_an_error_only_the_catch_all_handles_is_answered_then_raised_as_by_the_app(vllm_app, serving):
-    direct = asyncio.run(answer(OpenAIApp(vllm_app), completion("boom")))
-    assert direct == asyncio.run(answer(through_app(vllm_app), completion("boom")))
-    assert direct[0][0].status == 500 and direct[1] == "RuntimeError: boom"
+def test_a_direct_answer_carries_the_apps_cors_headers():
+    from vllm.entrypoints.launchers.app import build_app
+
+    args = serve_args(parse_deployment({"name": "emu", "model": "/models/emu", "device": "cpu"}), "/models/emu")
+    args.allowed_origins = ["https://example.com"]
+    app = build_app(args, ("generate",), None)
+    app.state.openai_serving_completion = serving = StandInServing()
+    request = completion("stream", headers=(*JSON, ("Origin", "https://example.com")), stream=True)
+    direct = asyncio.run(answer(OpenAIApp(app), request))
+    assert direct == asyncio.run(answer(through_app(app), request))
+    assert serving.calls == [{"routed": False}, {"routed": True}]
+    assert ("access-control-allow-origin", "https://example.com") in direct[0][0].headers
+
+
+@pytest.mark.parametrize(("prompt", "status", "error"), [
+    ("boom", 500, "RuntimeError: boom"),  # only the catch-all handles it: answered, then raised
+    ("fails-midway", 200, "RuntimeError: Caught handled exception, but response already started."),
+])
+def test_errors_that_the_app_raises_are_raised_alike(vllm_app, serving, prompt, status, error):
+    request = completion(prompt, stream=True)
+    direct = asyncio.run(answer(OpenAIApp(vllm_app), request))
+    assert direct == asyncio.run(answer(through_app(vllm_app), request))
+    assert direct[0][0].status == status and direct[1] == error
     assert serving.calls == [{"routed": False}, {"routed": True}]
 
 
@@ -183,14 +207,24 @@ def test_a_cancelled_whole_request_ends_cancelled_with_nothing_sent(vllm_app, se
 def test_an_app_with_other_middleware_or_a_replaced_route_is_run_whole(vllm_app):
     from fastapi import FastAPI
     from starlette.middleware.gzip import GZipMiddleware
+    from vllm.entrypoints.serve.utils.api_utils import validate_json_request
 
     from atomr_infer.replica.direct_routes import eligible_routes
 
+    def like_vllms(**kw) -> FastAPI:
+        app = FastAPI(**kw)
+        app.router.routes.extend(vllm_app.routes)
+        return app
+
     assert set(eligible_routes(vllm_app)) == {"/v1/completions", "/v1/chat/completions"}
-    with_more = FastAPI()
-    with_more.router.routes.extend(vllm_app.routes)
+    assert set(eligible_routes(like_vllms())) == {"/v1/completions", "/v1/chat/completions"}
+    with_more = like_vllms()
     with_more.add_middleware(GZipMiddleware)
     assert eligible_routes(with_more) == {}
+    assert eligible_routes(like_vllms(debug=True)) == {}
+    overridden = like_vllms()
+    overridden.dependency_overrides[validate_json_request] = lambda: None
+    assert eligible_routes(overridden) == {}
 
     replaced = FastAPI()
 
