@@ -182,8 +182,10 @@ class DirectRoutes:
         return StreamingResponse(content=with_sse_keep_alive(result, float(interval)), media_type="text/event-stream")
 
     def _plain_head(self, response: Any) -> Any:
-        heads = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers)
-        return self._make_head(response.status_code, heads)
+        return self._head_of(response.status_code, response.raw_headers)
+
+    def _head_of(self, status: int, raw_headers: list[tuple[bytes, bytes]]) -> Any:
+        return self._make_head(status, tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in raw_headers))
 
     async def _head(self, response: Any, raw: Any) -> Any:
         """The head as the app sends it: through its CORS middleware, run as ASGI around it."""
@@ -196,8 +198,7 @@ class DirectRoutes:
             sent.append(message)
 
         await self._cors({**raw.scope, HEAD_KEY: start}, raw.receive, keep)
-        heads = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in sent[0]["headers"])
-        return self._make_head(sent[0]["status"], heads)
+        return self._head_of(sent[0]["status"], sent[0]["headers"])
 
     def _handler_for(self, exc: Exception) -> Any:
         """The exception middleware's handler for ``exc``, as Starlette looks it up, or None."""

@@ -19,12 +19,10 @@ import asyncio
 from argparse import Namespace
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from atomr_infer.replica.direct_routes import DirectRoutes
 from atomr_infer.spec import Deployment
-
-if TYPE_CHECKING:
-    from atomr_infer.replica.direct_routes import DirectRoutes
 
 
 @dataclass(frozen=True)
@@ -78,10 +76,8 @@ Put = Callable[["HttpHead | bytes"], None]
 
 class OpenAIApp:
     def __init__(self, app: Any) -> None:
-        from atomr_infer.replica.direct_routes import DirectRoutes
-
         self._app = app
-        self._direct: DirectRoutes = DirectRoutes(app, HttpHead)
+        self._direct = DirectRoutes(app, HttpHead)
 
     @classmethod
     async def build(cls, client: Any, deployment: Deployment, model_path: str) -> OpenAIApp:
