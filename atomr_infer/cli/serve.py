@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import sys
 import threading
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 
 from atomr_infer.cli import common
-from atomr_infer.cli.app import EXIT_OK, app, fail, out
+from atomr_infer.cli.app import EXIT_FAILED, EXIT_OK, app, err, fail, out
+from atomr_infer.errors import AtomrError, one_line
+
+if TYPE_CHECKING:
+    from atomr_infer.serve.server import Gone, Server
 
 
 @app.command("serve")
@@ -28,6 +36,7 @@ def serve_command(
 ) -> None:
     """Serve every deployment over an OpenAI-compatible HTTP API (model = deployment name)."""
     from atomr_infer.serve import run_server, stop_server
+    from atomr_infer.serve.server import hold_foreground
 
     common.quiet_serve_logs()
     try:
@@ -47,11 +56,60 @@ def serve_command(
     # started this process in the background left SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(3600):
-        pass
+    hold_foreground(True)
+    gone = _wait(server, stop)
+    if gone is not None:
+        _exit_without_cluster(gone)
     out.print("stopping…")
     try:
+        hold_foreground(False)
         stop_server(server)
     except Exception as exc:  # noqa: BLE001
-        fail(exc)
+        fail(AtomrError(f"could not stop the API: {one_line(exc)}"))
     raise typer.Exit(EXIT_OK)
+
+
+WATCH_PERIOD_S = 1.0  # how soon a stop from elsewhere is noticed
+
+
+def _wait(server: Server, stop: threading.Event) -> Gone | None:
+    """Wait for Ctrl-C (None), or for the API to stop without this process: ``atomr down`` run
+    elsewhere, or the cluster gone. Then say why, rather than serve nothing until killed.
+
+    The API's record is read in a thread of its own: that Ray call hangs when the cluster goes
+    away meanwhile, and the cluster check (a TCP connect) must still run."""
+    from atomr_infer.serve.server import Gone, cluster_gone, stopped_elsewhere
+
+    found: list[Gone | None] = [None]  # the last check's answer
+
+    def check() -> None:
+        try:
+            found[0] = stopped_elsewhere(server)
+        except Exception as exc:  # noqa: BLE001 - a Ray call that failed: the cluster is going away
+            found[0] = Gone(f"the Ray cluster does not answer ({one_line(exc)})", cluster_lost=True)
+
+    checker: threading.Thread | None = None
+    while True:
+        stopped = stop.wait(WATCH_PERIOD_S)
+        gone = cluster_gone() or found[0]
+        if gone is not None or stopped:
+            return gone
+        if checker is None or not checker.is_alive():
+            checker = threading.Thread(target=check, name="atomr-serve-watch", daemon=True)
+            checker.start()
+
+
+def _exit_without_cluster(gone: Gone) -> NoReturn:
+    """Exit at once, skipping Ray's own shutdown at exit: with its GCS gone, that waits on
+    reconnecting for a minute or more."""
+    if gone.cluster_lost:
+        err.print(f"[red]error:[/] {gone.reason}", markup=True)
+    else:
+        from atomr_infer.serve.server import hold_foreground
+
+        out.print(f"stopped: {gone.reason}")
+        with contextlib.suppress(Exception):  # the stopping process waits for this, up to a limit
+            hold_foreground(False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_FAILED if gone.cluster_lost else EXIT_OK)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from dataclasses import dataclass
 
 from atomr_infer.errors import AtomrError
@@ -80,6 +81,34 @@ def _recorded() -> tuple[str, int] | None:
         return None
     value = json.loads(raw)
     return value["host"], int(value["port"])
+
+
+_FOREGROUND_KEY = f"{APP_NAME}:foreground"  # set while `atomr serve` runs the API in the foreground
+FOREGROUND_EXIT_S = 5.0  # how long a stop from elsewhere waits for that process to leave
+
+
+def hold_foreground(held: bool) -> None:
+    """Record that an ``atomr serve`` process runs the API in the foreground (or no longer does),
+    so that ``stop_server`` in another process (``atomr down``) lets it see the stop and exit
+    before the cluster goes away (it would then say the cluster failed)."""
+    from ray.experimental import internal_kv
+
+    from atomr_infer.cluster import NAMESPACE
+
+    if held:
+        internal_kv._internal_kv_put(_FOREGROUND_KEY, str(os.getpid()), overwrite=True, namespace=NAMESPACE)
+    else:
+        internal_kv._internal_kv_del(_FOREGROUND_KEY, namespace=NAMESPACE)
+
+
+def _wait_foreground_left(timeout_s: float) -> None:
+    from ray.experimental import internal_kv
+
+    from atomr_infer.cluster import NAMESPACE
+
+    deadline = time.monotonic() + timeout_s
+    while internal_kv._internal_kv_exists(_FOREGROUND_KEY, namespace=NAMESPACE) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _this_node() -> dict[str, float]:
@@ -154,6 +183,36 @@ def running_server() -> Server | None:
     return Server(*address, started_serve=False)
 
 
+@dataclass(frozen=True)
+class Gone:
+    """Why an API this process started is no longer served."""
+
+    reason: str
+    cluster_lost: bool  # the Ray cluster went away (a failure), not a stop asked for elsewhere
+
+
+def cluster_gone() -> Gone | None:
+    """Whether the Ray cluster this process joined is gone, by a TCP connect to its GCS: a Ray
+    call to a GCS that is gone retries for a minute or more before it fails."""
+    import ray
+
+    from atomr_infer.local_ray import port_open
+
+    gcs = ray.get_runtime_context().gcs_address
+    host, port = gcs.rsplit(":", 1)
+    if port_open(host.strip("[]"), int(port), timeout_s=2.0):
+        return None
+    return Gone(f"the Ray cluster at {gcs} is gone, and the API with it", cluster_lost=True)
+
+
+def stopped_elsewhere(server: Server) -> Gone | None:
+    """Whether the API ``server`` was stopped from another process (``atomr down``) or moved to
+    another address. A Ray call: it can hang while the cluster goes away (``cluster_gone``)."""
+    if _recorded() != (server.host, server.port):
+        return Gone(f"the API at {server.url} was stopped from another process (`atomr down`)", cluster_lost=False)
+    return None
+
+
 def _stop_rate_limiter() -> None:
     """The API's shared rate-limit actor (serve/rate_limit.py) goes with it, if it was started."""
     import ray
@@ -174,6 +233,7 @@ def stop_server(server: Server | None = None, *, shutdown_serve: bool | None = N
         shutdown_serve = server is not None and server.started_serve
     serve.delete(APP_NAME)
     _record(None)
+    _wait_foreground_left(FOREGROUND_EXIT_S)
     _stop_rate_limiter()
     if shutdown_serve and not serve.status().applications:
         serve.shutdown()

@@ -31,7 +31,7 @@ import openai
 import psutil
 import pytest
 
-from atomr_infer.local_ray import free_port, head_processes, port_open, stop_head
+from atomr_infer.local_ray import free_port, gcs_server, head_processes, port_open, stop_head
 
 pytestmark = pytest.mark.e2e
 
@@ -344,16 +344,42 @@ def test_remove_then_status_shows_nothing(cli, smollm2):
     assert again.returncode == 1 and "no deployment named 'smollm2'" in again.stderr
 
 
+def foreground_serve(env: dict[str, str], port: int) -> tuple[subprocess.Popen[str], list[str]]:
+    """``atomr serve --port port`` as a user runs it in a terminal, once it says it serves;
+    its output lines, read as they come."""
+    proc = subprocess.Popen([str(ATOMR), "serve", "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(line.rstrip() for line in proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 180
+    while "Ctrl-C to stop." not in lines:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("atomr serve did not start:\n" + "\n".join(lines))
+        time.sleep(0.2)
+    return proc, lines
+
+
 def test_down_stops_the_head_it_started_and_leaves_no_ray_process(cli):
     pids = [p.pid for p in head_processes(cli.port)]
     assert pids, "the head is not running"
+    # An `atomr serve` in another terminal, on the API `up --serve` started (or a new one).
+    api_port = int(cli.api_url.rsplit(":", 1)[1].split("/")[0]) if cli.api_url else free_port()
+    cli.api_url = f"http://127.0.0.1:{api_port}/v1"
+    serving, lines = foreground_serve(cli.env, api_port)
     proc = cli.run("down", timeout=300)
     assert proc.returncode == 0, proc.stderr
+    # The foreground server sees the stop, says so in one line and exits 0 before the head goes.
+    try:
+        assert serving.wait(timeout=30) == 0, lines
+    finally:
+        serving.kill()
+    assert lines[-1] == f"stopped: the API at http://127.0.0.1:{api_port} was stopped from another process " \
+        "(`atomr down`)", lines
     assert f"stopped the local head at 127.0.0.1:{cli.port}" in proc.stdout
-    if cli.api_url:  # the `up --serve` test ran: the API goes first
-        assert proc.stdout.startswith(f"api        stopped ({cli.api_url})"), proc.stdout
-        api_port = int(cli.api_url.rsplit(":", 1)[1].split("/")[0])
-        assert not port_open("127.0.0.1", api_port)
+    assert proc.stdout.startswith(f"api        stopped ({cli.api_url})"), proc.stdout  # the API goes first
+    assert not port_open("127.0.0.1", api_port)
     left = [p for p in map(_alive, pids) if p is not None]
     assert not left, [(p.pid, p.name()) for p in left]
     assert not head_processes(cli.port)
@@ -369,6 +395,33 @@ def _alive(pid: int) -> psutil.Process | None:
         return None if proc.status() == psutil.STATUS_ZOMBIE else proc
     except psutil.NoSuchProcess:
         return None
+
+
+def test_serve_exits_in_one_line_when_its_cluster_dies():
+    """A head that fails (its GCS killed) ends a foreground `atomr serve`: one error line, exit 1,
+    within seconds (it waited, serving nothing, until killed; then Ray's shutdown hung)."""
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="atomr-e2e-", dir="/tmp"))
+    env = _base_env(workdir, port)
+    head: list[psutil.Process] = []
+    try:
+        up = subprocess.run([str(ATOMR), "up"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+        assert up.returncode == 0, up.stdout + up.stderr
+        serving, lines = foreground_serve({**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, free_port())
+        try:
+            head = head_processes(port)  # found through the GCS: taken before it goes
+            gcs_server(port).kill()
+            assert serving.wait(timeout=30) == 1, lines
+        finally:
+            serving.kill()
+        assert lines[-1].startswith("error: the Ray cluster at ") and lines[-1].endswith(
+            f":{port} is gone, and the API with it"), lines
+    finally:
+        stop_head(port)
+        for proc in head:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 # -- a cluster that cannot be joined ---------------------------------------------------------
