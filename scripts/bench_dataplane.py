@@ -16,7 +16,10 @@ number of streams, that many streamed completions of ``--tokens`` tokens are sen
 - tokens: through a ``Router`` to the replica's token-level path (``Chunk``s, no OpenAI serving
   layer): what is left is vLLM's output processing and the transport;
 - client: ``Client.astream_complete`` (vLLM's chunk types, every event parsed);
-- http: ``atomr serve`` (the ingress replica's own HTTP listener) with aiohttp, like ``router``.
+- http: ``atomr serve`` (the ingress replica's own HTTP listener) with aiohttp, like ``router``;
+- vllm: the peer, ``vllm serve`` over the same emulated core (scripts/emulated_vllm_serve.py:
+  vLLM's own API server and ``AsyncLLM`` in one process, as ``vllm serve`` runs them), read
+  like ``http``: what a user of vLLM's own server gets on this CPU.
 delivered = completion tokens / wall time from the first request sent to the last token;
 ideal = tokens x step time (every stream running from the start). Compare ratios from one run.
 Each line also gives when the last stream's first output arrived (admission: vLLM's request
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -171,7 +175,7 @@ def main() -> None:
     ap.add_argument("--streams", default="64,256,1024")
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--tokens", type=int, default=200)
-    ap.add_argument("--paths", default="local,router,client,http")
+    ap.add_argument("--paths", default="local,router,client,http,vllm")
     ap.add_argument("--port", type=int, default=8011)
     opts = ap.parse_args()
     sizes = [int(s) for s in opts.streams.split(",")]
@@ -194,6 +198,14 @@ def main() -> None:
     if "local" in paths:
         results["local"] = asyncio.run(local_arm(model_dir, step_s, sizes, opts.tokens))
     remote = [p for p in paths if p != "local"]
+    stack = contextlib.ExitStack()
+    vllm_url = ""
+    if "vllm" in remote:  # started first, so that Ray's start does not slow its own
+        from tests.vllm_serve import vllm_server
+
+        script = os.path.join(REPO, "scripts", "emulated_vllm_serve.py")
+        peer = [sys.executable, script, "--step-ms", str(opts.step_ms), "--"]
+        vllm_url = stack.enter_context(vllm_server(spec_of(model_dir), model_dir, print, server=peer))
     os.environ.pop("RAY_ADDRESS", None)
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
              logging_level="ERROR")
@@ -222,6 +234,7 @@ def main() -> None:
                     "tokens": lambda i, t: via_tokens(router, i, t),
                     "client": lambda i, t: via_client(client, i, t),
                     "http": lambda i, t: via_http(http, url, i, t),
+                    "vllm": lambda i, t: via_http(http, f"{vllm_url}/v1/completions", i, t),
                 }
                 for path in remote:  # warm up every path once
                     await measure(arms[path], 4, 8, step_s)
@@ -244,6 +257,7 @@ def main() -> None:
 
             stop_server(server)
         ray.shutdown()
+        stack.close()
 
     print(f"\nemulated engine, {opts.step_ms:g} ms per step, {opts.tokens} tokens per stream")
     print(f"{'streams':>8} " + " ".join(f"{p:>8}" for p in paths))
@@ -258,6 +272,10 @@ def main() -> None:
     for path in paths:
         for n in sizes:
             print(f"ratio {path} streaming/ideal @ {n}: {STREAMING[path][n]:.3f}")
+    if "vllm" in paths:  # atomr against the peer, in the same run
+        for path in (p for p in paths if p in ("client", "http")):
+            for n in sizes:
+                print(f"ratio {path}/vllm delivered @ {n}: {results[path][n] / results['vllm'][n]:.3f}")
 
 
 if __name__ == "__main__":

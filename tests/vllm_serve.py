@@ -30,20 +30,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def vllm_serve_command(spec, model_dir: str, port: int) -> list[str]:  # noqa: ANN001 - a Deployment
+API_SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def vllm_serve_command(spec, model_dir: str, port: int, server: list[str] = API_SERVER) -> list[str]:  # noqa: ANN001
     from atomr_infer.engine.vllm_engine import as_cli_flags, engine_args
     from atomr_infer.replica.openai_app import server_flags
 
     flags = [*server_flags(spec), *as_cli_flags(engine_args(spec, str(model_dir), "cpu"))]
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), *flags]
+    return [*server, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *flags]
 
 
 @contextlib.contextmanager
-def vllm_server(spec, model_dir: str, say: Callable[[str], None] = lambda _: None) -> Iterator[str]:  # noqa: ANN001
-    """The server's base URL while it runs; stopped with SIGINT (SIGKILL after 60 s) after."""
+def vllm_server(spec, model_dir: str, say: Callable[[str], None] = lambda _: None,  # noqa: ANN001
+                server: list[str] = API_SERVER) -> Iterator[str]:
+    """The server's base URL while it runs; stopped with SIGINT (SIGKILL after 60 s) after.
+    ``server``: the command that runs vLLM's API server, before its arguments."""
     port = _free_port()
-    cmd = vllm_serve_command(spec, model_dir, port)
+    cmd = vllm_serve_command(spec, model_dir, port, server)
     say("$ " + " ".join(cmd))
     log = Path(tempfile.mkdtemp(prefix="vllm-serve-")) / "server.log"
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}

@@ -198,9 +198,13 @@ def cluster_gone() -> Gone | None:
 
     from atomr_infer.local_ray import port_open
 
-    gcs = ray.get_runtime_context().gcs_address
-    host, port = gcs.rsplit(":", 1)
-    if port_open(host.strip("[]"), int(port), timeout_s=2.0):
+    try:
+        gcs = ray.get_runtime_context().gcs_address
+        host, port = gcs.rsplit(":", 1)
+        target = host.strip("[]"), int(port)
+    except Exception:  # noqa: BLE001 - no GCS address here (Ray Client): the API's record still tells
+        return None
+    if port_open(*target, timeout_s=2.0):
         return None
     return Gone(f"the Ray cluster at {gcs} is gone, and the API with it", cluster_lost=True)
 
