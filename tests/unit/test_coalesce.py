@@ -10,7 +10,13 @@ import queue
 import pytest
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
-from atomr_infer.engine.coalesce import CoalescingCoreClient, coalesce_core_outputs, is_plain, merge_steps
+from atomr_infer.engine.coalesce import (
+    _UNMERGEABLE,
+    CoalescingCoreClient,
+    coalesce_core_outputs,
+    is_plain,
+    merge_steps,
+)
 
 
 class QueuedCore:
@@ -57,6 +63,17 @@ def test_a_step_with_per_token_data_is_not_plain():
     assert not is_plain(step(EngineCoreOutput("a", [1], events=[])))
     assert not is_plain(step(wave_complete=3))
     assert not is_plain(RuntimeError("core died"))
+
+
+@pytest.mark.parametrize("field", _UNMERGEABLE)
+def test_each_per_token_field_stops_a_merge_wherever_it_is_set(field):
+    assert field in EngineCoreOutput.__struct_fields__  # a vLLM that renamed it would merge it
+    plain = [EngineCoreOutput(f"r{i}", [1]) for i in range(5)]
+    assert is_plain(step(*plain))
+    for at in (0, 4):
+        outs = list(plain)
+        outs[at] = EngineCoreOutput(f"r{at}", [1], **{field: object()})
+        assert not is_plain(step(*outs)), (field, at)
 
 
 def test_get_output_takes_every_queued_step_and_keeps_the_rest_in_order():
