@@ -56,7 +56,8 @@ def serve_command(
     # started this process in the background left SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    hold_foreground(True)
+    with contextlib.suppress(Exception):  # without it, `atomr down` just does not wait for us
+        hold_foreground(True)
     gone = _wait(server, stop)
     if gone is not None:
         _exit_without_cluster(gone)

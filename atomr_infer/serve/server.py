@@ -5,7 +5,9 @@ exists, starts Serve without its HTTP proxy unless Serve already runs, and deplo
 ingress as the Serve application ``atomr-openai``: its replicas, pinned to this node, serve
 ``host:port`` themselves (serve/listener.py). The address is kept in Ray's internal KV, so
 ``running_server`` finds it from any process. ``stop_server`` deletes the application and,
-if ``run_server`` started Serve and nothing else runs on it, shuts Serve down too.
+if ``run_server`` started Serve and nothing else runs on it, shuts Serve down too. A foreground
+``atomr serve`` watches for a stop it did not make (``cluster_gone``, ``stopped_elsewhere``) and
+says it holds the API (``hold_foreground``), so that ``stop_server`` elsewhere waits for it to go.
 """
 
 from __future__ import annotations
