@@ -207,10 +207,10 @@ def main() -> None:
         peer = [sys.executable, script, "--step-ms", str(opts.step_ms), "--"]
         vllm_url = stack.enter_context(vllm_server(spec_of(model_dir), model_dir, print, server=peer))
     os.environ.pop("RAY_ADDRESS", None)
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR")
     server = None
     try:
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+                 logging_level="ERROR")
         launcher = RayReplicaLauncher(lambda spec: False,
                                       replica_kwargs={"engine_factory": emulated_engine_factory(model_dir, step_s)})
         manager = ray.remote(DeploymentManager).options(
@@ -256,8 +256,10 @@ def main() -> None:
             from atomr_infer.serve.server import stop_server
 
             stop_server(server)
-        ray.shutdown()
-        stack.close()
+        try:
+            ray.shutdown()
+        finally:
+            stack.close()  # the peer server, in a session of its own: it would outlive this script
 
     print(f"\nemulated engine, {opts.step_ms:g} ms per step, {opts.tokens} tokens per stream")
     print(f"{'streams':>8} " + " ".join(f"{p:>8}" for p in paths))

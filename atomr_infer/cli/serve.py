@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NoReturn
 import typer
 
 from atomr_infer.cli import common
-from atomr_infer.cli.app import EXIT_FAILED, EXIT_OK, app, err, fail, out
+from atomr_infer.cli.app import EXIT_FAILED, EXIT_OK, _escape, app, err, fail, out
 from atomr_infer.errors import AtomrError, one_line
 
 if TYPE_CHECKING:
@@ -56,14 +56,13 @@ def serve_command(
     # started this process in the background left SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with contextlib.suppress(Exception):  # without it, `atomr down` just does not wait for us
-        hold_foreground(True)
     gone = _wait(server, stop)
     if gone is not None:
         _exit_without_cluster(gone)
     out.print("stopping…")
-    try:
+    with contextlib.suppress(Exception):  # a hold left behind only makes `atomr down` wait
         hold_foreground(False)
+    try:
         stop_server(server)
     except Exception as exc:  # noqa: BLE001
         fail(AtomrError(f"could not stop the API: {one_line(exc)}"))
@@ -71,46 +70,53 @@ def serve_command(
 
 
 WATCH_PERIOD_S = 1.0  # how soon a stop from elsewhere is noticed
+LOST_AFTER = 3  # checks in a row that find the GCS gone: a blip (or a GCS restart) is not a loss
 
 
 def _wait(server: Server, stop: threading.Event) -> Gone | None:
     """Wait for Ctrl-C (None), or for the API to stop without this process: ``atomr down`` run
     elsewhere, or the cluster gone. Then say why, rather than serve nothing until killed.
 
-    The API's record is read in a thread of its own: that Ray call hangs when the cluster goes
-    away meanwhile, and the cluster check (a TCP connect) must still run."""
-    from atomr_infer.serve.server import Gone, cluster_gone, stopped_elsewhere
+    The API's record is read (and this process's hold renewed) in a thread of its own: those
+    Ray calls hang when the cluster goes away meanwhile, and the cluster check (a TCP connect
+    to the GCS) must still run."""
+    from atomr_infer.serve.server import cluster_gone, hold_foreground, stopped_elsewhere
 
     found: list[Gone | None] = [None]  # the last check's answer
 
     def check() -> None:
-        try:
+        with contextlib.suppress(Exception):  # a Ray call that failed: the TCP check decides
             found[0] = stopped_elsewhere(server)
-        except Exception as exc:  # noqa: BLE001 - a Ray call that failed: the cluster is going away
-            found[0] = Gone(f"the Ray cluster does not answer ({one_line(exc)})", cluster_lost=True)
+            if found[0] is None:
+                hold_foreground(True)
 
     checker: threading.Thread | None = None
-    while True:
-        stopped = stop.wait(WATCH_PERIOD_S)
-        gone = cluster_gone() or found[0]
-        if gone is not None or stopped:
-            return gone
-        if checker is None or not checker.is_alive():
+    lost = 0
+    while found[0] is None:
+        if checker is None or not checker.is_alive():  # at most one: a hung call is not repeated
             checker = threading.Thread(target=check, name="atomr-serve-watch", daemon=True)
             checker.start()
+        stopped = stop.wait(WATCH_PERIOD_S)
+        gone = cluster_gone()
+        lost = lost + 1 if gone is not None else 0
+        if stopped or lost >= LOST_AFTER:
+            return gone  # on Ctrl-C too: stopping the API on a cluster that is gone would hang
+    return found[0]
 
 
 def _exit_without_cluster(gone: Gone) -> NoReturn:
     """Exit at once, skipping Ray's own shutdown at exit: with its GCS gone, that waits on
     reconnecting for a minute or more."""
     if gone.cluster_lost:
-        err.print(f"[red]error:[/] {gone.reason}", markup=True)
+        err.print(f"[red]error:[/] {_escape(gone.reason)}", markup=True)
     else:
         from atomr_infer.serve.server import hold_foreground
 
-        out.print(f"stopped: {gone.reason}")
-        with contextlib.suppress(Exception):  # the stopping process waits for this, up to a limit
-            hold_foreground(False)
+        out.print(f"stopped: {gone.reason}", markup=False)
+        # The stopping process waits for this, up to a limit; a Ray call can hang, so bounded.
+        release = threading.Thread(target=lambda: hold_foreground(False), daemon=True)
+        release.start()
+        release.join(1.0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_FAILED if gone.cluster_lost else EXIT_OK)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -85,31 +86,44 @@ def _recorded() -> tuple[str, int] | None:
     return value["host"], int(value["port"])
 
 
-_FOREGROUND_KEY = f"{APP_NAME}:foreground"  # set while `atomr serve` runs the API in the foreground
-FOREGROUND_EXIT_S = 5.0  # how long a stop from elsewhere waits for that process to leave
+# `atomr serve` processes that run the API in the foreground: one key each (host:pid), whose
+# value is when it last said so (each check renews it), so a process that died without letting
+# go stops counting after FOREGROUND_STALE_S.
+_FOREGROUND_PREFIX = f"{APP_NAME}:foreground:"
+FOREGROUND_EXIT_S = 5.0  # how long a stop from elsewhere waits for those processes to leave
+FOREGROUND_STALE_S = 10.0
 
 
 def hold_foreground(held: bool) -> None:
-    """Record that an ``atomr serve`` process runs the API in the foreground (or no longer does),
-    so that ``stop_server`` in another process (``atomr down``) lets it see the stop and exit
-    before the cluster goes away (it would then say the cluster failed)."""
+    """Record that this process runs the API in the foreground (renewed by each call), or no
+    longer does, so that ``stop_server`` in another process (``atomr down``) lets it see the stop
+    and exit before the cluster goes away (it would then say the cluster failed)."""
     from ray.experimental import internal_kv
 
     from atomr_infer.cluster import NAMESPACE
 
+    key = f"{_FOREGROUND_PREFIX}{socket.gethostname()}:{os.getpid()}"
     if held:
-        internal_kv._internal_kv_put(_FOREGROUND_KEY, str(os.getpid()), overwrite=True, namespace=NAMESPACE)
+        internal_kv._internal_kv_put(key, str(time.time()), overwrite=True, namespace=NAMESPACE)
     else:
-        internal_kv._internal_kv_del(_FOREGROUND_KEY, namespace=NAMESPACE)
+        internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+
+
+def _foreground_held() -> bool:
+    from ray.experimental import internal_kv
+
+    from atomr_infer.cluster import NAMESPACE
+
+    for key in internal_kv._internal_kv_list(_FOREGROUND_PREFIX, namespace=NAMESPACE):
+        said = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+        if said is not None and time.time() - float(said) < FOREGROUND_STALE_S:
+            return True
+    return False
 
 
 def _wait_foreground_left(timeout_s: float) -> None:
-    from ray.experimental import internal_kv
-
-    from atomr_infer.cluster import NAMESPACE
-
     deadline = time.monotonic() + timeout_s
-    while internal_kv._internal_kv_exists(_FOREGROUND_KEY, namespace=NAMESPACE) and time.monotonic() < deadline:
+    while _foreground_held() and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
