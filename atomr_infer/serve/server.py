@@ -102,28 +102,34 @@ def hold_foreground(held: bool) -> None:
 
     from atomr_infer.cluster import NAMESPACE
 
-    key = f"{_FOREGROUND_PREFIX}{socket.gethostname()}:{os.getpid()}"
+    key = _foreground_key()
     if held:
         internal_kv._internal_kv_put(key, str(time.time()), overwrite=True, namespace=NAMESPACE)
     else:
         internal_kv._internal_kv_del(key, namespace=NAMESPACE)
 
 
-def _foreground_held() -> bool:
+def _foreground_key() -> str:
+    return f"{_FOREGROUND_PREFIX}{socket.gethostname()}:{os.getpid()}"
+
+
+def foreground_holders() -> list[str]:
+    """The holds of foreground servers that renewed theirs within ``FOREGROUND_STALE_S``."""
     from ray.experimental import internal_kv
 
     from atomr_infer.cluster import NAMESPACE
 
+    fresh = []
     for key in internal_kv._internal_kv_list(_FOREGROUND_PREFIX, namespace=NAMESPACE):
         said = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
         if said is not None and time.time() - float(said) < FOREGROUND_STALE_S:
-            return True
-    return False
+            fresh.append(key.decode())
+    return fresh
 
 
 def _wait_foreground_left(timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while _foreground_held() and time.monotonic() < deadline:
+    while foreground_holders() and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
