@@ -9,20 +9,15 @@ application and exit 0.
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 
-ATOMR = Path(sys.executable).parent / "atomr"
+from tests.atomr_serve import ATOMR, AtomrServe
+
 START_TIMEOUT_S = 180.0
 # Requests to a deployment without a ready replica wait this long before 503.
 REPLICA_WAIT_S = 3.0
@@ -31,8 +26,7 @@ REPLICA_WAIT_S = 3.0
 @dataclass
 class RunningServer:
     url: str
-    proc: subprocess.Popen[str]
-    output: list[str]
+    serve: AtomrServe
 
     @property
     def base_url(self) -> str:
@@ -45,12 +39,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(proc: subprocess.Popen[str], lines: list[str]) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line.rstrip("\n"))
-
-
 @pytest.fixture(scope="session")
 def openai_server(ray_cluster, manager, smollm2) -> Iterator[RunningServer]:
     """``atomr serve`` on 127.0.0.1:<free port>, joined to the test cluster, ``smollm2`` ready."""
@@ -60,28 +48,14 @@ def openai_server(ray_cluster, manager, smollm2) -> Iterator[RunningServer]:
     address = ray_cluster.get_runtime_context().gcs_address
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "200"}
     env.pop("RAY_ADDRESS", None)
-    cmd = [str(ATOMR), "serve", "--host", "127.0.0.1", "--port", str(port), "--address", address]
-    cmd += ["--replica-wait", str(REPLICA_WAIT_S)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    threading.Thread(target=_pump, args=(proc, lines), daemon=True).start()
-    server = RunningServer(f"http://127.0.0.1:{port}", proc, lines)
+    args = ["--host", "127.0.0.1", "--port", str(port), "--address", address, "--replica-wait", str(REPLICA_WAIT_S)]
+    serve = AtomrServe(args, env, START_TIMEOUT_S)
+    server = RunningServer(f"http://127.0.0.1:{port}", serve)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not any("openai client:" in line for line in lines):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("atomr serve did not start:\n" + "\n".join(lines[-40:]))
-            time.sleep(0.2)
-        assert any(f'base_url="{server.base_url}"' in line for line in lines), lines
+        assert any(f'base_url="{server.base_url}"' in line for line in serve.lines), serve.lines
         yield server
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    assert proc.returncode == 0, "atomr serve did not exit cleanly:\n" + "\n".join(lines[-40:])
+        code = serve.interrupt(60)
+    assert code == 0, "atomr serve did not exit cleanly:\n" + "\n".join(serve.lines[-40:])
     with pytest.raises(httpx.TransportError):  # the proxy is gone with the app
         httpx.get(f"{server.url}/health", timeout=5)

@@ -32,6 +32,7 @@ import psutil
 import pytest
 
 from atomr_infer.local_ray import free_port, gcs_server, head_processes, port_open, stop_head
+from tests.atomr_serve import AtomrServe
 
 pytestmark = pytest.mark.e2e
 
@@ -344,55 +345,20 @@ def test_remove_then_status_shows_nothing(cli, smollm2):
     assert again.returncode == 1 and "no deployment named 'smollm2'" in again.stderr
 
 
-class ForegroundServe:
-    """``atomr serve --port port`` as a user runs it in a terminal, once it says it serves; its
-    output lines, read as they come."""
-
-    def __init__(self, env: dict[str, str], port: int) -> None:
-        self.proc = subprocess.Popen([str(ATOMR), "serve", "--port", str(port)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-                                     stdin=subprocess.DEVNULL)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        deadline = time.monotonic() + 180
-        while "Ctrl-C to stop." not in self.lines:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail("atomr serve did not start:\n" + "\n".join(self.lines))
-            time.sleep(0.2)
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        self.lines.extend(line.rstrip() for line in self.proc.stdout)
-
-    def exit_code(self, timeout: float) -> int:
-        """Its exit code, once it exits on its own and its last line is read."""
-        code = self.proc.wait(timeout=timeout)
-        self._reader.join(10)
-        return code
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self._reader.join(10)
-
-
 def test_down_stops_the_head_it_started_and_leaves_no_ray_process(cli):
     pids = [p.pid for p in head_processes(cli.port)]
     assert pids, "the head is not running"
     # An `atomr serve` in another terminal, on the API `up --serve` started (or a new one).
     api_port = int(cli.api_url.rsplit(":", 1)[1].split("/")[0]) if cli.api_url else free_port()
     cli.api_url = f"http://127.0.0.1:{api_port}/v1"
-    serving = ForegroundServe(cli.env, api_port)
+    serving = AtomrServe(["--port", str(api_port)], cli.env, cwd=ROOT)
     try:
         proc = cli.run("down", timeout=300)
         assert proc.returncode == 0, proc.stderr
         # The foreground server sees the stop, says so in one line and exits 0 before the head goes.
         assert serving.exit_code(timeout=30) == 0, serving.lines
     finally:
-        serving.stop()
+        serving.kill()
     assert serving.lines[-1] == f"stopped: the API at http://127.0.0.1:{api_port} was stopped from another " \
         "process (`atomr down`)", serving.lines
     assert f"stopped the local head at 127.0.0.1:{cli.port}" in proc.stdout
@@ -425,7 +391,7 @@ def test_serve_exits_in_one_line_when_its_cluster_dies():
     try:
         up = subprocess.run([str(ATOMR), "up"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
         assert up.returncode == 0, up.stdout + up.stderr
-        serving = ForegroundServe({**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, free_port())
+        serving = AtomrServe(["--port", str(free_port())], {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, cwd=ROOT)
         try:
             head = head_processes(port)  # found through the GCS: taken before it goes
             gcs = gcs_server(port)
@@ -433,7 +399,7 @@ def test_serve_exits_in_one_line_when_its_cluster_dies():
             gcs.kill()
             assert serving.exit_code(timeout=30) == 1, serving.lines
         finally:
-            serving.stop()
+            serving.kill()
         last = serving.lines[-1]
         assert last.startswith("error: the Ray cluster at ") and last.endswith(
             f":{port} is gone, and the API with it"), serving.lines
