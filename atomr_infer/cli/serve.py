@@ -58,7 +58,7 @@ def serve_command(
         signal.signal(sig, lambda *_: stop.set())
     gone = _wait(server, stop)
     if gone is not None:
-        _exit_without_cluster(gone)
+        _exit_at_once(gone)
     out.print("stopping…")
     with contextlib.suppress(Exception):  # a hold left behind only makes `atomr down` wait
         hold_foreground(False)
@@ -104,7 +104,7 @@ def _wait(server: Server, stop: threading.Event) -> Gone | None:
     return found[0]
 
 
-def _exit_without_cluster(gone: Gone) -> NoReturn:
+def _exit_at_once(gone: Gone) -> NoReturn:
     """Exit at once, skipping Ray's own shutdown at exit: with its GCS gone, that waits on
     reconnecting for a minute or more."""
     if gone.cluster_lost:
