@@ -9,7 +9,7 @@ setup:
 
 # tests/multinode joins a cluster of its own, so it runs in a pytest session of its own.
 test: setup
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=10 $(PYTEST_ARGS)
 	$(PY) -m pytest -q -rs tests/multinode $(PYTEST_ARGS)
 
 unit: setup

@@ -60,13 +60,9 @@ def main() -> None:
     if opts.child:
         child(opts.child, opts.prompts, opts.tokens)
         return
-    from atomr_infer.engine.cpu import cpu_dtype, cpu_flags, has_native_bf16
+    from atomr_infer.engine.cpu import cpu_dtype, has_native_bf16, machine_line
 
-    with open("/proc/cpuinfo") as f:
-        model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    native = has_native_bf16()
-    print(f"CPU: {model}; {os.cpu_count()} cores; avx512_bf16: {'avx512_bf16' in cpu_flags()}; "
-          f"dtype auto picks {cpu_dtype('auto', native)}")
+    print(f"CPU: {machine_line()}; dtype auto picks {cpu_dtype('auto', has_native_bf16())}")
     print(f"{opts.prompts} prompts x {opts.tokens} tokens, raw vllm.LLM, {opts.rounds} rounds")
     rates: dict[str, list[float]] = {"bfloat16": [], "float32": []}
     for r in range(opts.rounds):

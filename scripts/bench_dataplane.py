@@ -261,7 +261,10 @@ def main() -> None:
         finally:
             stack.close()  # the peer server, in a session of its own: it would outlive this script
 
-    print(f"\nemulated engine, {opts.step_ms:g} ms per step, {opts.tokens} tokens per stream")
+    from atomr_infer.engine.cpu import machine_line
+
+    print(f"\nCPU: {machine_line()}")
+    print(f"emulated engine, {opts.step_ms:g} ms per step, {opts.tokens} tokens per stream")
     print(f"{'streams':>8} " + " ".join(f"{p:>8}" for p in paths))
     for n in sizes:
         print(f"{n:>8} " + " ".join(f"{results[p][n]:>8.3f}" for p in paths))

@@ -262,7 +262,9 @@ def main_cli() -> None:
     print("memory (PSS) after the runs: " + ", ".join(f"{LABELS[k]} {v:.2f} GiB" for k, v in memory.items())
           + f"\ntarget: atomr (Ray included) within +0.5 GiB of vllm serve: {gap:+.2f} GiB  {verdict(gap <= 0.5)}")
     loadavg = "/".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"\n(total {time.monotonic() - started:.0f}s; load average at the end {loadavg} on {os.cpu_count()} CPUs)")
+    from atomr_infer.engine.cpu import machine_line
+
+    print(f"\n(total {time.monotonic() - started:.0f}s; load average at the end {loadavg}; CPU: {machine_line()})")
 
 
 if __name__ == "__main__":

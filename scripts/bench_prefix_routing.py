@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -39,17 +37,6 @@ WORDS = [
     "record", "museum", "theory", "valley", "harbor", "station", "circle", "pocket", "shadow", "orange",
     "button", "castle", "ticket", "rocket", "candle", "ladder",
 ]
-
-
-def cpu_line() -> str:
-    model = platform.processor() or "?"
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name"))
-        flags = "avx512_bf16" if "avx512_bf16" in lscpu else "no avx512_bf16"
-    except Exception:  # noqa: BLE001
-        flags = "?"
-    return f"{model}, {os.cpu_count()} cores, {flags}"
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -137,6 +124,7 @@ def main() -> int:
 
     from atomr_infer.client import Client
     from atomr_infer.control.client import ControlPlane, manager_handle
+    from atomr_infer.engine.cpu import machine_line
 
     os.environ.pop("RAY_ADDRESS", None)
     ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=4, include_dashboard=False,
@@ -163,7 +151,7 @@ def main() -> int:
         def med(policy: str, key: str) -> float:
             return statistics.median(r[key] for r in by[policy])
 
-        print(f"\nCPU: {cpu_line()}; {args.users} users, {args.turns} turns, {args.doc_words}-word documents, "
+        print(f"\nCPU: {machine_line()}; {args.users} users, {args.turns} turns, {args.doc_words}-word documents, "
               f"max_num_batched_tokens {args.max_batched_tokens or 'default'}, medians of {args.rounds} rounds")
         for key, label in (("ttft_p50", "TTFT p50"), ("ttft_mean", "TTFT mean"), ("ttft_p90", "TTFT p90"),
                            ("hit_rate", "prefix-cache hit rate"),

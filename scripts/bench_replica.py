@@ -160,7 +160,10 @@ def main() -> None:
     finally:
         ray.shutdown()
 
-    print(f"\n{'prompts':>8} {'raw tok/s':>10} {'replica':>10} {'client':>10} {'replica/raw':>12} {'client/raw':>11}")
+    from atomr_infer.engine.cpu import machine_line
+
+    print(f"\nCPU: {machine_line()}")
+    print(f"{'prompts':>8} {'raw tok/s':>10} {'replica':>10} {'client':>10} {'replica/raw':>12} {'client/raw':>11}")
     for n in sizes:
         r, c = rep[n] / raw[n], cli[n] / raw[n]
         print(f"{n:>8} {raw[n]:>10.1f} {rep[n]:>10.1f} {cli[n]:>10.1f} {r:>12.3f} {c:>11.3f}")

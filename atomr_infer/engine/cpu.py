@@ -56,6 +56,27 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``lscpu``'s "Model name"), or the machine's architecture."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.machine() or "?"
+
+
+def machine_line() -> str:
+    """What to quote with any figure measured here: the engine on a CPU with native bf16 runs
+    10-25x faster than on one without (``avx512_bf16``)."""
+    bf16 = "native bf16" if has_native_bf16() else "no native bf16"
+    flag = " (avx512_bf16)" if "avx512_bf16" in cpu_flags() else ""
+    return f"{cpu_model()}, {node_cores()} cores, {bf16}{flag}"
+
+
 def has_native_bf16(flags: set[str] | None = None, machine: str | None = None) -> bool:
     flags = cpu_flags() if flags is None else flags
     arch = machine or platform.machine()

@@ -113,3 +113,25 @@ def test_cpu_threads_share_the_node_among_replicas_unless_the_spec_sets_them():
     pinned = parse_deployment({"name": "a", "model": "m", "device": "cpu", "runtime_config": {"cpu_threads": 3}})
     assert (cpu_threads(pinned, cores=16), cpu_reservation(pinned)) == (3, 3)
     assert "cpu_threads" not in engine_args(pinned, "/m", "cpu", native_bf16=True)  # not a vLLM EngineArgs field
+
+
+def test_machine_line_names_the_cpu_and_whether_it_has_native_bf16(monkeypatch):
+    import atomr_infer.engine.cpu as cpu
+
+    monkeypatch.setattr(cpu, "cpu_model", lambda: "Some CPU 9000")
+    monkeypatch.setattr(cpu, "node_cores", lambda: 2)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
+    assert cpu.machine_line() == "Some CPU 9000, 2 cores, native bf16 (avx512_bf16)"
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2"})
+    assert cpu.machine_line() == "Some CPU 9000, 2 cores, no native bf16"
+
+
+def test_cpu_model_is_this_machines():
+    import platform
+
+    from atomr_infer.engine.cpu import cpu_model
+
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    assert cpu_model() == (names[0] if names else platform.machine())  # Arm has no "model name"
