@@ -40,6 +40,7 @@ def serve_command(
 
     common.quiet_serve_logs()
     try:
+        common.connect(address, start=True)  # says so when it starts a local head, as other commands do
         server = run_server(
             host, port, address, blocking=True, replica_wait_s=replica_wait, api_keys_path=api_keys,
             max_body_bytes=int(max_body_mb * 1024 * 1024) if max_body_mb else None,
@@ -66,6 +67,7 @@ def serve_command(
         stop_server(server)
     except Exception as exc:  # noqa: BLE001
         fail(AtomrError(f"could not stop the API: {one_line(exc)}"))
+    out.print(f"stopped the API at {server.url}", markup=False)
     raise typer.Exit(EXIT_OK)
 
 

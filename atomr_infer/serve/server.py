@@ -187,7 +187,7 @@ def run_server(
         serve._run(app, name=APP_NAME, route_prefix=None, _blocking=blocking)
     except BaseException:
         if started:
-            serve.shutdown()
+            _shutdown_serve()
         raise
     server = Server(host, port, started)
     _record(server)
@@ -262,5 +262,23 @@ def stop_server(server: Server | None = None, *, shutdown_serve: bool | None = N
     _wait_foreground_left(FOREGROUND_EXIT_S)
     _stop_rate_limiter()
     if shutdown_serve and not serve.status().applications:
-        serve.shutdown()
+        _shutdown_serve()
     log.info("openai_api_stopped")
+
+
+def _shutdown_serve() -> None:
+    """``serve.shutdown()`` without the warning it leaves on the caller's stdout. Serve's
+    controller answers its shutdown call by dying, and Serve's actor options retry the call, so
+    Ray printed "(raylet) Task ServeController.graceful_shutdown failed. There are infinite
+    retries remaining" on every Ctrl-C of `atomr serve`. The same call, not retried; then
+    ``serve.shutdown()`` finds the controller gone and forgets it."""
+    import ray
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is not None:
+        client.shutdown_cached_handles()
+        with contextlib.suppress(ray.exceptions.RayActorError):
+            ray.get(client._controller.graceful_shutdown.options(max_task_retries=0).remote(), timeout=30)
+    serve.shutdown()

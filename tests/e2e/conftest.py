@@ -57,5 +57,6 @@ def openai_server(ray_cluster, manager, smollm2) -> Iterator[RunningServer]:
     finally:
         code = serve.interrupt(60)
     assert code == 0, "atomr serve did not exit cleanly:\n" + "\n".join(serve.lines[-40:])
+    assert serve.lines[-1] == f"stopped the API at {server.url}", serve.lines[-40:]
     with pytest.raises(httpx.TransportError):  # the proxy is gone with the app
         httpx.get(f"{server.url}/health", timeout=5)

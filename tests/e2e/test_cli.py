@@ -32,7 +32,7 @@ import psutil
 import pytest
 
 from atomr_infer.local_ray import free_port, gcs_server, head_processes, port_open, stop_head
-from tests.atomr_serve import AtomrServe
+from tests.atomr_serve import READY_LINE, AtomrServe
 
 pytestmark = pytest.mark.e2e
 
@@ -381,9 +381,11 @@ def _alive(pid: int) -> psutil.Process | None:
         return None
 
 
-def test_serve_exits_in_one_line_when_its_cluster_dies():
-    """A head that fails (its GCS killed) ends a foreground `atomr serve`: one error line, exit 1,
-    within seconds (it waited, serving nothing, until killed; then Ray's shutdown hung)."""
+def test_serve_stops_cleanly_on_ctrl_c_and_in_one_line_when_its_cluster_dies():
+    """On a head of its own (no Serve running): Ctrl-C stops Serve too and says so, and nothing
+    else (Ray printed a "graceful_shutdown failed … will be retried" warning here). Then a head
+    that fails (its GCS killed) ends a foreground `atomr serve`: one error line, exit 1, within
+    seconds (it waited, serving nothing, until killed; then Ray's shutdown hung)."""
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="atomr-e2e-", dir="/tmp"))
     env = _base_env(workdir, port)
@@ -391,6 +393,11 @@ def test_serve_exits_in_one_line_when_its_cluster_dies():
     try:
         up = subprocess.run([str(ATOMR), "up"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
         assert up.returncode == 0, up.stdout + up.stderr
+        api_port = free_port()
+        serving = AtomrServe(["--port", str(api_port)], {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, cwd=ROOT)
+        assert serving.interrupt() == 0, serving.lines
+        after = serving.lines[serving.lines.index(READY_LINE) + 1:]
+        assert after == ["stopping…", f"stopped the API at http://127.0.0.1:{api_port}"], serving.lines
         serving = AtomrServe(["--port", str(free_port())], {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, cwd=ROOT)
         try:
             head = head_processes(port)  # found through the GCS: taken before it goes
