@@ -36,10 +36,13 @@ def serve_command(
 ) -> None:
     """Serve every deployment over an OpenAI-compatible HTTP API (model = deployment name)."""
     from atomr_infer.serve import run_server, stop_server
+    from atomr_infer.serve.api_keys import load_key_file
     from atomr_infer.serve.server import hold_foreground
 
     common.quiet_serve_logs()
     try:
+        if api_keys is not None:
+            load_key_file(api_keys)  # a bad file fails in one line before anything starts
         common.connect(address, start=True)  # says so when it starts a local head, as other commands do
         server = run_server(
             host, port, address, blocking=True, replica_wait_s=replica_wait, api_keys_path=api_keys,
