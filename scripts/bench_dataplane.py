@@ -116,7 +116,8 @@ def spec_of(model_dir: str):
 def report(path: str, n: int, ratio: float, step_s: float) -> None:
     rate, ideal = ratio * n / step_s, n / step_s
     print(f"{path:>7} {n:>5} streams: delivered/ideal {ratio:.3f} ({rate:,.0f} of {ideal:,.0f} tok/s); "
-          f"all admitted in {LAST['admitted']:.2f} s, streaming/ideal {LAST['streaming']:.3f}", flush=True)
+          f"all admitted in {LAST['admitted']:.2f} s, streaming/ideal {LAST['streaming']:.3f}; "
+          f"this process used {LAST['driver_cpu']:.2f} of a core", flush=True)
     STREAMING.setdefault(path, {})[n] = LAST["streaming"]
 
 
@@ -161,9 +162,10 @@ LAST: dict[str, float] = {}  # the last measure()'s admission time and streaming
 async def measure(one, streams: int, tokens: int, step_s: float) -> float:
     """delivered / ideal for ``streams`` concurrent requests of ``tokens`` tokens."""
     FIRST_OUTPUT_AT.clear()
-    started = time.perf_counter()
+    started, cpu_before = time.perf_counter(), time.process_time()
     counts = await asyncio.gather(*(one(i, tokens) for i in range(streams)))
     elapsed = time.perf_counter() - started
+    LAST["driver_cpu"] = (time.process_time() - cpu_before) / elapsed
     assert all(c == tokens for c in counts), f"short streams: {sorted(set(counts))}"
     admitted = max(FIRST_OUTPUT_AT) - started
     LAST.update(admitted=admitted, streaming=(tokens * step_s) / (elapsed - admitted))
