@@ -14,10 +14,11 @@ head of its own (scripts/rayllm_peer.py; needs ``pyarrow``). Each is driven by
 fixed input/output lengths, ``--ignore-eos``, greedy, at each ``--loads`` concurrency:requests
 (default 1, 16 and 64), after two warm-up requests. All servers are up for the whole run but
 only one is under load at a time, and the order rotates each round so that drifting
-background load hits all alike. Prints each run, then the medians over rounds of output
+background load hits all alike; the first round waits until the machine is idle (the stacks go
+on starting up after they answer). Prints each run, then the medians over rounds of output
 tokens/s, TTFT p50/p95 and ITL p50, the ratios against vllm serve, each stack's memory (PSS),
 and issue 14's targets (tokens/s >= 0.97x at c=16 and c=64; TTFT p50 within +5 ms at c=1; ITL
-p50 within 1.05x; ahead of Ray Serve LLM). An idle engine costs (almost) no CPU. Machines here
+p50 within 1.05x; ahead of Ray Serve LLM, on TPOT where its tokens come in bunches). An idle engine costs (almost) no CPU. Machines here
 are noisy: compare ratios.
 """
 
@@ -104,6 +105,33 @@ def atomr_server(cpu_threads: int | None = None) -> Iterator[str]:
         ray.shutdown()
 
 
+def settle(limit_s: float = 120.0, busy_below: float = 0.2) -> None:
+    """Wait until the machine is idle: two seconds in a row under ``busy_below`` of its cores.
+    Just after the three stacks start, their Ray heads and servers keep finishing their own
+    start-up for tens of seconds; a first round run then stalls every stack (ITL gaps of 0.7-1.4 s
+    measured at c=1 on 2 cores) and reads as a slow server. Prints how long it took, and which
+    processes were busy meanwhile."""
+    import psutil
+
+    started = time.monotonic()
+    before = {p.pid: (p.info["name"], p.cpu_times()) for p in psutil.process_iter(["name"])}
+    quiet = 0
+    while quiet < 2 and time.monotonic() - started < limit_s:
+        busy = psutil.cpu_percent(interval=1.0) / 100
+        quiet = quiet + 1 if busy < busy_below else 0
+    spent: list[tuple[float, str]] = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            name, times = before.get(proc.pid, (proc.info["name"], None))
+            now = proc.cpu_times()
+            used = now.user + now.system - ((times.user + times.system) if times else 0.0)
+            label = " ".join(proc.info["cmdline"] or [name])[:60]
+            spent.append((used, label))
+    top = ", ".join(f"{label} {used:.1f}s" for used, label in sorted(spent, reverse=True)[:3])
+    state = "idle" if quiet >= 2 else f"still busy after {limit_s:.0f}s"
+    print(f"machine {state} after {time.monotonic() - started:.0f}s (busiest meanwhile: {top})", flush=True)
+
+
 def stack_pss_gib(roots: dict[str, int]) -> dict[str, float]:
     """Memory (PSS, GiB) of each stack: the process trees in ``roots`` (name -> pid), and every
     other process this script started (Ray's head, the manager, the replica, Serve's proxy and
@@ -157,7 +185,8 @@ def load(base_url: str, model_dir: str, concurrency: int, prompts: int, opts: ar
 
 
 SHOWN = (("output tok/s", "output_throughput"), ("TTFT p50 ms", "median_ttft_ms"),
-         ("TTFT p95 ms", "p95_ttft_ms"), ("ITL p50 ms", "median_itl_ms"))
+         ("TTFT p95 ms", "p95_ttft_ms"), ("ITL p50 ms", "median_itl_ms"), ("TPOT p50 ms", "median_tpot_ms"))
+BUNCHED_ITL_MS = 1.0  # an ITL p50 below this: the server sends tokens in bunches (Ray Serve LLM batches its stream)
 
 
 def line(name: str, concurrency: int, r: dict[str, Any]) -> str:
@@ -203,9 +232,14 @@ def report(runs: dict[tuple[str, int], list[dict[str, Any]]]) -> None:
         itl = ratio("atomr", c, "median_itl_ms")
         print(f"target: ITL p50 at c={c} within 1.05x vllm serve: {itl:.2f}x  {verdict(itl <= 1.05)}")
         if peer:
+            # A bunched stream's ITL p50 is ~0 (several tokens per read), not its pace: then
+            # the time per output token is the fair comparison.
+            pace, pace_label = "median_itl_ms", "ITL p50"
+            if med(peer, c, pace) < BUNCHED_ITL_MS:
+                pace, pace_label = "median_tpot_ms", "TPOT p50, as its ITL p50 is ~0 (bunched tokens)"
             ahead = (med("atomr", c, "output_throughput") >= med(peer, c, "output_throughput")
-                     and all(med("atomr", c, k) <= med(peer, c, k) for k in ("median_ttft_ms", "median_itl_ms")))
-            print(f"target: ahead of Ray Serve LLM at c={c} (tok/s, TTFT p50, ITL p50): {verdict(ahead)}")
+                     and all(med("atomr", c, k) <= med(peer, c, k) for k in ("median_ttft_ms", pace)))
+            print(f"target: ahead of Ray Serve LLM at c={c} (tok/s, TTFT p50, {pace_label}): {verdict(ahead)}")
     if 1 in levels:
         ttft = med("atomr", 1, "median_ttft_ms") - med("vllm", 1, "median_ttft_ms")
         print(f"target: TTFT p50 at c=1 within +5 ms of vllm serve: {ttft:+.1f} ms  {verdict(ttft <= 5)}")
@@ -247,6 +281,7 @@ def main_cli() -> None:
 
             urls["rayllm"], roots["rayllm"] = stack.enter_context(rayllm_server(wait_http, free_port))
         names = list(urls)
+        settle()
         for round_ in range(opts.rounds):
             # Rotate which server goes first, so slow drifts in background load hit all alike.
             order = names[round_ % len(names):] + names[:round_ % len(names)]
