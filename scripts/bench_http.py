@@ -108,14 +108,17 @@ def atomr_server(cpu_threads: int | None = None) -> Iterator[str]:
 
 def settle(limit_s: float = 120.0, busy_below: float = 0.2) -> None:
     """Wait until the machine is idle: two seconds in a row under ``busy_below`` of its cores.
-    Just after the three stacks start, their Ray heads and servers keep finishing their own
-    start-up for tens of seconds; a first round run then stalls every stack (ITL gaps of 0.7-1.4 s
+    Just after the three stacks answer, Ray Serve LLM's engine processes stay busy for ~35 s
+    (measured on 2 cores); a first round run then stalls every stack (ITL gaps of 0.7-1.4 s
     measured at c=1 on 2 cores) and reads as a slow server. Prints how long it took, and which
     processes were busy meanwhile."""
     import psutil
 
     started = time.monotonic()
-    before = {p.pid: (p.info["name"], p.cpu_times()) for p in psutil.process_iter(["name"])}
+    before = {}
+    for proc in psutil.process_iter(["name"]):
+        with contextlib.suppress(psutil.Error):  # one that ended meanwhile
+            before[proc.pid] = (proc.info["name"], proc.cpu_times())
     quiet = 0
     while quiet < 2 and time.monotonic() - started < limit_s:
         busy = psutil.cpu_percent(interval=1.0) / 100
