@@ -132,7 +132,7 @@ def settle(limit_s: float = 120.0, busy_below: float = 0.2) -> None:
             label = " ".join(proc.info["cmdline"] or [name])[:60]
             spent.append((used, label))
     top = ", ".join(f"{label} {used:.1f}s" for used, label in sorted(spent, reverse=True)[:3])
-    state = "idle" if quiet >= 2 else f"still busy after {limit_s:.0f}s"
+    state = "idle" if quiet >= 2 else "still busy"
     print(f"machine {state} after {time.monotonic() - started:.0f}s (busiest meanwhile: {top})", flush=True)
 
 
