@@ -28,16 +28,26 @@ SWITCH_INTERVAL_S = 0.0002
 _tuned = False
 
 
-def tune_serving_process() -> bool:
-    """Freeze the startup heap, raise the young generation's threshold and shorten the GIL's
-    switch interval, once per process. ``ATOMR_PROCESS_TUNING=0`` leaves CPython's defaults (to
-    measure without them)."""
-    global _tuned
-    if _tuned or os.environ.get("ATOMR_PROCESS_TUNING", "1") == "0":
-        return False
-    _tuned = True
+def tuning_wanted() -> bool:
+    """``ATOMR_PROCESS_TUNING=0`` leaves CPython's defaults (to measure without them)."""
+    return os.environ.get("ATOMR_PROCESS_TUNING", "1") != "0"
+
+
+def freeze_heap() -> None:
+    """Collect, then freeze every object left: the collector never walks them again (cyclic
+    garbage among them is not collected)."""
     gc.collect()  # what is garbage now is not frozen with the rest
     gc.freeze()
+
+
+def tune_serving_process() -> bool:
+    """Freeze the startup heap, raise the young generation's threshold and shorten the GIL's
+    switch interval, once per process, unless ``tuning_wanted()`` says no."""
+    global _tuned
+    if _tuned or not tuning_wanted():
+        return False
+    _tuned = True
+    freeze_heap()
     gen0, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(max(gen0, GEN0_THRESHOLD), gen1, gen2)
     sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
