@@ -10,7 +10,8 @@ processing, and vLLM's OpenAI server in the replica) over a core that steps ever
 streams / step time whatever the CPU, and delivered/ideal is what the rest costs. For each
 number of streams, that many streamed completions of ``--tokens`` tokens are sent at once:
 - local: vLLM's OpenAI server over the same engine in this process, no transport at all (a
-  ``VllmReplica`` object, not an actor): the ceiling of vLLM's own front half on this CPU;
+  ``VllmReplica`` object, not an actor): the ceiling of vLLM's own front half on this CPU (the
+  interpreter settings a replica makes are undone after it: the other arms measure a caller);
 - router: through a ``Router`` (what the Client and the ingress use), the SSE bytes counted
   from the usage chunk without parsing every event;
 - tokens: through a ``Router`` to the replica's token-level path (``Chunk``s, no OpenAI serving
@@ -25,7 +26,8 @@ ideal = tokens x step time (every stream running from the start). Compare ratios
 Each line also gives when the last stream's first output arrived (admission: vLLM's request
 parsing, tokenizing and input processing, per request, plus the transport's open) and
 streaming/ideal: the same ratio without that time, (tokens x step) / (wall - admission), the
-rate once every stream runs, i.e. the cost per token alone.
+rate once every stream runs, i.e. the cost per token alone; and how much of a core this process
+(the arm's client) used, which the replica does not have on a small machine.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -94,9 +97,12 @@ async def local_arm(model_dir: str, step_s: float, sizes: list[int], tokens: int
     from atomr_infer.engine.emulated import emulated_engine_factory
     from atomr_infer.replica.actor import VllmReplica
 
+    # A replica tunes its process's collector and GIL switch interval (replica/serving_process.py):
+    # put this process back as it was after, so that the other arms measure a caller's process.
+    threshold, switch = gc.get_threshold(), sys.getswitchinterval()
     replica = VllmReplica(spec_of(model_dir), "local", engine_factory=emulated_engine_factory(model_dir, step_s))
-    await replica.ready(300)
     try:
+        await replica.ready(300)
         await measure(lambda i, t: via_local(replica, i, t), 4, 8, step_s)
         out = {}
         for n in sizes:
@@ -105,6 +111,9 @@ async def local_arm(model_dir: str, step_s: float, sizes: list[int], tokens: int
         return out
     finally:
         await replica.shutdown()
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+        sys.setswitchinterval(switch)
 
 
 def spec_of(model_dir: str):
