@@ -108,17 +108,18 @@ def atomr_server(cpu_threads: int | None = None) -> Iterator[str]:
 
 def settle(limit_s: float = 120.0, busy_below: float = 0.2) -> None:
     """Wait until the machine is idle: two seconds in a row under ``busy_below`` of its cores.
-    Just after the three stacks answer, Ray Serve LLM's engine processes stay busy for ~35 s
-    (measured on 2 cores); a first round run then stalls every stack (ITL gaps of 0.7-1.4 s
-    measured at c=1 on 2 cores) and reads as a slow server. Prints how long it took, and which
+    Just after the three stacks answer, Ray Serve LLM's engine processes stay busy for ~35 s; a
+    first round run then stalls every stack (ITL gaps of 0.7-1.4 s at c=1, measured on 2 cores)
+    and reads as a slow server. Prints how long it took, and which
     processes were busy meanwhile."""
     import psutil
 
     started = time.monotonic()
-    before = {}
-    for proc in psutil.process_iter(["name"]):
+    before = {}  # pid -> CPU seconds so far
+    for proc in psutil.process_iter():
         with contextlib.suppress(psutil.Error):  # one that ended meanwhile
-            before[proc.pid] = (proc.info["name"], proc.cpu_times())
+            times = proc.cpu_times()
+            before[proc.pid] = times.user + times.system
     quiet = 0
     while quiet < 2 and time.monotonic() - started < limit_s:
         busy = psutil.cpu_percent(interval=1.0) / 100
@@ -126,10 +127,9 @@ def settle(limit_s: float = 120.0, busy_below: float = 0.2) -> None:
     spent: list[tuple[float, str]] = []
     for proc in psutil.process_iter(["name", "cmdline"]):
         with contextlib.suppress(psutil.Error):
-            name, times = before.get(proc.pid, (proc.info["name"], None))
             now = proc.cpu_times()
-            used = now.user + now.system - ((times.user + times.system) if times else 0.0)
-            label = " ".join(proc.info["cmdline"] or [name])[:60]
+            used = now.user + now.system - before.get(proc.pid, 0.0)
+            label = " ".join(proc.info["cmdline"] or [proc.info["name"]])[:60]
             spent.append((used, label))
     top = ", ".join(f"{label} {used:.1f}s" for used, label in sorted(spent, reverse=True)[:3])
     state = "idle" if quiet >= 2 else "still busy"
