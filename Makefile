@@ -18,6 +18,9 @@ unit: setup
 demo: setup
 	@bash scripts/demo.sh
 
+# The docs site (mkdocs.yml) is built strictly: a broken link, anchor or page fails. Its output
+# goes to a temporary directory, never into the repository.
 lint: setup
 	$(VENV)/bin/ruff check atomr_infer tests scripts
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mkdocs build --strict --site-dir "$$(mktemp -d)"

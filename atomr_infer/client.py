@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from atomr_infer.errors import AtomrError, EngineError, InvalidRequest, RequestError
-from atomr_infer.replica.openai_app import HttpHead, HttpRequest
-from atomr_infer.replica.serving_process import freeze_heap, tuning_wanted
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import RoutingTable
+from atomr_infer.serving_process import freeze_heap, tuning_wanted
+from atomr_infer.wire import HttpHead, HttpRequest, RoutingFacts
 
 _JSON = (("content-type", "application/json"),)
 
@@ -87,15 +87,19 @@ COMPLETION = _Endpoint("/v1/completions", f"{_COMPLETION}:CompletionRequest", f"
 EMBEDDING = _Endpoint("/v1/embeddings", f"{_EMBED}:EmbeddingCompletionRequest", f"{_EMBED}:EmbeddingResponse", None)
 
 
-def _body(endpoint: _Endpoint, name: str, fields: dict[str, Any], check: bool = True) -> bytes:
-    """The request body, after checking every field name against vLLM's request model."""
+def _request(
+    endpoint: _Endpoint, name: str, fields: dict[str, Any], check: bool = True
+) -> tuple[RoutingFacts, HttpRequest]:
+    """The routing facts and the request, after checking every field name against vLLM's
+    request model (the facts come from the fields themselves: no body is parsed here)."""
     known = set(endpoint.model("request").model_fields) if check else set(fields)
     for key in fields:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise TypeError(f"{endpoint.path}: unknown request field {key!r}{hint}")
-    return json.dumps({"model": name, **fields}).encode()
+    data = {"model": name, **fields}
+    return RoutingFacts.of(endpoint.path, data), HttpRequest("POST", endpoint.path, _JSON, json.dumps(data).encode())
 
 
 def _error(status: int, body: bytes) -> AtomrError:
@@ -137,8 +141,8 @@ class Client:
     # -- async -------------------------------------------------------------------------------
 
     async def _send(self, endpoint: _Endpoint, name: str, fields: dict[str, Any]) -> Any:
-        request = HttpRequest("POST", endpoint.path, _JSON, _body(endpoint, name, fields))
-        async with contextlib.aclosing(self._router().stream(name, request, method="http")) as items:
+        facts, request = _request(endpoint, name, fields)
+        async with contextlib.aclosing(self._router().stream(facts, request)) as items:
             head: HttpHead = await anext(items)
             body = b"".join([piece async for piece in items])
         if head.status != 200:
@@ -148,10 +152,9 @@ class Client:
     async def _stream(
         self, endpoint: _Endpoint, name: str, fields: dict[str, Any], typed: bool = True
     ) -> AsyncIterator[Any]:
-        body = _body(endpoint, name, {**fields, "stream": True}, check=typed)
-        request = HttpRequest("POST", endpoint.path, _JSON, body)
+        facts, request = _request(endpoint, name, {**fields, "stream": True}, check=typed)
         chunk_model = endpoint.model("chunk") if typed else None
-        async with contextlib.aclosing(self._router().stream(name, request, method="http")) as items:
+        async with contextlib.aclosing(self._router().stream(facts, request)) as items:
             head: HttpHead = await anext(items)
             if head.status != 200:
                 raise _error(head.status, b"".join([piece async for piece in items]))

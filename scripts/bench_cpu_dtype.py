@@ -26,7 +26,7 @@ sys.path.insert(0, REPO)
 def child(dtype: str, n: int, tokens: int) -> None:
     from vllm import LLM, SamplingParams
 
-    from atomr_infer.engine.vllm_engine import engine_args
+    from atomr_infer.engine.vllm.engine_args import engine_args
     from atomr_infer.models import prepare_bundled
     from atomr_infer.spec import load_deployments
 

@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_dataplane.py [--streams 64,256,1024] [--step-ms 10]
         [--tokens 200] [--paths router,client,http]
 
-The replica runs ``atomr_infer.engine.emulated``: vLLM's real front half (tokenizer, output
+The replica runs ``atomr_infer.engine.vllm.emulated``: vLLM's real front half (tokenizer, output
 processing, and vLLM's OpenAI server in the replica) over a core that steps every
 ``--step-ms`` and emits one token for every running request. So the ideal rate is
 streams / step time whatever the CPU, and delivered/ideal is what the rest costs. For each
@@ -69,7 +69,7 @@ def body(i: int, tokens: int) -> bytes:
 
 
 async def via_router(router, i: int, tokens: int) -> int:
-    from atomr_infer.replica.openai_app import HttpRequest
+    from atomr_infer.engine.vllm.openai_app import HttpRequest
 
     request = HttpRequest("POST", "/v1/completions", (("content-type", "application/json"),), body(i, tokens))
     tail, first = b"", True
@@ -81,7 +81,7 @@ async def via_router(router, i: int, tokens: int) -> int:
 
 
 async def via_local(replica, i: int, tokens: int) -> int:
-    from atomr_infer.replica.openai_app import HttpRequest
+    from atomr_infer.engine.vllm.openai_app import HttpRequest
 
     request = HttpRequest("POST", "/v1/completions", (("content-type", "application/json"),), body(i, tokens))
     tail, first = b"", True
@@ -94,10 +94,10 @@ async def via_local(replica, i: int, tokens: int) -> int:
 
 async def local_arm(model_dir: str, step_s: float, sizes: list[int], tokens: int) -> dict[int, float]:
     """delivered/ideal with no transport: a VllmReplica object in this process."""
-    from atomr_infer.engine.emulated import emulated_engine_factory
+    from atomr_infer.engine.vllm.emulated import emulated_engine_factory
     from atomr_infer.replica.actor import VllmReplica
 
-    # A replica tunes its process's collector and GIL switch interval (replica/serving_process.py):
+    # A replica tunes its process's collector and GIL switch interval (serving_process.py):
     # put this process back as it was after, so that the other arms measure a caller's process.
     threshold, switch = gc.get_threshold(), sys.getswitchinterval()
     replica = VllmReplica(spec_of(model_dir), "local", engine_factory=emulated_engine_factory(model_dir, step_s))
@@ -201,7 +201,7 @@ def main() -> None:
     from atomr_infer.control.manager import DeploymentManager
     from atomr_infer.control.ray_replicas import RayReplicaLauncher
     from atomr_infer.control.store import MemoryStore
-    from atomr_infer.engine.emulated import emulated_engine_factory
+    from atomr_infer.engine.vllm.emulated import emulated_engine_factory
     from atomr_infer.models import prepare_bundled
     from atomr_infer.routing.router import Router
     model_dir = str(prepare_bundled("smollm2-135m-instruct"))

@@ -57,7 +57,7 @@ def raw_main(sizes: dict[int, int]) -> None:
     """Child process: raw vllm.LLM throughput for each size, as one JSON line."""
     from vllm import LLM, SamplingParams
 
-    from atomr_infer.engine.vllm_engine import engine_args
+    from atomr_infer.engine.vllm.engine_args import engine_args
     from atomr_infer.models import prepare_bundled
 
     args = engine_args(spec(), str(prepare_bundled("smollm2-135m-instruct")), "cpu")

@@ -5,7 +5,7 @@
 
 vLLM's own API server and ``AsyncLLM`` (its tokenizer, input and output processing, output
 handler) run unchanged; only the engine-core client is the emulated engine's ``TimedCore``
-(atomr_infer/engine/emulated.py), given the async methods ``AsyncLLM`` calls. So the ideal rate
+(atomr_infer/engine/vllm/emulated.py), given the async methods ``AsyncLLM`` calls. So the ideal rate
 is streams / step time here too, and what it delivers below that is vLLM's own front half in one
 API process: the ceiling a user of ``vllm serve`` gets on this CPU, beside atomr's arms.
 """
@@ -20,8 +20,8 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from atomr_infer.engine.emulated import TOKEN_TEXT, TimedCore  # noqa: E402
-from atomr_infer.replica.serving_process import SWITCH_INTERVAL_S  # noqa: E402
+from atomr_infer.engine.vllm.emulated import TOKEN_TEXT, TimedCore  # noqa: E402
+from atomr_infer.serving_process import SWITCH_INTERVAL_S  # noqa: E402
 
 
 class AsyncTimedCore(TimedCore):
@@ -63,7 +63,7 @@ def main() -> None:
         args = args[1:]
     # The emulated core is a thread of this process, where vllm serve's core is a process of its
     # own: with CPython's 5 ms switch interval it would wait behind the API server's thread for
-    # up to 5 ms a step. What atomr's serving process uses (replica/serving_process.py), so
+    # up to 5 ms a step. What atomr's serving process uses (serving_process.py), so
     # the core keeps time here too; it favours the peer if anything.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
 

@@ -52,7 +52,7 @@ def serve_forever(port: int) -> None:
     from ray.serve.llm import LLMConfig, build_openai_app
 
     from atomr_infer.engine.cpu import cpu_threads
-    from atomr_infer.engine.vllm_engine import engine_args
+    from atomr_infer.engine.vllm.engine_args import engine_args
     from atomr_infer.models import prepare_bundled
     from atomr_infer.spec import load_deployments
 

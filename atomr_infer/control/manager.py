@@ -32,6 +32,7 @@ from atomr_infer.control.plan import Plan, check_names, plan_apply, plan_remove
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
 from atomr_infer.control.replicas import ReplicaLauncher
 from atomr_infer.control.store import StateStore
+from atomr_infer.engine.backend import backend_class
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import ManagerMetrics
 from atomr_infer.routing.table import RoutingTable
@@ -349,14 +350,8 @@ class DeploymentManager:
 
     @staticmethod
     def _check_engine_args(spec: Deployment) -> None:
-        from atomr_infer.engine.vllm_engine import check_extra_engine_args, check_server_options
-
-        check_server_options(spec)
-        if not spec.runtime_config.extra_engine_args:
-            return
-        from vllm import EngineArgs
-
-        check_extra_engine_args(spec, {f.name for f in dataclasses.fields(EngineArgs)})
+        # The backend's own check, which loads no engine here (this process lives long).
+        backend_class(spec).validate(spec)
 
     def _record(self, spec: Deployment, current: ManagedDeployment | None, plan: Plan) -> None:
         if current is None:

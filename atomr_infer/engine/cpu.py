@@ -106,16 +106,6 @@ def cpu_reservation(deployment: Deployment) -> int:
     return deployment.runtime_config.cpu_threads or 1
 
 
-def use_cpu_threads(threads: int) -> None:
-    """Compute on ``threads`` threads from now on, in this process and in any engine-core
-    process it starts. Call before the engine is built: vLLM's CPU worker disables
-    ``torch.set_num_threads`` once it has set up (cpu_worker.init_device)."""
-    import torch
-
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-
-
 def cpu_dtype(requested: str | None, native_bf16: bool) -> str:
     """The dtype a CPU replica runs: the spec's, or for ``auto``/unset the CPU's native one."""
     if requested in (None, "auto"):

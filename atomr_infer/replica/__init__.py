@@ -1,16 +1,7 @@
-"""The data plane: ``VllmReplica`` actors, their step loop and per-request streams."""
+"""The data plane's actor: ``VllmReplica``, its lifecycle and its channels to the routers."""
 
+from atomr_infer.engine.stats import ReplicaStats
 from atomr_infer.replica.actor import VllmReplica, replica_actor_class
-from atomr_infer.replica.request import ChatMessage, Chunk, GenerateRequest, Usage, parse_request
-from atomr_infer.replica.stats import ReplicaStats
+from atomr_infer.replica.lifecycle import ReplicaHealth
 
-__all__ = [
-    "ChatMessage",
-    "Chunk",
-    "GenerateRequest",
-    "ReplicaStats",
-    "Usage",
-    "VllmReplica",
-    "parse_request",
-    "replica_actor_class",
-]
+__all__ = ["ReplicaHealth", "ReplicaStats", "VllmReplica", "replica_actor_class"]

@@ -3,8 +3,9 @@
 A router (the ingress's, a ``Client``'s) opens requests on a replica with ``open_many`` and reads
 everything those requests produce from one long-lived streaming call, ``channel``. Each object
 on that stream is a ``Batch``: the replica's load, and for every request of that router with
-news, the items it produced since the last batch (an ``HttpHead`` and body bytes, or ``Chunk``s)
-and whether it ended, with its error. So the Ray cost per engine step is one object per
+news, the items it produced since the last batch (an ``HttpHead`` and body bytes, merged:
+merging.py), the token ids it generated if its router asked, and whether it ended, with its
+error (the types are wire.py's). So the Ray cost per engine step is one object per
 (router, replica) pair, not one per running request: measured with scripts/bench_dataplane.py,
 see docs/architecture.md.
 
@@ -17,7 +18,7 @@ going away) ends the request, which aborts it in the engine within one step.
 A router that dies says nothing, and Ray does not stop a streaming call whose caller is gone
 (measured: a killed router's 1,500-token request ran to its end). So a channel is a lease: the
 router renews it every ``KEEPALIVE_S`` (and with every call), and a channel not heard from for
-``LEASE_S`` is closed by the replica's watchdog, which cancels its requests.
+``LEASE_S`` is closed by the replica's watchdog, which cancels its requests (wire.py).
 """
 
 from __future__ import annotations
@@ -25,23 +26,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from atomr_infer.errors import AtomrError, EngineError
-from atomr_infer.replica.request import Chunk
+from atomr_infer.merging import join_bytes, put_merged
+from atomr_infer.wire import LEASE_S, Batch, HttpHead, HttpRequest, OpenRequest
 
-KEEPALIVE_S = 3.0  # how often a router renews its channels
-LEASE_S = 15.0  # a channel not renewed for this long belongs to a router that is gone
-
-
-@dataclass
-class Batch:
-    """What one message of a channel carries."""
-
-    load: int  # requests open on the replica (from every router) when the batch left
-    items: dict[str, list[Any]] = field(default_factory=dict)  # request id -> new items, in order
-    ended: dict[str, BaseException | None] = field(default_factory=dict)  # request id -> its error, or None
+Put = Callable[[HttpHead | bytes], None]
+Tokens = Callable[[list[int]], None]
+# serve(request, put, tokens): runs one request, putting its items; returns at its end.
+Serve = Callable[[HttpRequest, Put, "Tokens | None"], Awaitable[None]]
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -68,27 +61,28 @@ class Channel:
     def open_requests(self) -> int:
         return len(self._tasks)
 
-    def start(self, request_id: str, run: Callable[[Callable[[Any], None]], Awaitable[None]]) -> None:
-        """Run one request: ``run(put)`` puts its items and returns at its end (or raises)."""
-        self._tasks[request_id] = asyncio.get_running_loop().create_task(self._pump(request_id, run))
+    def start(self, request: OpenRequest, serve: Serve) -> None:
+        """Run one request: ``serve`` puts its items and returns at its end (or raises)."""
+        task = asyncio.get_running_loop().create_task(self._pump(request, serve))
+        self._tasks[request.request_id] = task
 
-    async def _pump(self, request_id: str, run: Callable[[Callable[[Any], None]], Awaitable[None]]) -> None:
-        def put(item: Any) -> None:
+    async def _pump(self, request: OpenRequest, serve: Serve) -> None:
+        request_id = request.request_id
+
+        def put(item: HttpHead | bytes) -> None:
             if request_id not in self._tasks:  # not after a cancel: nobody reads it
                 return
-            pending = self._batch.items.setdefault(request_id, [])
             # What the router has not been sent yet is merged: fewer, larger items per message.
-            if pending and isinstance(item, bytes) and isinstance(pending[-1], bytes):
-                pending[-1] += item
-            elif pending and isinstance(item, Chunk) and isinstance(pending[-1], Chunk):
-                pending[-1].merge(item)
-            else:
-                pending.append(item)
+            put_merged(self._batch.items.setdefault(request_id, []), item, join_bytes)  # type: ignore[arg-type]
             self._ready.set()
+
+        def tokens(ids: list[int]) -> None:
+            if request_id in self._tasks:
+                self._batch.token_ids.setdefault(request_id, []).extend(ids)
 
         error: BaseException | None = None
         try:
-            await run(put)
+            await serve(request.http, put, tokens if request.want_token_ids else None)
         except asyncio.CancelledError:
             return  # the router cancelled it: nobody reads its end
         except Exception as exc:  # noqa: BLE001 - every failure goes to the router
@@ -108,7 +102,7 @@ class Channel:
         """The channel's messages, until the router goes away (then its requests are cancelled)."""
         try:
             while True:
-                if not (self._batch.items or self._batch.ended):
+                if not self._batch:
                     self._ready.clear()
                     await self._ready.wait()
                     # One turn of the event loop: the other requests the same engine step woke

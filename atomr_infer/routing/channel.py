@@ -4,8 +4,8 @@
 it, carrying every request this router opened there in the same turn of its event loop) and
 yields what it produces; one task per channel reads the replica's ``channel`` stream and
 hands each batch's items to the requests they belong to. Items that arrive while a consumer
-is busy wait in its inbox, and consecutive body bytes are joined, so a slow consumer takes
-fewer, larger pieces. A consumer that leaves before the end cancels its request on the
+is busy wait in its inbox, a ``MergingBuffer`` (merging.py) that joins consecutive body bytes,
+so a slow consumer takes fewer, larger pieces. A consumer that leaves before the end cancels its request on the
 replica (which aborts it in the engine within one step). If the channel's stream fails (the
 replica died), every open request on it fails with that error, within the time Ray takes to
 notice; the router drops the channel and opens a new one on the next request.
@@ -29,52 +29,21 @@ from typing import Any
 
 import ray
 
-from atomr_infer.replica.channel import KEEPALIVE_S
+from atomr_infer.merging import MergingBuffer, join_bytes
+from atomr_infer.wire import KEEPALIVE_S, HttpHead, OpenRequest
+
+Item = HttpHead | bytes
 
 
-class _Inbox:
-    """One request's items between the channel's reader and the request's consumer."""
+class _Inbox(MergingBuffer[Item]):
+    """One request's items between the channel's reader and the request's consumer, and the
+    token ids it generated (when it asked for them)."""
 
-    __slots__ = ("items", "ended", "error", "_ready")
+    __slots__ = ("token_ids",)
 
     def __init__(self) -> None:
-        self.items: list[Any] = []
-        self.ended = False
-        self.error: BaseException | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, items: list[Any]) -> None:
-        self.items.extend(items)
-        self._ready.set()
-
-    def end(self, error: BaseException | None) -> None:
-        if not self.ended:
-            self.ended, self.error = True, error
-            self._ready.set()
-
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        while True:
-            if not self.items and not self.ended:
-                self._ready.clear()
-                await self._ready.wait()
-            items, self.items = self.items, []
-            for item in _joined(items):
-                yield item
-            if self.ended and not self.items:
-                if self.error is not None:
-                    raise self.error
-                return
-
-
-def _joined(items: list[Any]) -> list[Any]:
-    """``items`` with each run of consecutive ``bytes`` joined into one."""
-    out: list[Any] = []
-    for item in items:
-        if isinstance(item, bytes) and out and isinstance(out[-1], bytes):
-            out[-1] += item
-        else:
-            out.append(item)
-    return out
+        super().__init__(join_bytes)  # type: ignore[arg-type]
+        self.token_ids: list[int] = []
 
 
 class ReplicaChannel:
@@ -91,7 +60,7 @@ class ReplicaChannel:
         self.batches = 0  # messages received (bench_dataplane reports items per message)
         self._retired = False  # no new requests; closes when its last one ends
         # Requests to open on the replica at the end of this turn of the event loop (_open).
-        self._opening: list[tuple[str, str, Any, int | None, asyncio.Future[Any]]] = []
+        self._opening: list[tuple[OpenRequest, asyncio.Future[Any]]] = []
         self._sends: set[asyncio.Task[None]] = set()  # open_many calls awaited (kept from the GC)
 
     def _note_load(self, load: int) -> None:
@@ -123,10 +92,14 @@ class ReplicaChannel:
                 batch = await ref
                 self.batches += 1
                 self._note_load(batch.load)
+                for request_id, ids in batch.token_ids.items():
+                    inbox = self._inboxes.get(request_id)
+                    if inbox is not None:
+                        inbox.token_ids.extend(ids)
                 for request_id, items in batch.items.items():
                     inbox = self._inboxes.get(request_id)
                     if inbox is not None:
-                        inbox.put(items)
+                        inbox.put_all(items)
                 for request_id, error in batch.ended.items():
                     inbox = self._inboxes.get(request_id)
                     if inbox is not None:
@@ -145,7 +118,7 @@ class ReplicaChannel:
             for inbox in self._inboxes.values():
                 inbox.end(exc)
 
-    def _open(self, request_id: str, method: str, request: Any, limit: int | None) -> asyncio.Future[Any]:
+    def _open(self, request: OpenRequest) -> asyncio.Future[Any]:
         """Open one request on the replica, sent with every other request opened on this
         channel in the same turn of the event loop (one ``open_many`` call): resolves to the
         replica's load, or raises what the replica refused it with."""
@@ -154,18 +127,18 @@ class ReplicaChannel:
         if not self._opening:
             # Outside the caller's Ray task context, like the reader: the call serves many requests.
             loop.call_soon(self._send_opens, context=contextvars.Context())
-        self._opening.append((request_id, method, request, limit, opened))
+        self._opening.append((request, opened))
         return opened
 
     def _send_opens(self) -> None:
         # A request cancelled before this turn is not sent (its caller's cancel finds nothing).
-        sending = [item for item in self._opening if not item[4].done()]
+        sending = [(request, opened) for request, opened in self._opening if not opened.done()]
         self._opening = []
         if not sending:
             return
-        waiting = [item[4] for item in sending]
+        waiting = [opened for _, opened in sending]
         try:
-            ref = self._actor.open_many.remote(self.channel_id, [item[:4] for item in sending])
+            ref = self._actor.open_many.remote(self.channel_id, [request for request, _ in sending])
         except Exception as exc:  # noqa: BLE001 - not sent (e.g. Ray refused the call): each caller sees why
             for opened in waiting:
                 opened.set_exception(exc)
@@ -192,22 +165,24 @@ class ReplicaChannel:
             else:
                 opened.set_result(result)
 
-    async def request(self, method: str, request: Any, limit: int | None = None) -> AsyncIterator[Any]:
-        """What the replica's ``method`` (``http``, ``generate``) yields for ``request``; the
-        replica refuses it with ``ReplicaBusy`` if ``limit`` requests are open there."""
+    async def request(self, request: OpenRequest) -> AsyncIterator[Item]:
+        """What the replica answers to ``request`` (an ``HttpHead``, then body bytes); the
+        replica refuses it with ``ReplicaBusy`` if ``request.limit`` requests are open there.
+        ``request.request_id`` is set here (unique on this channel)."""
         if self.error is not None:
             raise self.error
         if self._retired:
             raise ConnectionError("the channel was retired: its replica left the routing table")
         self._start_reader()
-        request_id = uuid.uuid4().hex
+        request_id = request.request_id = uuid.uuid4().hex
         inbox = self._inboxes[request_id] = _Inbox()
         try:
             try:
-                self._note_load(await self._open(request_id, method, request, limit))
+                self._note_load(await self._open(request))
             except BaseException as exc:
                 # Refused or failed: nothing runs. Cancelled while waiting: it may have started.
-                inbox.ended = not isinstance(exc, asyncio.CancelledError)
+                if not isinstance(exc, asyncio.CancelledError):
+                    inbox.end()
                 raise
             async for item in inbox:
                 yield item
@@ -217,6 +192,11 @@ class ReplicaChannel:
                 contextvars.Context().run(self._actor.cancel.remote, self.channel_id, [request_id])
             if self._retired and not self._inboxes:
                 self.close()
+
+    def generated(self, request_id: str) -> list[int]:
+        """The token ids the open request ``request_id`` generated so far (if it asked)."""
+        inbox = self._inboxes.get(request_id)
+        return inbox.token_ids if inbox is not None else []
 
     def retire(self) -> None:
         """Take no new requests, and close once the open ones end: a replica that left the

@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -95,21 +94,11 @@ def chat_text(messages: Sequence[Any]) -> tuple[str, str, int]:
     return whole, key or whole, shared
 
 
-def prompt_key(request: Any, block_chars: int = BLOCK_CHARS) -> PromptKey | None:
-    """The prefix key of a request as routers see it: a ``generate`` dict with a ``prompt``, or
-    an OpenAI HTTP request (``body`` with ``messages`` or ``prompt``). None: no text to match."""
-    fields: Any = request
-    body = getattr(request, "body", None)
-    if isinstance(body, bytes | bytearray):
-        try:
-            fields = json.loads(body)
-        except ValueError:
-            return None
-    if not isinstance(fields, dict):
-        return None
-    messages, prompt = fields.get("messages"), fields.get("prompt")
-    if isinstance(messages, list):
-        text, conversation, shared = chat_text(messages)
+def prompt_key(prompt: Any, block_chars: int = BLOCK_CHARS) -> PromptKey | None:
+    """The prefix key of a request's prompt as the edge parsed it (``RoutingFacts.prompt``):
+    a chat's ``messages`` or a completion's ``prompt`` text. None: no text to match."""
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        text, conversation, shared = chat_text(prompt)
     elif isinstance(prompt, str):
         text, conversation, shared = prompt, prompt[: 2 * block_chars], 0
     else:

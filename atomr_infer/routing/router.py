@@ -1,7 +1,8 @@
-"""Route a request to a ready replica of the named deployment and stream its chunks back.
+"""Route a request to a ready replica of the named deployment and stream its answer back.
 
 A ``Router`` caches the manager's routing table (refreshing it at most once per
-``refresh_s`` and whenever a replica turns out dead) and picks by power-of-two choices on each
+``refresh_s`` and whenever a replica turns out dead) and picks, from the request's
+``RoutingFacts`` (wire.py: read once at the edge), by power-of-two choices on each
 replica's load: the larger of this router's own requests there and what the replica last said
 it had open from every router (each batch of its channel carries it; trusted for
 ``LOAD_FRESH_S``). Requests travel over one channel per replica (routing/channel.py).
@@ -46,6 +47,7 @@ from atomr_infer.routing.channel import ReplicaChannel
 from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.prefix import PrefixIndex, pick_prefix_affinity, prompt_key
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
+from atomr_infer.wire import HttpHead, HttpRequest, OpenRequest, RoutingFacts
 
 # fetch(since_version) -> a newer table, or None when ``since_version`` is current.
 TableSource = Callable[[int], Awaitable[RoutingTable | None]]
@@ -202,7 +204,8 @@ class Router:
             log.debug("route", deployment=dep.name, replica=choice.actor_name, reason=reason)
         return choice  # type: ignore[return-value]
 
-    async def _route(self, name: str, request: Any = None) -> tuple[DeploymentRoute, ReplicaRoute]:
+    async def _route(self, facts: RoutingFacts) -> tuple[DeploymentRoute, ReplicaRoute]:
+        name = facts.deployment
         started = appear_from = time.monotonic()  # the wait for a ready replica runs from appear_from
         queue_deadline = None if self._queue_timeout_s is None else started + self._queue_timeout_s
         table = await self.refresh()
@@ -213,7 +216,7 @@ class Router:
 
         def key() -> Any:
             if not keys:
-                keys.append(prompt_key(request))
+                keys.append(prompt_key(facts.prompt))
             return keys[0]
 
         try:
@@ -251,16 +254,18 @@ class Router:
             if waiting_for is not None:
                 self._waiting[waiting_for] -= 1
 
-    async def stream(self, name: str, request: Any, method: str = "generate") -> AsyncIterator[Any]:
-        """What the replica's streaming ``method`` yields for ``request`` (``generate``: ``Chunk``s;
-        ``http``: an ``HttpHead``, then body bytes), routed by deployment name."""
+    async def stream(self, facts: RoutingFacts, request: HttpRequest) -> AsyncIterator[HttpHead | bytes]:
+        """The replica's answer to ``request`` (an ``HttpHead``, then body bytes), routed by
+        ``facts`` (the deployment it names, its prefix, …)."""
+        name = facts.deployment
         attempt = 0
         while True:
-            dep, route = await self._route(name, request)
+            dep, route = await self._route(facts)
             attempt += 1
             last_try = attempt >= MAX_ATTEMPTS
             self._in_flight[route.actor_name] += 1
-            items = self._channel(route).request(method, request, dep.max_concurrent)
+            opening = OpenRequest("", request, dep.max_concurrent, facts.adapter, facts.response_id)
+            items = self._channel(route).request(opening)
             sent = finished = False
             try:
                 async for chunk in items:

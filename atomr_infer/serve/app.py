@@ -2,8 +2,9 @@
 
 Each ingress replica holds its own ``Router`` over a ``TableCache`` (the manager's routing
 table, pushed by long poll), so a request costs no manager round trip. The ingress reads only
-the body's ``model``; the replica runs the request through vLLM's own OpenAI server
-(replica/openai_app.py), whose status, headers and body come back unchanged, streamed as
+the body's routing facts (wire.py ``RoutingFacts``: ``model`` and what routing needs), parsing
+the body once; the replica runs the request through vLLM's own OpenAI server
+(engine/vllm/openai_app.py), whose status, headers and body come back unchanged, streamed as
 sent. Each ingress replica serves HTTP itself (serve/listener.py). Client disconnect cancels
 the handler's task (the listener does this, streaming or not); the cancellation runs through
 the router's ``finally``, which cancels the replica's generator and so aborts the request in
@@ -31,10 +32,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from atomr_infer.errors import AtomrError, DeploymentNotFound, InvalidRequest, NoReadyReplica
+from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica
 from atomr_infer.log import get_logger
-from atomr_infer.replica.openai_app import HttpRequest
-from atomr_infer.replica.serving_process import tune_serving_process
 from atomr_infer.routing.router import Router
 from atomr_infer.serve.access_log import AccessLog
 from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile
@@ -43,8 +42,10 @@ from atomr_infer.serve.errors import ManagerUnreachable, http_error
 from atomr_infer.serve.listener import HttpListener, listen
 from atomr_infer.serve.rate_limit import Budget, IngressLimits
 from atomr_infer.serve.table_cache import TableCache
-from atomr_infer.serve.usage import usage_not_asked, usage_tokens, without_usage
+from atomr_infer.serve.usage import usage_tokens, without_usage
+from atomr_infer.serving_process import tune_serving_process
 from atomr_infer.status import DeploymentStatus
+from atomr_infer.wire import HttpRequest, RoutingFacts
 
 log = get_logger(__name__)
 MAX_ONGOING_REQUESTS = 1024  # Serve's, for handle calls; HTTP comes through the listener, uncapped
@@ -78,16 +79,6 @@ class SSEResponse(StreamingResponse):
 # Set per connection by each server; never forwarded.
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "host", "keep-alive"})
 _NOT_FORWARDED = _HOP_HEADERS | {"authorization"}  # the API key stays at the ingress
-
-
-def _model_of(data: Any) -> str:
-    """The deployment a request names: its ``model`` field."""
-    if not isinstance(data, dict):
-        raise InvalidRequest("body", f"expected a JSON object, got {type(data).__name__}")
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("model", f"model must name a deployment (a non-empty string), got {model!r}")
-    return model
 
 
 async def _relay(items: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -143,7 +134,7 @@ class OpenAIIngress:
             self._listener = HttpListener(api, listen(*listen_on))
             # The routes find this instance through Serve's replica context, set after __init__.
             self._listener.start(ready=lambda: serve.get_replica_context().servable_object is not None)
-        tune_serving_process()  # this process streams every response (replica/serving_process.py)
+        tune_serving_process()  # this process streams every response (serving_process.py)
 
     async def __del__(self) -> None:
         """Serve's graceful stop: stop accepting, let open requests finish, then stop."""
@@ -185,8 +176,9 @@ class OpenAIIngress:
         try:
             key = self._authenticate(request)
             raw = await read_body(request.stream(), request.headers.get("content-length"), self._max_body_bytes)
-            data = parse_json(raw)
-            model = _model_of(data)
+            data = parse_json(raw)  # the one parse of the body on this side of the replica
+            facts = RoutingFacts.of(request.url.path, data)
+            model = facts.deployment
             self._authorize(key, model)
             limit_headers, token_budgets = await self._admit(key, model)
         except AtomrError as exc:
@@ -194,13 +186,13 @@ class OpenAIIngress:
         name = key.name if key is not None else None
         # A token budget is charged the usage the response reports: ask a stream for it, and
         # take it out again if the client did not ask.
-        hide_usage = bool(token_budgets) and usage_not_asked(data)
+        hide_usage = bool(token_budgets) and not facts.usage_wanted
         if hide_usage:
             raw = json.dumps({**data, "stream_options": {**(data.get("stream_options") or {}), "include_usage": True}})
             raw = raw.encode()
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED)
-        items = self._router.stream(model, HttpRequest(request.method, path, headers, raw), method="http")
+        items = self._router.stream(facts, HttpRequest(request.method, path, headers, raw))
         try:
             head = await anext(items)  # after routing and vLLM's validation: its status is known
         except Exception as exc:  # noqa: BLE001 - routing and replica errors become OpenAI errors

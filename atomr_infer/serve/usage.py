@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 
 def usage_tokens(data: bytes) -> int | None:
@@ -23,13 +22,6 @@ def usage_tokens(data: bytes) -> int | None:
         return None
     total = usage.get("total_tokens")
     return total if isinstance(total, int) else None
-
-
-def usage_not_asked(data: Any) -> bool:
-    """A streaming request that did not ask for the usage (``stream_options.include_usage``)."""
-    options = data.get("stream_options")
-    asked = isinstance(options, dict) and bool(options.get("include_usage"))
-    return data.get("stream") is True and (options is None or (isinstance(options, dict) and not asked))
 
 
 async def without_usage(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -12,7 +12,7 @@ import sys
 
 import ray
 
-from atomr_infer.replica.openai_app import HttpRequest
+from atomr_infer.engine.vllm.openai_app import HttpRequest
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 

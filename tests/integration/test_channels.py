@@ -1,7 +1,7 @@
 """The data path over channels, against a real replica actor: admission by the replica across
 routers, cancellation, and a replica that dies under open streams.
 
-The replica runs the emulated engine (atomr_infer/engine/emulated.py: vLLM's real front half and
+The replica runs the emulated engine (atomr_infer/engine/vllm/emulated.py: vLLM's real front half and
 OpenAI server over a core that steps every 10 ms), so requests take a known number of steps on
 any CPU. Two ``Router``s stand for two ingress replicas or Clients: each opens its own channel.
 """
@@ -22,7 +22,7 @@ import ray
 
 from atomr_infer.errors import CapacityExhausted, EngineError
 from atomr_infer.replica.channel import LEASE_S
-from atomr_infer.replica.openai_app import HttpRequest
+from atomr_infer.engine.vllm.openai_app import HttpRequest
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 from atomr_infer.spec import parse_deployment
@@ -39,7 +39,7 @@ def completion(tokens: int) -> HttpRequest:
 
 
 def start_replica(model_dir, name: str):
-    from atomr_infer.engine.emulated import emulated_engine_factory
+    from atomr_infer.engine.vllm.emulated import emulated_engine_factory
     from atomr_infer.replica import replica_actor_class
 
     spec = parse_deployment({"name": "emu", "model": str(model_dir), "device": "cpu",

@@ -1,4 +1,4 @@
-"""Merged core steps through vLLM's real front half (engine/coalesce.py over the emulated
+"""Merged core steps through vLLM's real front half (engine/vllm/coalesce.py over the emulated
 engine: vLLM's input and output processors, detokenizer and stop strings over a core that steps
 on its own, as a GPU core process does). A request whose core ran far ahead of the front half
 comes out in a few outputs instead of one per token, with the same text and finish reason."""
@@ -11,8 +11,8 @@ import pytest
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from atomr_infer.engine.coalesce import CoalescingCoreClient, coalesce_core_outputs
-from atomr_infer.engine.emulated import emulated_engine
+from atomr_infer.engine.vllm.coalesce import CoalescingCoreClient, coalesce_core_outputs
+from atomr_infer.engine.vllm.emulated import emulated_engine
 
 STEP_S = 0.002
 

@@ -3,7 +3,7 @@ with logical GPUs, as ``ray start`` makes them), and a manager on its head.
 
 Its own pytest session (``make test`` runs this directory after the others): a process joins
 one Ray cluster, and the other tiers share another. The replicas run the emulated engine
-(vLLM's real front half over a core that only keeps time, atomr_infer/engine/emulated.py): the
+(vLLM's real front half over a core that only keeps time, atomr_infer/engine/vllm/emulated.py): the
 GPUs here are logical, and a real engine per node would need more cores than these machines
 have. Everything else is the real code: the manager, the replica actors, routers, Ray.
 """
@@ -145,7 +145,7 @@ def manager(cluster, bundled_model_dir):
     from atomr_infer.control.client import manager_options
     from atomr_infer.control.manager import DeploymentManager
     from atomr_infer.control.ray_replicas import RayReplicaLauncher
-    from atomr_infer.engine.emulated import emulated_engine_factory
+    from atomr_infer.engine.vllm.emulated import emulated_engine_factory
 
     launcher = RayReplicaLauncher(
         lambda spec: True, replica_kwargs={"engine_factory": emulated_engine_factory(str(bundled_model_dir), STEP_S)}

@@ -10,8 +10,34 @@ from ray.exceptions import RayTaskError
 
 from atomr_infer.control.replicas import Poll
 from atomr_infer.replica.channel import ChannelHub
-from atomr_infer.replica.request import Chunk
 from atomr_infer.routing.table import ReplicaRoute
+from atomr_infer.wire import HttpHead, HttpRequest, RoutingFacts
+
+JSON = (("content-type", "application/json"),)
+
+
+def request(deployment: str = "d", prompt: str = "hi") -> tuple[RoutingFacts, HttpRequest]:
+    """A completions request for ``deployment``: its routing facts and the request itself."""
+    import json
+
+    data = {"model": deployment, "prompt": prompt}
+    return RoutingFacts.of("/v1/completions", data), HttpRequest("POST", "/v1/completions", JSON, json.dumps(data).encode())
+
+
+async def text_of(router, deployment: str = "d") -> str:
+    """The body a router streamed for a request to ``deployment``, as text."""
+    return (await answer(router.stream(*request(deployment))))[1].decode()
+
+
+async def answer(items) -> tuple[HttpHead, bytes]:
+    """The head and the whole body of what a router streamed."""
+    head, body = None, b""
+    async for item in items:
+        if isinstance(item, HttpHead):
+            head = item
+        else:
+            body += item
+    return head, body
 
 
 class FakeClock:
@@ -123,7 +149,8 @@ class _RemoteStream(_Remote):
 
 class FakeReplica:
     """A replica's channel methods (open_many, channel, cancel) over the real ``ChannelHub``; each
-    request answers one chunk, or every call fails with ``error``, as Ray raises it for a dead,
+    request answers a head and one body piece naming the replica, or every call fails with
+    ``error``, as Ray raises it for a dead,
     unreachable or (a task error) draining replica."""
 
     def __init__(self, name: str, error: BaseException | None = None) -> None:
@@ -139,22 +166,26 @@ class FakeReplica:
             self.calls += 1
             raise self.error
         results = []
-        for request_id, method, request, limit in requests:
+        for opening in requests:
             try:
-                results.append(await self._open(channel_id, request_id, method, request, limit))
+                results.append(await self._open(channel_id, opening))
             except RayTaskError as exc:
                 results.append(exc.cause)
         return results
 
-    async def _open(self, channel_id, request_id, method, request, limit=None):
+    async def _open(self, channel_id, opening):
         self.calls += 1
         if self.error is not None:
             raise self.error
-        self.hub.get(channel_id).start(request_id, self._answer)
+        self.hub.get(channel_id).start(opening, self._serve)
         return self.hub.open_requests
 
+    async def _serve(self, request, put, tokens):
+        await self._answer(put)
+
     async def _answer(self, put):
-        put(Chunk(f"from {self.name}", [1], "stop", None))
+        put(HttpHead(200, JSON))
+        put(f"from {self.name}".encode())
 
     async def _channel(self, channel_id):
         if self.error is not None and not isinstance(self.error, RayTaskError):

@@ -30,7 +30,11 @@ def test_no_usage_or_an_unreadable_one_is_none() -> None:
 def test_a_stream_that_did_not_ask_for_usage_gets_it_hidden_again() -> None:
     import asyncio
 
-    from atomr_infer.serve.usage import usage_not_asked, without_usage
+    from atomr_infer.serve.usage import without_usage
+    from atomr_infer.wire import RoutingFacts
+
+    def usage_not_asked(body):
+        return not RoutingFacts.of("/v1/chat/completions", {"model": "m", **body}).usage_wanted
 
     assert usage_not_asked({"stream": True}) and usage_not_asked({"stream": True, "stream_options": {}})
     assert not usage_not_asked({"stream": True, "stream_options": {"include_usage": True}})

@@ -13,7 +13,7 @@ from atomr_infer.errors import ReplicaBusy
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, RoutingTable
 
-from .fakes import FakeReplica, route
+from .fakes import FakeReplica, route, text_of
 
 
 class Recording(FakeReplica):
@@ -28,12 +28,12 @@ class Recording(FakeReplica):
         self.batches.append(len(requests))
         return await super()._open_many(channel_id, requests)
 
-    async def _open(self, channel_id, request_id, method, request, limit=None):
+    async def _open(self, channel_id, opening):
         self._seen += 1
         if self._refuse(self._seen):
             self.calls += 1
             raise RayTaskError("open", "tb", ReplicaBusy(self.name, 1))
-        return await super()._open(channel_id, request_id, method, request, limit)
+        return await super()._open(channel_id, opening)
 
 
 def router(*replicas: FakeReplica) -> Router:
@@ -46,7 +46,7 @@ def router(*replicas: FakeReplica) -> Router:
 
 
 async def text(r: Router) -> str:
-    return "".join([c.text_delta async for c in r.stream("d", {"prompt": "hi"})])
+    return await text_of(r, "d")
 
 
 def test_requests_opened_together_go_in_one_call_and_each_gets_its_answer():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from atomr_infer.client import Client
-from atomr_infer.replica.openai_app import HttpHead
+from atomr_infer.engine.vllm.openai_app import HttpHead
 
 from .fakes import FakeReplica, _Remote
 from .test_router_refresh import SlowSource

@@ -1,4 +1,4 @@
-"""Merging the steps an engine core in its own process has finished (engine/coalesce.py), on
+"""Merging the steps an engine core in its own process has finished (engine/vllm/coalesce.py), on
 vLLM's own output types. ``QueuedCore`` stands for vLLM's ``SyncMPClient`` (which needs a core
 process): what the coalescing client uses of it is ``get_output`` and its ``outputs_queue``.
 The same client over a real vLLM front half runs in test_coalesce_engine.py."""
@@ -10,7 +10,7 @@ import queue
 import pytest
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
-from atomr_infer.engine.coalesce import (
+from atomr_infer.engine.vllm.coalesce import (
     _UNMERGEABLE,
     CoalescingCoreClient,
     coalesce_core_outputs,

@@ -7,7 +7,7 @@ import pytest
 
 from atomr_infer.control.budget import ClusterView, check_budget
 from atomr_infer.engine.cpu import KV_SHARE, GiB, cpu_dtype, has_native_bf16, model_max_len, size_kv_cache
-from atomr_infer.engine.vllm_engine import engine_args
+from atomr_infer.engine.vllm.engine_args import engine_args
 from atomr_infer.errors import BudgetExceeded
 from atomr_infer.spec import parse_deployment
 

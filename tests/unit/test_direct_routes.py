@@ -1,4 +1,4 @@
-"""Chat and completions called directly (replica/direct_routes.py) answer as vLLM's app does.
+"""Chat and completions called directly (engine/vllm/direct_routes.py) answer as vLLM's app does.
 
 The app is vLLM's own, built as the replica builds it (``build_app``: its routes, middleware and
 exception handlers); only the serving objects are stand-ins, since the real ones need an engine
@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from atomr_infer.replica.openai_app import HttpHead, HttpRequest, OpenAIApp, serve_args
+from atomr_infer.engine.vllm.openai_app import HttpHead, HttpRequest, OpenAIApp, serve_args
 from atomr_infer.spec import parse_deployment
 
 JSON = (("content-type", "application/json"),)
@@ -209,7 +209,7 @@ def test_an_app_with_other_middleware_or_a_replaced_route_is_run_whole(vllm_app)
     from starlette.middleware.gzip import GZipMiddleware
     from vllm.entrypoints.serve.utils.api_utils import validate_json_request
 
-    from atomr_infer.replica.direct_routes import eligible_routes
+    from atomr_infer.engine.vllm.direct_routes import eligible_routes
 
     def like_vllms(**kw) -> FastAPI:
         app = FastAPI(**kw)

@@ -7,12 +7,20 @@ from __future__ import annotations
 import asyncio
 import json
 
-from atomr_infer.replica.openai_app import HttpRequest
-from atomr_infer.routing.prefix import PrefixIndex, block_hashes, pick_prefix_affinity, prompt_key, rendezvous_order
+from atomr_infer.routing.prefix import PrefixIndex, block_hashes, pick_prefix_affinity, rendezvous_order
+from atomr_infer.routing.prefix import prompt_key as key_of
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 
+from atomr_infer.wire import HttpRequest, RequestKind, RoutingFacts
+
 from .fakes import FakeReplica, route
+
+
+def prompt_key(request):
+    """The prefix key of a request body, through the facts the edge parses from it."""
+    data = json.loads(request.body) if isinstance(request, HttpRequest) else {"model": "d", **request}
+    return key_of(RoutingFacts.of("/v1/chat/completions", data).prompt)
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 40}
 
@@ -43,7 +51,7 @@ def test_a_later_turn_extends_the_earlier_one_and_keeps_its_conversation_key() -
     other = prompt_key(chat("what is 2+2? "))
     assert other.conversation != one.conversation and other.blocks[0] == one.blocks[0]  # the shared system prompt
     assert prompt_key({"prompt": "a plain prompt " * 40}).blocks
-    assert prompt_key(HttpRequest("POST", "/v1/models", (), b"not json")) is None
+    assert key_of(None) is None and key_of(3) is None and key_of([1, 2]) is None  # no text to match
 
 
 def test_the_next_turn_goes_where_the_conversation_went() -> None:
@@ -122,7 +130,9 @@ def test_the_router_sends_a_conversation_back_to_its_replica() -> None:
     async def main() -> Router:
         r = Router(source)
         for turns in (("hi ",), ("hi ", "hello ", "more "), ("hi ", "hello ", "more ", "ok ", "and? ")):
-            async for _ in r.stream("d", chat(*turns), method="http"):
+            messages = json.loads(chat(*turns).body)["messages"]
+            facts = RoutingFacts("d", RequestKind.CHAT, prompt=messages)
+            async for _ in r.stream(facts, chat(*turns)):
                 pass
         await r.aclose()
         return r

@@ -1,7 +1,9 @@
 """A replica's logs and metrics, in-process with a scripted engine (no Ray, no vLLM).
 
-The replica runs here exactly as in its actor: its step-loop thread drives the engine and the
-test's event loop plays Ray's. Log lines go through the real structlog JSON pipeline; metrics
+The replica runs here exactly as in its actor, over the real vLLM backend (engine/vllm/backend.py):
+its step-loop thread drives the engine and the test's event loop plays Ray's. Requests enter
+where vLLM's serving layer submits them (the backend's ``submit``, the engine client's gate),
+so vLLM's OpenAI app is not built (it needs a real engine: the integration tests run it). Log lines go through the real structlog JSON pipeline; metrics
 go to recorders in place of ``ray.util.metrics`` (which needs a Ray worker; the integration
 test scrapes the real ones).
 """
@@ -23,16 +25,11 @@ from atomr_infer import log as log_module
 from atomr_infer.errors import InvalidRequest
 from atomr_infer.log import configure_logging
 from atomr_infer.metrics import ManagerMetrics, ReplicaMetrics, failure_reason
+from atomr_infer.engine.vllm.backend import VllmBackend
 from atomr_infer.replica import actor as actor_module
 from atomr_infer.replica.actor import VllmReplica
-from atomr_infer.replica.prompt import PromptBuilder
 
-
-class CharTokenizer:
-    chat_template = None
-
-    def encode(self, text, add_special_tokens=True):
-        return [ord(c) for c in text]
+BACKEND = VllmBackend.factory(lambda deployment, progress: ScriptedEngine())
 
 
 @dataclass
@@ -58,6 +55,8 @@ class ScriptedEngine:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_request(self, request_id, prompt, params, **options):
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
         self.running[request_id] = [0, params.max_tokens]
 
     def step(self):
@@ -79,15 +78,9 @@ class ScriptedEngine:
     def has_unfinished_requests(self):
         return bool(self.running)
 
-    def get_tokenizer(self):
-        return CharTokenizer()
 
-
-class NoVllmPromptBuilder(PromptBuilder):
-    """The real tokenizing path; sampling params without importing vLLM (seconds to import)."""
-
-    def sampling_params(self, req, prompt_len, max_model_len):
-        return SimpleNamespace(max_tokens=req.max_tokens or 4)
+async def no_openai_app(self):
+    return None
 
 
 class Recorder:
@@ -112,13 +105,12 @@ class RecordingReplicaMetrics(ReplicaMetrics):
 @pytest.fixture
 def replica(monkeypatch):
     RecordingReplicaMetrics.records = []
-    monkeypatch.setattr(actor_module, "PromptBuilder", NoVllmPromptBuilder)
+    monkeypatch.setattr(VllmBackend, "_openai_app", no_openai_app)
     monkeypatch.setattr(actor_module, "ReplicaMetrics", RecordingReplicaMetrics)
     spec = {"name": "unitdep", "model": "bundled:smollm2-135m-instruct", "device": "cpu"}
-    rep = VllmReplica(spec, "r7", engine_factory=lambda deployment, progress: ScriptedEngine())
+    rep = VllmReplica(spec, "r7", backend=BACKEND)
     yield rep
-    rep._stopped = True
-    rep._loop.stop(5.0)
+    asyncio.run(rep.shutdown())
 
 
 @pytest.fixture
@@ -138,27 +130,30 @@ def json_logs(monkeypatch):
     structlog.configure(**saved)
 
 
-async def collect(rep: VllmReplica, request: dict) -> list:
-    return [chunk async for chunk in rep.generate(request)]
+async def collect(rep: VllmReplica, prompt_tokens: int, max_tokens: int, request_id: str = "r") -> list:
+    """The outputs of one request, submitted as vLLM's serving layer submits it."""
+    await rep.ready()
+    request = SimpleNamespace(request_id=request_id, params=SimpleNamespace(max_tokens=max_tokens))
+    stream = rep._backend.submit(request, None, prompt_tokens)
+    try:
+        return [output async for output in stream]
+    finally:
+        rep._backend.finish(stream)
 
 
 def test_every_request_line_carries_its_request_id(json_logs, monkeypatch):
     # The replica binds its logger at construction, so build it after logging is configured.
-    monkeypatch.setattr(actor_module, "PromptBuilder", NoVllmPromptBuilder)
+    monkeypatch.setattr(VllmBackend, "_openai_app", no_openai_app)
     monkeypatch.setattr(actor_module, "ReplicaMetrics", lambda d, r: ReplicaMetrics(d, r, enabled=False))
-    rep = VllmReplica(
-        {"name": "unitdep", "model": "bundled:smollm2-135m-instruct", "device": "cpu"},
-        "r7",
-        engine_factory=lambda deployment, progress: ScriptedEngine(),
-    )
+    rep = VllmReplica({"name": "unitdep", "model": "bundled:smollm2-135m-instruct", "device": "cpu"}, "r7", backend=BACKEND)
 
     async def main():
-        chunks = await collect(rep, {"prompt": "hello", "max_tokens": 3, "request_id": "req-abc-123"})
+        outputs = await collect(rep, 5, 3, "req-abc-123")
         await rep.shutdown()
-        return chunks
+        return outputs
 
-    chunks = asyncio.run(main())
-    assert chunks[-1].finish_reason == "length"
+    outputs = asyncio.run(main())
+    assert outputs[-1].outputs[0].finish_reason == "length"
     lines = json_logs()
     mine = [line for line in lines if line.get("request_id") == "req-abc-123"]
     events = [line["event"] for line in mine]
@@ -175,12 +170,13 @@ def test_every_request_line_carries_its_request_id(json_logs, monkeypatch):
 
 def test_metrics_count_tokens_finish_reasons_and_failures(replica):
     async def main():
-        done = await collect(replica, {"prompt": "hi", "max_tokens": 5})
-        with pytest.raises(InvalidRequest):
-            await collect(replica, {"prompt": "hi", "temperature": -1})
-        agen = replica.generate({"prompt": "hello", "max_tokens": 1000, "request_id": "walks-away"})
-        await agen.__anext__()
-        await agen.aclose()  # the caller leaves: the request is aborted
+        done = await collect(replica, 2, 5, "five")
+        with pytest.raises(InvalidRequest):  # the engine refuses it: it fails alone
+            await collect(replica, 2, 0, "refused")
+        request = SimpleNamespace(request_id="walks-away", params=SimpleNamespace(max_tokens=1000))
+        stream = replica._backend.submit(request, None, 5)
+        await stream.__aiter__().__anext__()
+        replica._backend.finish(stream)  # the caller leaves: the request is aborted
         replica._publish_gauges()
         return done
 
@@ -190,10 +186,10 @@ def test_metrics_count_tokens_finish_reasons_and_failures(replica):
     def values(name, **tags):
         return [v for n, v, t in records if n == name and all(t.get(k) == x for k, x in tags.items())]
 
-    assert sum(values("atomr_requests_started_total")) == 2  # the invalid one never started
+    assert sum(values("atomr_requests_started_total")) == 3
     assert values("atomr_requests_finished_total", finish_reason="length") == [1]
-    assert sum(values("atomr_generation_tokens_total")) == done[-1].usage.completion_tokens == 5
-    assert sum(values("atomr_prompt_tokens_total")) == done[-1].usage.prompt_tokens == 2
+    assert sum(values("atomr_generation_tokens_total")) == sum(len(o.outputs[0].token_ids) for o in done) == 5
+    assert sum(values("atomr_prompt_tokens_total")) == 2
     assert values("atomr_requests_failed_total", reason="invalid") == [1]
     assert values("atomr_requests_failed_total", reason="aborted") == [1]
     (ttft,) = values("atomr_time_to_first_token_seconds")

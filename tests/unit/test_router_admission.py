@@ -12,7 +12,7 @@ from atomr_infer.errors import CapacityExhausted, DeploymentNotFound, NoReadyRep
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, RoutingTable
 
-from .fakes import GatedReplica, route
+from .fakes import GatedReplica, route, text_of
 
 
 def router(mode: str = "queue", replicas=(), **kw) -> Router:
@@ -25,7 +25,7 @@ def router(mode: str = "queue", replicas=(), **kw) -> Router:
 
 
 async def text(r: Router) -> str:
-    return "".join([c.text_delta async for c in r.stream("d", {"prompt": "hi"})])
+    return await text_of(r, "d")
 
 
 async def occupy(replica: GatedReplica, r: Router) -> asyncio.Task[str]:
@@ -74,7 +74,7 @@ def test_no_ready_replica_after_the_bounded_wait_and_unknown_names():
 
     async def unknown():
         r = router(replicas=(GatedReplica("r0"),))
-        return "".join([c.text_delta async for c in r.stream("other", {"prompt": "hi"})])
+        return await text_of(r, "other")
 
     with pytest.raises(DeploymentNotFound, match="deployments: d"):
         asyncio.run(unknown())

@@ -17,6 +17,7 @@ from atomr_infer.routing.table import DeploymentRoute, RoutingTable
 from atomr_infer.serve.table_cache import TableCache
 
 from .fakes import FakeReplica, GatedReplica, route
+from .fakes import text_of as body_text
 
 
 class Tables:
@@ -36,8 +37,8 @@ class Tables:
         return self.table if version != self.table.version else None
 
 
-async def text_of(router: Router) -> str:
-    return "".join([c.text_delta async for c in router.stream("d", {"prompt": "hi"})])
+async def text_of(router: Router, deployment: str = "d") -> str:
+    return await body_text(router, deployment)
 
 
 def test_after_a_replica_dies_every_request_succeeds_and_it_is_not_picked_again():
@@ -120,7 +121,7 @@ def test_an_alias_routes_to_its_deployment():
 
 
 async def text_of_model(router: Router, name: str) -> str:
-    return "".join([c.text_delta async for c in router.stream(name, {"prompt": "hi"})])
+    return await body_text(router, name)
 
 
 def test_a_request_in_flight_on_a_replica_that_leaves_the_table_still_finishes():

@@ -16,7 +16,8 @@ from atomr_infer.errors import (
     InvalidRequest,
     NoReadyReplica,
 )
-from atomr_infer.serve.app import _model_of, _relay
+from atomr_infer.serve.app import _relay
+from atomr_infer.wire import RequestKind, RoutingFacts
 from atomr_infer.serve.errors import ManagerUnreachable, http_error
 
 
@@ -38,8 +39,15 @@ def test_error_statuses_and_bodies():
     assert http_error(InvalidRequest("temperature", "bad")).param == "temperature"
 
 
+def _model_of(body):
+    return RoutingFacts.of("/v1/chat/completions", body).deployment
+
+
 def test_the_model_field_names_the_deployment():
     assert _model_of({"model": "smollm2", "messages": []}) == "smollm2"
+    facts = RoutingFacts.of("/v1/completions?x=1", {"model": "m", "prompt": "p", "previous_response_id": "resp_1"})
+    assert (facts.kind, facts.prompt, facts.response_id, facts.stream) == (RequestKind.COMPLETION, "p", "resp_1", False)
+    assert RoutingFacts.of("/v1/audio/speech", {"model": "m"}).kind is RequestKind.OTHER
     for body, field in (({"messages": []}, "model"), ({"model": 5}, "model"), ({"model": ""}, "model"),
                         (["x"], "body"), (None, "body")):
         with pytest.raises(InvalidRequest) as info:

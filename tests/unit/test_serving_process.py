@@ -1,4 +1,4 @@
-"""A serving process's interpreter settings (replica/serving_process.py), and the heap freeze of a
+"""A serving process's interpreter settings (serving_process.py), and the heap freeze of a
 Client's process (client.py), each in a fresh interpreter: they are process-wide."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 SERVING = """
 import gc, json, sys
-from atomr_infer.replica.serving_process import tune_serving_process
+from atomr_infer.serving_process import tune_serving_process
 first, again = tune_serving_process(), tune_serving_process()
 print(json.dumps({"first": first, "again": again, "frozen": gc.get_freeze_count(),
                   "gen0": gc.get_threshold()[0], "switch": sys.getswitchinterval()}))

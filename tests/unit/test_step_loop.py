@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from atomr_infer.replica.step_loop import StepLoop
+from atomr_infer.engine.vllm.step_loop import StepLoop
 
 
 @dataclass

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from atomr_infer.engine.cpu import GiB
-from atomr_infer.engine.vllm_engine import engine_args, prepare_environment
+from atomr_infer.engine.vllm.engine_args import engine_args, prepare_environment
 from atomr_infer.spec import parse_deployment
 
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
@@ -59,7 +59,7 @@ def test_hf_cache_dir_is_exported_before_vllm_is_imported(clean_env: pytest.Monk
 
 
 def test_a_vllm_outside_the_tested_range_is_refused_naming_both_versions() -> None:
-    from atomr_infer.engine.vllm_engine import SUPPORTED_VLLM, check_vllm_version
+    from atomr_infer.engine.vllm.engine_args import SUPPORTED_VLLM, check_vllm_version
     from atomr_infer.errors import EngineError
 
     for ok in ("0.32.0", "0.32.3", "0.32.0+cpu"):
@@ -73,7 +73,7 @@ def test_a_vllm_outside_the_tested_range_is_refused_naming_both_versions() -> No
 
 
 def test_unknown_parser_names_are_refused_with_a_suggestion() -> None:
-    from atomr_infer.engine.vllm_engine import check_server_options
+    from atomr_infer.engine.vllm.engine_args import check_server_options
     from atomr_infer.errors import SpecError
 
     def with_openai(**openai):

@@ -1,12 +1,15 @@
-"""Latency and token counters a replica reports through ``stats()``."""
+"""Latency and token counters a replica reports through ``stats()``, kept by its backend's
+per-request streams (engine-neutral: a stream's token counts and timestamps)."""
 
 from __future__ import annotations
 
 import collections
 import statistics
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from atomr_infer.replica.stream import RequestStream
+if TYPE_CHECKING:  # a backend's per-request stream (engine/vllm/stream.py)
+    from atomr_infer.engine.vllm.stream import RequestStream
 
 WINDOW = 1024  # summaries cover the most recent requests
 

@@ -23,7 +23,7 @@ from vllm.engine.protocol import EngineClient
 from vllm.renderers.inputs.preprocess import extract_prompt_components
 from vllm.v1.engine import EngineCoreRequest
 
-from atomr_infer.replica.stream import RequestStream
+from atomr_infer.engine.vllm.stream import RequestStream
 
 
 class RequestGate(Protocol):

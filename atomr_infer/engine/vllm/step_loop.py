@@ -18,9 +18,34 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from atomr_infer.engine.protocol import Engine
+
+class Engine(Protocol):
+    """What the loop uses of vLLM's ``LLMEngine`` (the emulated engine and tests' scripted ones
+    are ``LLMEngine``s or have the same methods)."""
+
+    def add_request(self, request_id: str, prompt: Any, params: Any, **options: Any) -> Any: ...
+
+    def step(self) -> list[Any]: ...
+
+    def abort_request(self, request_ids: Sequence[str]) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: Any  # an EngineCoreRequest, processed on the event loop
+    params: Any
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
 
 EngineFactory = Callable[[], Engine]
 OnReady = Callable[[Engine], None]
@@ -46,7 +71,7 @@ class StepLoop:
         self._engine: Engine | None = None
         self._on_outputs, self._on_error, self._on_rejected = on_outputs, on_error, on_rejected
         # deque append/popleft are atomic; the event wakes the loop.
-        self._inbox: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._inbox: collections.deque[_Add | _Abort] = collections.deque()
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -66,11 +91,11 @@ class StepLoop:
 
     def submit(self, request_id: str, prompt: Any, params: Any, **options: Any) -> None:
         """Add a request at the next turn: ``engine.add_request(request_id, prompt, params, **options)``."""
-        self._inbox.append(("add", request_id, prompt, params, options))
+        self._inbox.append(_Add(request_id, prompt, params, options))
         self._wake.set()
 
     def abort(self, request_ids: Sequence[str]) -> None:
-        self._inbox.append(("abort", list(request_ids)))
+        self._inbox.append(_Abort(list(request_ids)))
         self._wake.set()
 
     def stop(self, timeout: float | None = 10.0) -> None:
@@ -90,14 +115,13 @@ class StepLoop:
     def _drain_inbox(self, engine: Engine) -> None:
         while self._inbox:
             item = self._inbox.popleft()
-            if item[0] == "add":
-                _, request_id, prompt, params, options = item
+            if isinstance(item, _Add):
                 try:
-                    engine.add_request(request_id, prompt, params, **options)
+                    engine.add_request(item.request_id, item.prompt, item.params, **item.options)
                 except Exception as exc:  # a bad request fails alone
-                    self._on_rejected(request_id, exc)
+                    self._on_rejected(item.request_id, exc)
             else:
-                engine.abort_request(item[1])
+                engine.abort_request(item.request_ids)
 
     def _run(self) -> None:
         try:

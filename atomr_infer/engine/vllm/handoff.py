@@ -4,7 +4,7 @@ rejected request, the engine's failure.
 Where the engine core steps in the step loop's thread (vLLM's in-process core: our CPU
 default), outputs are handed over with one ``call_soon_threadsafe`` and the thread goes on to
 the next step, which overlaps the loop's work on these. Where the core steps on its own (a GPU
-core process, the emulated engine: engine/coalesce.py), the thread waits until the loop has
+core process, the emulated engine: engine/vllm/coalesce.py), the thread waits until the loop has
 taken the outputs (``paced``): the steps the core finishes meanwhile are then taken as one, so
 a loop that falls behind gets bigger deltas, not more of them, and its work per token stays
 bounded. The wait is bounded, so a closed or stuck loop cannot hold the engine.

@@ -24,7 +24,6 @@ from atomr_infer.engine.cpu import (
     kv_bytes_per_token,
     model_max_len,
     size_kv_cache,
-    use_cpu_threads,
 )
 from atomr_infer.engine.device import Device, resolve_device
 from atomr_infer.errors import EngineError, SpecError, SpecProblem
@@ -154,17 +153,25 @@ def check_extra_engine_args(deployment: Deployment, known: set[str]) -> None:
 
 
 def check_server_options(deployment: Deployment) -> None:
-    """Refuse parser names vLLM does not have (else the replicas would fail to start)."""
+    """Refuse parser names vLLM does not have (else the replicas would fail to start); imports
+    vLLM's registries (spec_check.py reads them from the source instead)."""
     o = deployment.serving.openai
     if o.tool_call_parser is None and o.reasoning_parser is None:
         return
     from vllm.reasoning import ReasoningParserManager
     from vllm.tool_parsers import ToolParserManager
 
+    tools, reasoning = ToolParserManager.list_registered(), ReasoningParserManager.list_registered()
+    check_names(deployment, o.tool_call_parser, o.reasoning_parser, frozenset(tools), frozenset(reasoning))
+
+
+def check_names(
+    deployment: Deployment, tool_call_parser: str | None, reasoning_parser: str | None,
+    tools: frozenset[str], reasoning: frozenset[str],
+) -> None:
     problems = []
-    for field, value, manager in (("tool_call_parser", o.tool_call_parser, ToolParserManager),
-                                  ("reasoning_parser", o.reasoning_parser, ReasoningParserManager)):
-        known = set(manager.list_registered())
+    for field, value, known in (("tool_call_parser", tool_call_parser, tools),
+                                ("reasoning_parser", reasoning_parser, reasoning)):
         if value is not None and value not in known:
             close = difflib.get_close_matches(value, sorted(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else f" (vLLM has: {', '.join(sorted(known))})"
@@ -172,6 +179,16 @@ def check_server_options(deployment: Deployment) -> None:
             problems.append(SpecProblem(deployment.name, f"serving.openai.{field}", message))
     if problems:
         raise SpecError(problems)
+
+
+def use_cpu_threads(threads: int) -> None:
+    """Compute on ``threads`` threads from now on, in this process and in any engine-core
+    process it starts. Call before the engine is built: vLLM's CPU worker disables
+    ``torch.set_num_threads`` once it has set up (cpu_worker.init_device)."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def prepare_environment(deployment: Deployment, device: Device | None = None) -> None:
@@ -209,7 +226,10 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
     from vllm.v1.engine.llm_engine import LLMEngine
 
     check_vllm_version(vllm.__version__)
+    # The manager checked these from vLLM's source where it could (spec_check.py); here with
+    # vLLM itself, before the engine starts.
     check_extra_engine_args(deployment, {f.name for f in dataclasses.fields(EngineArgs)})
+    check_server_options(deployment)
     kv = cpu_kv_cache(deployment, resolved.path) if device == "cpu" else None
     threads = cpu_threads(deployment) if device == "cpu" else None
     if threads is not None:

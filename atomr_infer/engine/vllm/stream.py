@@ -2,7 +2,7 @@
 
 A stream holds at most one pending vLLM ``RequestOutput``: if the consumer has not taken the
 last one when the next engine step delivers more, the two are merged (``RequestOutput.add``,
-as vLLM's ``RequestOutputCollector`` does). So memory per request is bounded by its own output,
+as vLLM's ``RequestOutputCollector`` does; merging.py). So memory per request is bounded by its own output,
 never by how far the consumer lags, and a caller receives at most one item per engine step.
 Streams are touched only from the actor's event loop thread; the step loop hands outputs over
 with one ``call_soon_threadsafe`` per engine step, not one per request.
@@ -10,10 +10,16 @@ with one ``call_soon_threadsafe`` per engine step, not one per request.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+from atomr_infer.merging import MergingBuffer
+
+
+def _merge_outputs(earlier: Any, later: Any) -> Any:
+    earlier.add(later, aggregate=True)  # vLLM's RequestOutput (or anything with .add)
+    return earlier
 
 
 class RequestStream:
@@ -25,10 +31,8 @@ class RequestStream:
         "submitted_at",
         "first_token_at",
         "last_token_at",
-        "_pending",
-        "_error",
-        "_closed",
-        "_ready",
+        "tokens",
+        "_outputs",
     )
 
     def __init__(self, request_id: str, prompt_tokens: int) -> None:
@@ -39,18 +43,16 @@ class RequestStream:
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
-        self._pending: Any = None  # a RequestOutput (or any object with .add and .finished)
-        self._error: BaseException | None = None
-        self._closed = False  # the final output or an error was put
-        self._ready = asyncio.Event()
+        self.tokens: Callable[[list[int]], None] | None = None  # told each step's new token ids
+        self._outputs: MergingBuffer[Any] = MergingBuffer(_merge_outputs)
 
     @property
     def finished(self) -> bool:
-        return self._closed
+        return self._outputs.ended
 
     def put(self, output: Any, new_tokens: int) -> None:
         """Deliver one engine step's output for this request (merged if one is pending)."""
-        if self._closed:
+        if self._outputs.ended:
             return
         now = time.monotonic()
         self.cached_tokens = max(self.cached_tokens, getattr(output, "num_cached_tokens", None) or 0)
@@ -58,33 +60,18 @@ class RequestStream:
             self.completion_tokens += new_tokens
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
-        if self._pending is None:
-            self._pending = output
-        else:
-            self._pending.add(output, aggregate=True)
-        self._closed = bool(output.finished)
-        self._ready.set()
+            if self.tokens is not None:
+                self.tokens(list(output.outputs[0].token_ids))
+        self._outputs.put(output)
+        if output.finished:
+            self._outputs.end()
 
     def fail(self, error: BaseException) -> None:
         """End the stream with ``error``; the consumer raises it after any pending output."""
-        if self._closed:
-            return
-        self._error, self._closed = error, True
-        self._ready.set()
+        self._outputs.end(error)
 
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        while True:
-            if self._pending is None and self._error is None:
-                # Single-threaded (event loop only), so nothing can slip in between.
-                self._ready.clear()
-                await self._ready.wait()
-            output, self._pending = self._pending, None
-            if output is not None:
-                yield output
-                if output.finished:
-                    return
-            elif self._error is not None:
-                raise self._error
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._outputs.__aiter__()
 
 
 def new_tokens(output: Any) -> int:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from atomr_infer.engine.stats import StatsCollector
+from atomr_infer.engine.vllm.step_loop import StepLoop
+from atomr_infer.engine.vllm.stream import RequestStream, finish_reason, new_tokens
 from atomr_infer.errors import InvalidRequest
 from atomr_infer.metrics import ReplicaMetrics, failure_reason
-from atomr_infer.replica.stats import StatsCollector
-from atomr_infer.replica.step_loop import StepLoop
-from atomr_infer.replica.stream import RequestStream, finish_reason, new_tokens
 
 
 class OpenStreams:

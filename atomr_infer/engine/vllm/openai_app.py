@@ -17,30 +17,12 @@ from __future__ import annotations
 
 import asyncio
 from argparse import Namespace
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-from atomr_infer.replica.direct_routes import DirectRoutes
+from atomr_infer.engine.vllm.direct_routes import DirectRoutes
 from atomr_infer.spec import Deployment
-
-
-@dataclass(frozen=True)
-class HttpRequest:
-    """One OpenAI API request as the ingress forwards it: vLLM's app parses and validates it."""
-
-    method: str
-    path: str  # with the query string, e.g. "/v1/chat/completions"
-    headers: tuple[tuple[str, str], ...]
-    body: bytes
-
-
-@dataclass(frozen=True)
-class HttpHead:
-    """The start of an HTTP response: what the ingress sends before the body."""
-
-    status: int
-    headers: tuple[tuple[str, str], ...]
+from atomr_infer.wire import HttpHead, HttpRequest
 
 
 def serve_args(deployment: Deployment, model_path: str) -> Namespace:
@@ -131,35 +113,6 @@ class OpenAIApp:
                 # request in the engine). A last resort if it does not.
                 gone.set()
                 loop.call_later(APP_WIND_DOWN_S, task.cancel)
-
-    async def call(self, request: HttpRequest) -> AsyncIterator[HttpHead | bytes]:
-        """``run`` as an iterator: the head, then the body; pieces that arrived while the
-        consumer was busy are joined, so a slow consumer gets fewer, larger pieces."""
-        pending: list[Any] = []
-        ready = asyncio.Event()
-
-        def put(item: HttpHead | bytes) -> None:
-            pending.append(item)
-            ready.set()
-
-        runner = asyncio.get_running_loop().create_task(self.run(request, put))
-        runner.add_done_callback(lambda _: ready.set())
-        try:
-            while True:
-                await ready.wait()
-                ready.clear()
-                items, pending[:] = pending[:], []
-                head = [i for i in items if isinstance(i, HttpHead)]
-                body = b"".join(i for i in items if isinstance(i, bytes))
-                for item in head:
-                    yield item
-                if body:
-                    yield body
-                if runner.done() and not pending:
-                    runner.result()  # raises the app's error, if any
-                    return
-        finally:
-            runner.cancel()
 
 
 def _scope(request: HttpRequest) -> dict[str, Any]:

@@ -4,19 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from atomr_infer.engine.protocol import Engine
-
-
-def placement() -> dict[str, Any]:
-    """Node and GPU ids as Ray sees them (empty outside a Ray worker)."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return {}
-        return {"node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
-    except Exception:  # noqa: BLE001 - placement is informational
-        return {}
+from atomr_infer.engine.vllm.step_loop import Engine
 
 
 def start_failure_recurs(start_error: BaseException) -> bool:

@@ -1,0 +1,124 @@
+"""The engine interface: what a replica, and through it the rest of atomr, sees of an engine.
+
+At the level of vLLM's async client (``EngineClient``), not of its step function: start, serve
+an OpenAI request, submit a request and stream its outputs, abort, health and progress,
+stats, load/unload a LoRA adapter, and, for a spec, check its engine settings and say what it
+needs. A backend implements it; ``VllmBackend`` (engine/vllm/backend.py) owns every vLLM
+specific behind it: engine arguments, the step loop, coalescing, the engine client vLLM's
+OpenAI serving layer runs on, and that layer's app. The emulated engine of the benchmarks is
+the same backend over a timed core. Nothing outside a backend imports its engine.
+
+Adding an engine means adding a package under ``atomr_infer/engine/`` with a class that
+satisfies ``EngineBackend`` and naming it in ``backend_class`` (docs/architecture.md).
+
+The replica (replica/actor.py) drives a backend from its event loop: ``start`` once, then
+``wait_started``; ``serve`` per request, with ``put`` receiving the response head and body
+pieces in order; ``health`` from its watchdog; ``shutdown`` once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from atomr_infer.spec import Deployment
+from atomr_infer.wire import HttpHead, HttpRequest
+
+Put = Callable[[HttpHead | bytes], None]
+# Token ids a request generated since the last call (a resumable request asked for them).
+TokenSink = Callable[[list[int]], None]
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What a started engine settled: reported by ``ready()`` and shown by ``atomr status``."""
+
+    max_model_len: int | None = None
+    dtype: str | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """The engine's own word on itself: ``error`` set once it failed for good; ``stuck_for`` is
+    how long its current step has run (a wedged engine never returns from one)."""
+
+    error: BaseException | None = None
+    stuck_for: float = 0.0
+    alive: bool = True  # the thread or process that drives it still runs
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    kv_cache_usage: float | None = None
+    steps: int = 0
+    unfinished: int | None = None  # requests the engine itself still holds
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What a replica hands its backend: where to report start progress, and the replica's
+    per-request accounting (its stats collector and metrics, both engine-neutral)."""
+
+    deployment: Deployment
+    name: str  # the replica's, for logs and threads
+    progress: Callable[[str], None]
+    stats: Any  # engine/stats.py StatsCollector
+    metrics: Any  # metrics.py ReplicaMetrics
+    log: Any
+
+
+class EngineBackend(Protocol):
+    def start(self, on_failure: Callable[[BaseException], None]) -> None:
+        """Start the engine in the background; ``on_failure`` is called once if it fails (to
+        start, or later: every open request has then been failed with it)."""
+
+    async def wait_started(self, timeout: float | None) -> EngineFacts:
+        """Return once the engine and its serving layer run; raise its start error."""
+
+    async def serve(self, request: HttpRequest, put: Put, tokens: TokenSink | None = None) -> None:
+        """Answer one OpenAI API request with the engine's own serving layer: ``put`` gets the
+        head, then the body pieces; ``tokens`` (if given) the token ids it generates. Returns
+        at the response's end; cancelled, it aborts the request in the engine."""
+
+    def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        """Submit a request and stream its outputs (the engine's own output type); closing the
+        iterator early aborts it. The level vLLM's serving layer, benchmarks and tests use."""
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    def health(self) -> EngineHealth: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def open_requests(self) -> tuple[int, int]:
+        """Requests open in the engine, and of those, how many have no output yet."""
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter so that requests can name it."""
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    async def shutdown(self, error: BaseException) -> None:
+        """Fail what is open with ``error``, stop the engine and free its memory."""
+
+
+class BackendClass(Protocol):
+    """The class side: checks that need the engine's package, run where importing it is
+    cheap (the ``atomr`` CLI before it applies, a replica before its engine starts), never in
+    the manager's long-lived process."""
+
+    def __call__(self, context: BackendContext) -> EngineBackend: ...
+
+    def validate(self, deployment: Deployment) -> None:
+        """Raise ``SpecError`` for engine settings the engine does not have."""
+
+
+def backend_class(deployment: Deployment) -> BackendClass:
+    """The backend that serves ``deployment`` (vLLM for every spec today)."""
+    from atomr_infer.engine.vllm.backend import VllmBackend
+
+    return VllmBackend

@@ -1,0 +1,203 @@
+"""``VllmBackend``: the engine interface (engine/backend.py) over vLLM.
+
+Threads: the replica's event loop calls it; one ``StepLoop`` thread builds and drives the
+engine. Requests enter through the loop's inbox; each engine step's outputs come back with a
+single ``call_soon_threadsafe`` (``LoopHandoff``) and are spread over the per-request streams
+(``OpenStreams``), each registered *before* its request is submitted. vLLM's own OpenAI server
+(``OpenAIApp``) runs over ``StepLoopEngineClient``, which submits here (``submit``/``finish``:
+the engine client's ``RequestGate``), so every field ``vllm serve`` accepts works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from atomr_infer.engine.backend import BackendContext, EngineFacts, EngineHealth, EngineStats, Put, TokenSink
+from atomr_infer.engine.vllm.coalesce import coalesce_core_outputs
+from atomr_infer.engine.vllm.engine_info import engine_memory, engine_unfinished, kv_cache_usage, start_failure_recurs
+from atomr_infer.engine.vllm.handoff import LoopHandoff
+from atomr_infer.engine.vllm.open_streams import OpenStreams
+from atomr_infer.engine.vllm.openai_app import OpenAIApp
+from atomr_infer.engine.vllm.step_loop import Engine, StepLoop
+from atomr_infer.engine.vllm.stream import RequestStream
+from atomr_infer.errors import EngineError, EngineStartFailed, InvalidRequest
+from atomr_infer.spec import Deployment
+from atomr_infer.wire import HttpRequest
+
+# The token sink of the request being served (``serve``), seen by ``submit``: vLLM's handler
+# runs in the serving task or in a task it starts, which copies this context.
+_TOKENS: contextvars.ContextVar[TokenSink | None] = contextvars.ContextVar("atomr_tokens", default=None)
+EngineFactory = Callable[[Deployment, Callable[[str], None]], Engine]
+
+
+def _build_engine(deployment: Deployment, progress: Callable[[str], None]) -> Engine:
+    from atomr_infer.engine.vllm.engine_args import build_vllm_engine
+
+    return build_vllm_engine(deployment, progress)
+
+
+class VllmBackend:
+    def __init__(self, context: BackendContext, engine_factory: EngineFactory | None = None) -> None:
+        self._ctx = context
+        self._deployment = context.deployment
+        factory = engine_factory or _build_engine
+        self._handoff = LoopHandoff()
+        self._engine: Engine | None = None
+        self._facts = EngineFacts()
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._on_failure: Callable[[BaseException], None] = lambda _exc: None
+        self._app: OpenAIApp | None = None
+        self._client: Any = None
+        self._app_lock = asyncio.Lock()
+        metrics = context.metrics
+        self._loop = StepLoop(
+            engine_factory=lambda: factory(self._deployment, context.progress),
+            on_ready=self._on_engine_ready,
+            on_outputs=lambda outputs: self._handoff.outputs(self._streams.dispatch, outputs),
+            on_error=self._on_loop_error,
+            on_rejected=self._on_rejected,
+            name=f"atomr-step-loop-{context.name}",
+            on_step=metrics.engine_step if metrics.enabled else None,
+        )
+        self._streams = OpenStreams(self._loop, context.stats, metrics, context.log)
+
+    @classmethod
+    def factory(cls, engine_factory: EngineFactory) -> Callable[[BackendContext], VllmBackend]:
+        """A replica's ``backend`` over another engine (the emulated one, a test's)."""
+        return lambda context: cls(context, engine_factory)
+
+    @staticmethod
+    def validate(deployment: Deployment) -> None:
+        """The spec's vLLM settings against the vLLM installed here, read from its source
+        without importing it (spec_check.py): cheap enough for the manager's process."""
+        from atomr_infer.engine.vllm.spec_check import check_spec
+
+        check_spec(deployment)
+
+    # -- step-loop thread callbacks ---------------------------------------------------------
+
+    def _on_engine_ready(self, engine: Engine) -> None:
+        # Before the first step: a core in its own process (GPU) hands over every step it has
+        # finished at once, so output processing never falls behind it (coalesce.py).
+        self._handoff.paced = coalesce_core_outputs(engine)
+        if self._handoff.paced:
+            self._ctx.log.info("coalescing_core_outputs")
+        self._engine = engine
+        model_config = getattr(engine, "model_config", None)
+        max_len = getattr(model_config, "max_model_len", None) or self._deployment.runtime_config.max_model_len
+        self._facts = EngineFacts(max_model_len=max_len, **engine_memory(engine))
+        self._started.set()
+
+    def _on_loop_error(self, exc: BaseException) -> None:
+        if not self._started.is_set():
+            self._start_error = exc
+            self._started.set()
+        else:
+            error = EngineError(f"engine failed on {self._ctx.name}: {type(exc).__name__}: {exc}")
+            self._handoff.call(self._streams.fail_all, error)
+        self._handoff.call(self._on_failure, exc)
+
+    def _on_rejected(self, request_id: str, exc: BaseException) -> None:
+        error: BaseException = InvalidRequest("prompt", str(exc)) if isinstance(exc, ValueError) else exc
+        self._handoff.call(self._streams.fail_one, request_id, error)
+
+    # -- the engine interface ---------------------------------------------------------------
+
+    def start(self, on_failure: Callable[[BaseException], None]) -> None:
+        self._on_failure = on_failure
+        self._loop.start()
+
+    def bind_loop(self) -> None:
+        """The replica's event loop, where step outputs are handed over (called from it)."""
+        self._handoff.loop = self._handoff.loop or asyncio.get_running_loop()
+
+    async def wait_started(self, timeout: float | None) -> EngineFacts:
+        self.bind_loop()
+        if not self._started.is_set() and not await asyncio.to_thread(self._started.wait, timeout):
+            raise EngineError(f"{self._ctx.name} did not start within {timeout:.0f}s")
+        if self._start_error is not None:
+            err = self._start_error
+            message = f"{self._ctx.name} failed to start: {type(err).__name__}: {err}"
+            raise EngineStartFailed(message, start_failure_recurs(err))
+        try:
+            await self._openai_app()
+        except Exception as exc:
+            raise EngineStartFailed(f"{self._ctx.name}: vLLM's OpenAI server failed to start: {exc!r}") from None
+        return self._facts
+
+    async def _openai_app(self) -> OpenAIApp:
+        async with self._app_lock:
+            if self._app is None:
+                from atomr_infer.engine.vllm.engine_client import StepLoopEngineClient
+
+                assert self._engine is not None  # set before the started event
+                self._client = StepLoopEngineClient(self._engine, self)
+                self._app = await OpenAIApp.build(self._client, self._deployment, self._engine.model_config.model)
+                self._ctx.log.info("openai_app_ready")
+        return self._app
+
+    async def serve(self, request: HttpRequest, put: Put, tokens: TokenSink | None = None) -> None:
+        app = self._app or await self._openai_app()
+        reset = _TOKENS.set(tokens) if tokens is not None else None
+        try:
+            await app.run(request, put)
+        finally:
+            if reset is not None:
+                _TOKENS.reset(reset)
+
+    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        await self._openai_app()
+        async for output in self._client.generate(prompt, params, request_id):
+            yield output
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._loop.abort(request_ids)
+
+    def health(self) -> EngineHealth:
+        error = self._start_error or self._loop.error
+        alive = self._loop.alive or not self._started.is_set()
+        return EngineHealth(error=error, stuck_for=self._loop.stuck_for(), alive=alive)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            kv_cache_usage=kv_cache_usage(self._engine), steps=self._loop.steps,
+            unfinished=engine_unfinished(self._engine),
+        )
+
+    def open_requests(self) -> tuple[int, int]:
+        return len(self._streams), self._streams.waiting
+
+    def fail_open(self, error: BaseException) -> None:
+        """Fail every open request with ``error`` (the replica found the engine wedged)."""
+        self._streams.fail_all(error)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        raise NotImplementedError("LoRA adapters are not served by atomr replicas yet (issue 33)")
+
+    async def unload_adapter(self, name: str) -> None:
+        raise NotImplementedError("LoRA adapters are not served by atomr replicas yet (issue 33)")
+
+    async def shutdown(self, error: BaseException) -> None:
+        self._streams.fail_all(error)
+        await asyncio.to_thread(self._loop.stop, 30.0)
+
+    # -- the engine client's gate (engine_client.py): vLLM's serving layer submits here ------
+
+    def submit(self, request: Any, prompt_text: str | None, prompt_tokens: int) -> RequestStream:
+        stream = self._streams.open(
+            request.request_id, prompt_tokens, request, request.params, prompt_text=prompt_text
+        )
+        stream.tokens = _TOKENS.get()
+        return stream
+
+    def finish(self, stream: RequestStream) -> None:
+        self._streams.close(stream)
+
+    def dead_error(self) -> BaseException | None:
+        error = self._loop.error
+        return None if error is None else EngineError(f"{self._ctx.name} is unhealthy: {error!r}")

@@ -1,0 +1,68 @@
+"""A spec's vLLM settings checked against the vLLM installed, without importing it.
+
+The manager refuses a misspelt ``extra_engine_args`` key or parser name before anything
+runs, but its process is long-lived and must not map torch or vLLM (~1 GiB on a GPU node). So
+the names are read from vLLM's own source, as Python's ``ast`` parses it: ``EngineArgs``'s
+dataclass fields, and the registries of tool-call and reasoning parsers (literal dicts in
+vLLM 0.32). Where vLLM is not installed (a head node that runs no replica), or its source is
+not laid out as expected, nothing is checked here, and the replica makes the same checks with
+vLLM imported before its engine starts (engine_args.py), failing with the same message.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+from pathlib import Path
+
+from atomr_infer.engine.vllm.engine_args import check_extra_engine_args, check_names
+from atomr_infer.spec import Deployment
+
+
+def _vllm_dir() -> Path | None:
+    spec = importlib.util.find_spec("vllm")  # finds the package without running it
+    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
+    return Path(locations[0]) if locations else None
+
+
+@functools.lru_cache(maxsize=1)
+def engine_arg_names() -> frozenset[str] | None:
+    """``EngineArgs``'s field names (annotated class attributes), or None if unreadable."""
+    root = _vllm_dir()
+    source = root / "engine" / "arg_utils.py" if root else None
+    if source is None or not source.is_file():
+        return None
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == "EngineArgs":
+            return frozenset(
+                n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+            )
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def registered_names(package: str, registry: str) -> frozenset[str] | None:
+    """The keys of a module-level dict literal ``registry`` in ``vllm/<package>/__init__.py``."""
+    root = _vllm_dir()
+    source = root / package / "__init__.py" if root else None
+    if source is None or not source.is_file():
+        return None
+    for node in ast.parse(source.read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        target, value = targets[0] if len(targets) == 1 else None, getattr(node, "value", None)
+        if isinstance(target, ast.Name) and target.id == registry and isinstance(value, ast.Dict):
+            return frozenset(k.value for k in value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    return None
+
+
+def check_spec(deployment: Deployment) -> None:
+    """Raise ``SpecError`` naming each vLLM setting of ``deployment`` that vLLM does not have."""
+    names = engine_arg_names()
+    if names is not None and deployment.runtime_config.extra_engine_args:
+        check_extra_engine_args(deployment, set(names))
+    o = deployment.serving.openai
+    tools = registered_names("tool_parsers", "_TOOL_PARSERS_TO_REGISTER")
+    reasoning = registered_names("reasoning", "_REASONING_PARSERS_TO_REGISTER")
+    check_names(deployment, o.tool_call_parser if tools else None, o.reasoning_parser if reasoning else None,
+                tools or frozenset(), reasoning or frozenset())

@@ -1,0 +1,148 @@
+"""The typed wire between routers (the ingress's, a ``Client``'s) and replicas.
+
+A request is parsed once at the edge (the ingress, or the ``Client`` from its own fields) into
+``RoutingFacts``, which the router reads to pick a replica, and an ``HttpRequest``, which the
+replica's vLLM server parses once more (and only there) to answer it:
+
+    edge ── RoutingFacts + HttpRequest ──► Router ── OpenRequest ──► replica (open_many)
+    router ◄── Batch (items, ends, token ids; load, KV-event source) ── replica (channel)
+    router ── cancel(channel, request ids) / keepalive(channel) ──► replica
+
+One ``open_many`` call carries every request a router opened on a replica in one turn of its
+event loop; one streaming ``channel`` call per (router, replica) carries their outputs in
+``Batch``es, one Ray object per engine step, not one per request (replica/channel.py). A
+channel is a lease: the router renews it every ``KEEPALIVE_S``; the replica closes one not
+heard from for ``LEASE_S`` and cancels its requests (a router that died says nothing).
+
+Fields the next features fill are here already, so none of them reopens the wire:
+``OpenRequest.want_token_ids`` and ``Batch.token_ids`` (a request resumed on another replica
+needs what was generated), ``OpenRequest.response_id`` (an id the edge sets that vLLM uses as
+the response's, so a stored Responses-API response is found again), ``RoutingFacts.adapter``
+(LoRA residency) and ``Batch.kv_events`` (routing by cached blocks).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from atomr_infer.errors import InvalidRequest
+
+KEEPALIVE_S = 3.0  # how often a router renews its channels
+LEASE_S = 15.0  # a channel not renewed for this long belongs to a router that is gone
+
+
+class RequestKind(enum.StrEnum):
+    """What a request asks of the model, from the route it came in on."""
+
+    CHAT = "chat"
+    COMPLETION = "completion"
+    EMBEDDING = "embedding"
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
+    OTHER = "other"  # a route of vLLM's server routed by model, with no facts of its own
+
+    @classmethod
+    def of_path(cls, path: str) -> RequestKind:
+        return _KIND_OF_PATH.get(path.partition("?")[0], cls.OTHER)
+
+
+_KIND_OF_PATH = {
+    "/v1/chat/completions": RequestKind.CHAT,
+    "/v1/completions": RequestKind.COMPLETION,
+    "/v1/embeddings": RequestKind.EMBEDDING,
+    "/tokenize": RequestKind.TOKENIZE,
+    "/detokenize": RequestKind.DETOKENIZE,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    """One OpenAI API request as the edge forwards it: vLLM's app parses and validates it."""
+
+    method: str
+    path: str  # with the query string, e.g. "/v1/chat/completions"
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class HttpHead:
+    """The start of an HTTP response: what the edge sends before the body."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+
+
+@dataclass(slots=True)
+class RoutingFacts:
+    """What routing needs of a request, read once at the edge from the parsed body. Stays in
+    the router's process (the replica gets the body itself)."""
+
+    deployment: str
+    kind: RequestKind
+    stream: bool = False
+    usage_wanted: bool = True  # a stream that did not ask for usage says False
+    adapter: str | None = None  # a LoRA adapter of the deployment (issue 33 addresses them)
+    response_id: str | None = None  # a stored response the request continues (previous_response_id)
+    # The body's ``messages`` (chat) or ``prompt`` (completion), as parsed: the prefix key of
+    # routing.prefix is computed from it only where the deployment routes by prefix.
+    prompt: Any = None
+
+    @classmethod
+    def of(cls, path: str, data: Any) -> RoutingFacts:
+        """The facts of a parsed request body; ``InvalidRequest`` naming ``model`` (or ``body``)
+        when it does not name a deployment."""
+        if not isinstance(data, dict):
+            raise InvalidRequest("body", f"expected a JSON object, got {type(data).__name__}")
+        model = data.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequest("model", f"model must name a deployment (a non-empty string), got {model!r}")
+        stream = data.get("stream") is True
+        options = data.get("stream_options")
+        asked = isinstance(options, dict) and bool(options.get("include_usage"))
+        previous = data.get("previous_response_id")
+        return cls(
+            deployment=model,
+            kind=RequestKind.of_path(path),
+            stream=stream,
+            usage_wanted=not stream or asked or (options is not None and not isinstance(options, dict)),
+            response_id=previous if isinstance(previous, str) else None,
+            prompt=data.get("messages", data.get("prompt")),
+        )
+
+
+@dataclass(slots=True)
+class OpenRequest:
+    """One request a router opens on a replica (a list of them per ``open_many`` call)."""
+
+    request_id: str  # the router's id for it on this channel
+    http: HttpRequest
+    limit: int | None = None  # the routing table's max_concurrent (changes in place); None: the spec's
+    adapter: str | None = None
+    response_id: str | None = None  # an id vLLM then uses as the response's (stored Responses)
+    want_token_ids: bool = False  # batches carry the token ids this request generates
+
+
+@dataclass(slots=True)
+class KvEventSource:
+    """Where a replica publishes vLLM's KV-cache events (routing by cached blocks)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
+@dataclass(slots=True)
+class Batch:
+    """What one message of a channel carries, for every request of that router with news."""
+
+    load: int  # requests open on the replica (from every router) when the batch left
+    items: dict[str, list[HttpHead | bytes]] = field(default_factory=dict)  # request id -> new items, in order
+    ended: dict[str, BaseException | None] = field(default_factory=dict)  # request id -> its error, or None
+    # request id -> the token ids it generated since the last batch (requests that asked).
+    token_ids: dict[str, list[int]] = field(default_factory=dict)
+    kv_events: KvEventSource | None = None  # the replica's KV-event source, on a channel's first batch
+
+    def __bool__(self) -> bool:
+        return bool(self.items or self.ended or self.token_ids)
