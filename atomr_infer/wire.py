@@ -112,6 +112,17 @@ class RoutingFacts:
             prompt=data.get("messages", data.get("prompt")),
         )
 
+    @classmethod
+    def of_http(cls, request: HttpRequest) -> RoutingFacts:
+        """The facts of a request held only as bytes (tools, tests): parses its body."""
+        import json
+
+        try:
+            data = json.loads(request.body)
+        except ValueError as exc:
+            raise InvalidRequest("body", f"the request body is not valid JSON: {exc}") from None
+        return cls.of(request.path, data)
+
 
 @dataclass(slots=True)
 class OpenRequest:

@@ -2,7 +2,7 @@
 """The data plane's own cost, on any CPU: an emulated engine at GPU rates behind a replica.
 
     .venv/bin/python scripts/bench_dataplane.py [--streams 64,256,1024] [--step-ms 10]
-        [--tokens 200] [--paths router,client,http]
+        [--tokens 200] [--paths local,backend,router,client,http,vllm]
 
 The replica runs ``atomr_infer.engine.vllm.emulated``: vLLM's real front half (tokenizer, output
 processing, and vLLM's OpenAI server in the replica) over a core that steps every
@@ -14,8 +14,10 @@ number of streams, that many streamed completions of ``--tokens`` tokens are sen
   interpreter settings a replica makes are undone after it: the other arms measure a caller);
 - router: through a ``Router`` (what the Client and the ingress use), the SSE bytes counted
   from the usage chunk without parsing every event;
-- tokens: through a ``Router`` to the replica's token-level path (``Chunk``s, no OpenAI serving
-  layer): what is left is vLLM's output processing and the transport;
+- backend: the engine interface itself (engine/backend.py ``generate``: vLLM's engine client over
+  the step loop, no OpenAI serving layer, no transport), in this process like ``local``: what is
+  left is vLLM's output processing (it replaces the ``tokens`` arm, which went through a
+  ``Router`` to the replica's token-level path that issue 30 deleted);
 - client: ``Client.astream_complete`` (vLLM's chunk types, every event parsed);
 - http: ``atomr serve`` (the ingress replica's own HTTP listener) with aiohttp, like ``router``;
 - vllm: the peer, ``vllm serve`` over the same emulated core (scripts/emulated_vllm_serve.py:
@@ -69,11 +71,11 @@ def body(i: int, tokens: int) -> bytes:
 
 
 async def via_router(router, i: int, tokens: int) -> int:
-    from atomr_infer.engine.vllm.openai_app import HttpRequest
+    from atomr_infer.wire import HttpRequest, RoutingFacts
 
     request = HttpRequest("POST", "/v1/completions", (("content-type", "application/json"),), body(i, tokens))
     tail, first = b"", True
-    async for piece in router.stream(NAME, request, method="http"):
+    async for piece in router.stream(RoutingFacts.of_http(request), request):
         if isinstance(piece, bytes):
             first = arrived(first)
             tail = (tail + piece)[-4096:]
@@ -81,7 +83,7 @@ async def via_router(router, i: int, tokens: int) -> int:
 
 
 async def via_local(replica, i: int, tokens: int) -> int:
-    from atomr_infer.engine.vllm.openai_app import HttpRequest
+    from atomr_infer.wire import HttpRequest
 
     request = HttpRequest("POST", "/v1/completions", (("content-type", "application/json"),), body(i, tokens))
     tail, first = b"", True
@@ -92,22 +94,41 @@ async def via_local(replica, i: int, tokens: int) -> int:
     return usage_tokens(tail)
 
 
-async def local_arm(model_dir: str, step_s: float, sizes: list[int], tokens: int) -> dict[int, float]:
-    """delivered/ideal with no transport: a VllmReplica object in this process."""
-    from atomr_infer.engine.vllm.emulated import emulated_engine_factory
+async def via_backend(replica, i: int, tokens: int) -> int:
+    """The engine interface (the backend's ``generate``): vLLM's outputs, counted per token."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    count, first = 0, True
+    async for output in replica._backend.generate(f"request {i}", params, f"backend-{i}-{time.monotonic_ns()}"):
+        first = arrived(first)
+        count += len(output.outputs[0].token_ids)
+    return count
+
+
+async def local_arm(
+    model_dir: str, step_s: float, sizes: list[int], tokens: int, paths: list[str]
+) -> dict[str, dict[int, float]]:
+    """delivered/ideal with no transport: a VllmReplica object in this process (``local``), and
+    its backend alone (``backend``)."""
+    from atomr_infer.engine.vllm.emulated import emulated_backend
     from atomr_infer.replica.actor import VllmReplica
 
     # A replica tunes its process's collector and GIL switch interval (serving_process.py):
     # put this process back as it was after, so that the other arms measure a caller's process.
     threshold, switch = gc.get_threshold(), sys.getswitchinterval()
-    replica = VllmReplica(spec_of(model_dir), "local", engine_factory=emulated_engine_factory(model_dir, step_s))
+    replica = VllmReplica(spec_of(model_dir), "local", backend=emulated_backend(model_dir, step_s))
     try:
         await replica.ready(300)
-        await measure(lambda i, t: via_local(replica, i, t), 4, 8, step_s)
-        out = {}
+        arms = {"local": via_local, "backend": via_backend}
+        out: dict[str, dict[int, float]] = {p: {} for p in arms if p in paths}
+        for path in out:
+            await measure(lambda i, t, via=arms[path]: via(replica, i, t), 4, 8, step_s)
         for n in sizes:
-            out[n] = await measure(lambda i, t: via_local(replica, i, t), n, tokens, step_s)
-            report("local", n, out[n], step_s)
+            for path in out:
+                out[path][n] = await measure(lambda i, t, via=arms[path]: via(replica, i, t), n, tokens, step_s)
+                report(path, n, out[path][n], step_s)
         return out
     finally:
         await replica.shutdown()
@@ -131,16 +152,6 @@ def report(path: str, n: int, ratio: float, step_s: float) -> None:
 
 
 STREAMING: dict[str, dict[int, float]] = {}  # path -> streams -> streaming/ideal
-
-
-async def via_tokens(router, i: int, tokens: int) -> int:
-    """The token-level path (``Chunk``s: no OpenAI serving layer in the replica)."""
-    request = {"prompt": f"request {i}", "max_tokens": tokens, "ignore_eos": True}
-    count, first = 0, True
-    async for chunk in router.stream(NAME, request):
-        first = arrived(first)
-        count += len(chunk.token_ids)
-    return count
 
 
 async def via_client(client, i: int, tokens: int) -> int:
@@ -201,14 +212,14 @@ def main() -> None:
     from atomr_infer.control.manager import DeploymentManager
     from atomr_infer.control.ray_replicas import RayReplicaLauncher
     from atomr_infer.control.store import MemoryStore
-    from atomr_infer.engine.vllm.emulated import emulated_engine_factory
+    from atomr_infer.engine.vllm.emulated import emulated_backend
     from atomr_infer.models import prepare_bundled
     from atomr_infer.routing.router import Router
     model_dir = str(prepare_bundled("smollm2-135m-instruct"))
     results: dict[str, dict[int, float]] = {}
-    if "local" in paths:
-        results["local"] = asyncio.run(local_arm(model_dir, step_s, sizes, opts.tokens))
-    remote = [p for p in paths if p != "local"]
+    if "local" in paths or "backend" in paths:
+        results.update(asyncio.run(local_arm(model_dir, step_s, sizes, opts.tokens, paths)))
+    remote = [p for p in paths if p not in ("local", "backend")]
     stack = contextlib.ExitStack()
     vllm_url = ""
     if "vllm" in remote:  # started first, so that Ray's start does not slow its own
@@ -223,7 +234,7 @@ def main() -> None:
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
                  logging_level="ERROR")
         launcher = RayReplicaLauncher(lambda spec: False,
-                                      replica_kwargs={"engine_factory": emulated_engine_factory(model_dir, step_s)})
+                                      replica_kwargs={"backend": emulated_backend(model_dir, step_s)})
         manager = ray.remote(DeploymentManager).options(
             name=MANAGER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000,
         ).remote(launcher=launcher, store=MemoryStore())
@@ -242,7 +253,6 @@ def main() -> None:
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
                 arms = {
                     "router": lambda i, t: via_router(router, i, t),
-                    "tokens": lambda i, t: via_tokens(router, i, t),
                     "client": lambda i, t: via_client(client, i, t),
                     "http": lambda i, t: via_http(http, url, i, t),
                     "vllm": lambda i, t: via_http(http, f"{vllm_url}/v1/completions", i, t),
@@ -255,7 +265,7 @@ def main() -> None:
                         before = sum(c.batches for c in router._channels.values())
                         out[path][n] = await measure(arms[path], n, opts.tokens, step_s)
                         report(path, n, out[path][n], step_s)
-                        if path in ("router", "tokens"):
+                        if path == "router":
                             batches = sum(c.batches for c in router._channels.values()) - before
                             print(f"         {batches} channel messages, {n * opts.tokens / max(1, batches):.1f} "
                                   f"tokens per message ({batches / (opts.tokens * step_s * n / n):.0f}/s ideal-time)")

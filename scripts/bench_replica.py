@@ -6,7 +6,10 @@
 A size is N prompts, or N:T for N prompts of T tokens each (else --tokens).
 
 (a) raw ``vllm.LLM.generate`` of N prompts x T tokens (ignore_eos), in its own process;
-(b) the same N requests sent concurrently to a ``VllmReplica`` actor from this driver;
+(b) the same N requests through the engine interface of a ``VllmReplica`` (engine/backend.py
+    ``generate``: atomr's step loop and vLLM's output processing, no serving layer, no
+    transport), in a process of its own (it replaces the replica actor's token-level path that
+    issue 30 deleted);
 (c) the same through ``atomr_infer.Client`` (manager routing table → router → the replica's
     vLLM OpenAI server, streamed completions as ``atomr serve`` answers them).
 All three use identical engine arguments (deployments/smollm2.yaml); (a) is ``vllm.LLM`` as a
@@ -86,25 +89,60 @@ async def through(stream_fn, n: int, tokens: int, arm: str) -> float:
     return sum(counts) / (time.perf_counter() - started)
 
 
+def backend_main(sizes: dict[int, int]) -> None:
+    """Child process: a VllmReplica's backend, driven through the engine interface."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from atomr_infer.replica.actor import VllmReplica
+
+    replica = VllmReplica(spec(), "bench")
+
+    async def via_backend(req):
+        params = SamplingParams(max_tokens=req["max_tokens"], ignore_eos=True, temperature=0,
+                                output_kind=RequestOutputKind.DELTA)
+        async for output in replica._backend.generate(req["prompt"], params, f"b-{time.monotonic_ns()}"):
+            yield output.outputs[0]
+
+    async def run_all() -> dict[int, float]:
+        await replica.ready(600)
+        await through(via_backend, 4, 8, "warm-backend")
+        out = {n: await through(via_backend, n, tokens, "backend") for n, tokens in sizes.items()}
+        await replica.shutdown()
+        return out
+
+    print("BENCH_RESULT " + json.dumps(asyncio.run(run_all())), flush=True)
+
+
+def child(flag: str, opts: argparse.Namespace) -> dict[int, float]:
+    proc = subprocess.run(
+        [sys.executable, __file__, flag, "--sizes", opts.sizes, "--tokens", str(opts.tokens)],
+        capture_output=True, text=True, check=True,
+    )
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT "))
+    return {int(k): v for k, v in json.loads(line.removeprefix("BENCH_RESULT ")).items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="64,256,1024:32")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--raw-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--backend-child", action="store_true", help=argparse.SUPPRESS)
     opts = ap.parse_args()
     sizes = parse_sizes(opts.sizes, opts.tokens)
     if opts.raw_child:
         raw_main(sizes)
         return
+    if opts.backend_child:
+        backend_main(sizes)
+        return
 
     print(f"(a) raw vllm.LLM, {', '.join(f'{n}x{t}' for n, t in sizes.items())} prompts x tokens ...", flush=True)
-    child = subprocess.run(
-        [sys.executable, __file__, "--raw-child", "--sizes", opts.sizes, "--tokens", str(opts.tokens)],
-        capture_output=True, text=True, check=True,
-    )
-    line = next(ln for ln in child.stdout.splitlines() if ln.startswith("BENCH_RESULT "))
-    raw = {int(k): v for k, v in json.loads(line.removeprefix("BENCH_RESULT ")).items()}
+    raw = child("--raw-child", opts)
     print("    " + ", ".join(f"{n} prompts: {v:.1f} tok/s" for n, v in raw.items()), flush=True)
+    rep = child("--backend-child", opts)
+    print("(b) VllmReplica's backend: " + ", ".join(f"{n} prompts: {v:.1f} tok/s" for n, v in rep.items()), flush=True)
 
     import ray
 
@@ -121,13 +159,7 @@ def main() -> None:
         d = spec()
         ray.get(manager.apply.remote(d))
         ray.get(manager.wait_ready.remote(d.name, 600))
-        status = ray.get(manager.status.remote(d.name))
-        replica = ray.get_actor(status.replicas[0].actor_name, namespace="atomr")
         client = Client(manager=manager)
-
-        async def via_replica(req):
-            async for ref in replica.generate.remote(req):
-                yield await ref
 
         async def via_client(req):
             # The OpenAI path (vLLM's serving layer in the replica, SSE back): count the usage.
@@ -137,18 +169,14 @@ def main() -> None:
                     yield types.SimpleNamespace(token_ids=range(chunk.usage.completion_tokens))
 
         async def run_all():
-            await through(via_replica, 4, 8, "warm-replica")  # warm up both paths
             await through(via_client, 4, 8, "warm-client")
-            rep, cli = {}, {}
-            for n, tokens in sizes.items():
-                rep[n] = await through(via_replica, n, tokens, "replica")
-                print(f"(b) VllmReplica actor, {n} prompts: {rep[n]:.1f} tok/s", flush=True)
+            cli = {}
             for n, tokens in sizes.items():
                 cli[n] = await through(via_client, n, tokens, "client")
                 print(f"(c) Client (router), {n} prompts: {cli[n]:.1f} tok/s", flush=True)
-            return rep, cli
+            return cli
 
-        rep, cli = asyncio.run(run_all())
+        cli = asyncio.run(run_all())
         latencies = []
         for _ in range(20):
             started = time.perf_counter()
@@ -163,14 +191,14 @@ def main() -> None:
     from atomr_infer.engine.cpu import machine_line
 
     print(f"\nCPU: {machine_line()}")
-    print(f"{'prompts':>8} {'raw tok/s':>10} {'replica':>10} {'client':>10} {'replica/raw':>12} {'client/raw':>11}")
+    print(f"{'prompts':>8} {'raw tok/s':>10} {'backend':>10} {'client':>10} {'backend/raw':>12} {'client/raw':>11}")
     for n in sizes:
         r, c = rep[n] / raw[n], cli[n] / raw[n]
         print(f"{n:>8} {raw[n]:>10.1f} {rep[n]:>10.1f} {cli[n]:>10.1f} {r:>12.3f} {c:>11.3f}")
     print(f"\nre-apply of an unchanged spec: median {statistics.median(latencies):.1f} ms over 20 "
           f"(min {min(latencies):.1f}, max {max(latencies):.1f})")
     for n in sizes:
-        print(f"ratio replica/raw @ {n}: {rep[n] / raw[n]:.3f}")
+        print(f"ratio backend/raw @ {n}: {rep[n] / raw[n]:.3f}")
     for n in sizes:
         print(f"ratio client/raw @ {n}: {cli[n] / raw[n]:.3f}")
 

@@ -95,8 +95,8 @@ class RayReplicaHandle:
         poll, info = _poll(self._health)
         if poll.done:
             self._health = None
-            if poll.ok and info:
-                self._in_flight = int(info.get("in_flight", 0))
+            if poll.ok and info is not None:  # a ReplicaHealth (replica/lifecycle.py)
+                self._in_flight = info.in_flight
         return poll
 
     def in_flight(self) -> int:

@@ -12,9 +12,9 @@ import sys
 
 import ray
 
-from atomr_infer.engine.vllm.openai_app import HttpRequest
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
+from atomr_infer.wire import HttpRequest, RoutingFacts
 
 
 async def main(actor_name: str) -> None:
@@ -26,7 +26,7 @@ async def main(actor_name: str) -> None:
 
     body = json.dumps({"model": "emu", "prompt": "count", "max_tokens": 2000, "stream": True}).encode()
     request = HttpRequest("POST", "/v1/completions", (("content-type", "application/json"),), body)
-    items = Router(source).stream("emu", request, method="http")
+    items = Router(source).stream(RoutingFacts.of_http(request), request)
     await anext(items)  # the head
     await anext(items)  # tokens are flowing
     print("STREAMING", flush=True)

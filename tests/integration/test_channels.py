@@ -22,10 +22,10 @@ import ray
 
 from atomr_infer.errors import CapacityExhausted, EngineError
 from atomr_infer.replica.channel import LEASE_S
-from atomr_infer.engine.vllm.openai_app import HttpRequest
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 from atomr_infer.spec import parse_deployment
+from atomr_infer.wire import HttpRequest, RoutingFacts
 
 STEP_S = 0.01
 LIMIT = 2  # the replica's serving.max_concurrent
@@ -39,13 +39,13 @@ def completion(tokens: int) -> HttpRequest:
 
 
 def start_replica(model_dir, name: str):
-    from atomr_infer.engine.vllm.emulated import emulated_engine_factory
+    from atomr_infer.engine.vllm.emulated import emulated_backend
     from atomr_infer.replica import replica_actor_class
 
     spec = parse_deployment({"name": "emu", "model": str(model_dir), "device": "cpu",
                              "serving": {"max_concurrent": LIMIT}})
     actor = replica_actor_class().options(name=name, namespace="atomr", num_cpus=0).remote(
-        spec.model_dump(mode="json"), name, engine_factory=emulated_engine_factory(str(model_dir), STEP_S)
+        spec.model_dump(mode="json"), name, backend=emulated_backend(str(model_dir), STEP_S)
     )
     ray.get(actor.ready.remote(300))
     return actor
@@ -69,7 +69,7 @@ def router_for(actor, name: str = "atomr:emu:channels", mode: str = "queue") -> 
 
 async def completion_tokens(router: Router, tokens: int) -> int:
     """Stream one completion; its usage's completion tokens."""
-    pieces = [p async for p in router.stream("emu", completion(tokens), method="http")]
+    pieces = [p async for p in router.stream(RoutingFacts.of_http(completion(tokens)), completion(tokens))]
     events = [e for e in b"".join(pieces[1:]).split(b"\n\n") if e.startswith(b"data: {")]
     return json.loads(events[-1][6:])["usage"]["completion_tokens"]
 
@@ -117,7 +117,7 @@ def test_a_router_that_sent_nothing_yet_rejects_when_the_replica_is_full(emulate
 def test_leaving_a_stream_aborts_the_request_in_the_engine(emulated):
     async def main():
         before = await idle(emulated)
-        items = router_for(emulated).stream("emu", completion(1500), method="http")
+        items = router_for(emulated).stream(RoutingFacts.of_http(completion(1500)), completion(1500))
         head = await anext(items)
         assert head.status == 200
         await anext(items)  # the first tokens arrived
@@ -135,7 +135,7 @@ def test_a_replica_that_dies_fails_its_open_streams(ray_cluster, bundled_model_d
 
     async def main():
         router = router_for(actor, name="atomr:emu:doomed")
-        streams = [router.stream("emu", completion(1500), method="http") for _ in range(2)]
+        streams = [router.stream(RoutingFacts.of_http(completion(1500)), completion(1500)) for _ in range(2)]
         for items in streams:
             await anext(items)  # head
             await anext(items)  # tokens are flowing

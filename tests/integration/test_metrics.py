@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from atomr_infer.client import Client
 from atomr_infer.metrics import REPLICA_STATES
+from tests.replica_http import http_request
 
 pytestmark = pytest.mark.integration
 EXPORT_TIMEOUT_S = 90.0
@@ -167,9 +168,10 @@ def test_replica_log_has_lifecycle_lines_and_request_ids(smollm2_replica, smollm
     request_id = f"metrics-log-{time.monotonic_ns()}"
     story = [{"role": "user", "content": "Tell me a long story."}]
     # Long enough, whatever the CPU's speed, that the cancel lands before the request ends.
-    long = {"messages": story, "max_tokens": 1800, "ignore_eos": True, "temperature": 0, "request_id": request_id}
-    gen = smollm2_replica.generate.remote(long)
-    ray.get(next(gen))  # one chunk, then the caller leaves: the replica logs request_aborted at INFO
+    long = {"messages": story, "max_tokens": 1800, "ignore_eos": True, "temperature": 0, "request_id": request_id,
+            "stream": True}
+    gen = smollm2_replica.http.remote(http_request("/v1/chat/completions", long))
+    ray.get(next(gen))  # the head, then the caller leaves: the replica logs request_aborted at INFO
     ray.cancel(gen)
 
     def lines() -> list[dict]:
@@ -182,7 +184,8 @@ def test_replica_log_has_lifecycle_lines_and_request_ids(smollm2_replica, smollm
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         found = lines()
-        aborted = [x for x in found if x["event"] == "request_aborted" and x.get("request_id") == request_id]
+        # vLLM makes its engine request id from the body's (chatcmpl-<id>...).
+        aborted = [x for x in found if x["event"] == "request_aborted" and request_id in str(x.get("request_id"))]
         if aborted:
             break
         time.sleep(0.5)

@@ -8,7 +8,7 @@ import json
 import pytest
 import ray
 
-from atomr_infer.engine.vllm.openai_app import HttpHead, HttpRequest
+from atomr_infer.wire import HttpHead, HttpRequest
 
 pytestmark = pytest.mark.integration
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

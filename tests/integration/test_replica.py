@@ -9,22 +9,18 @@ import pytest
 import ray
 from transformers import AutoTokenizer
 
-from atomr_infer.errors import EngineError, InvalidRequest, unwrap
+from atomr_infer.errors import EngineError, unwrap
+from tests.replica_http import http_request, run
 
 pytestmark = pytest.mark.integration
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def run(replica, request: dict) -> tuple[str, list]:
-    """Send one request to the replica actor; return its text and chunks."""
-    chunks = [ray.get(ref) for ref in replica.generate.remote(request)]
-    return "".join(c.text_delta for c in chunks), chunks
+CHAT = "/v1/chat/completions"
 
 
-def raises_typed(replica, request: dict) -> BaseException:
-    with pytest.raises(Exception) as info:
-        run(replica, request)
-    return unwrap(info.value)
+def chat(replica, body: dict):
+    return run(replica, {"messages": CAPITAL, **body}, CHAT)
 
 
 def wait_for(pred, timeout=30.0, interval=0.05):
@@ -38,35 +34,33 @@ def wait_for(pred, timeout=30.0, interval=0.05):
 
 
 def test_chat_round_trip_mentions_paris(smollm2_replica):
-    text, chunks = run(smollm2_replica, {"messages": CAPITAL, "temperature": 0, "max_tokens": 32})
-    assert "Paris" in text
-    assert chunks[-1].finish_reason == "stop"
-    assert all(c.finish_reason is None for c in chunks[:-1])
+    answer = chat(smollm2_replica, {"temperature": 0, "max_tokens": 32})
+    assert answer.status == 200 and "Paris" in answer.text
+    assert answer.finish_reason == "stop"
 
 
 def test_completion_round_trip(smollm2_replica):
-    text, chunks = run(smollm2_replica, {"prompt": "The capital of France is", "temperature": 0, "max_tokens": 8})
-    assert text.strip()
-    assert chunks[-1].usage.completion_tokens == sum(len(c.token_ids) for c in chunks) <= 8
+    answer = run(smollm2_replica, {"prompt": "The capital of France is", "temperature": 0, "max_tokens": 8,
+                                   "return_token_ids": True})
+    assert answer.text.strip()
+    assert answer.usage["completion_tokens"] == len(answer.token_ids) <= 8
 
 
 def test_usage_counts_match_the_tokenizer(smollm2_replica, bundled_model_dir):
     tok = AutoTokenizer.from_pretrained(bundled_model_dir)
     rendered = tok.apply_chat_template(CAPITAL, tokenize=False, add_generation_prompt=True)
     expected_prompt = len(tok.encode(rendered, add_special_tokens=False))
-    _, chunks = run(smollm2_replica, {"messages": CAPITAL, "temperature": 0, "max_tokens": 16})
-    usage = chunks[-1].usage
-    assert usage.prompt_tokens == expected_prompt
-    token_ids = [t for c in chunks for t in c.token_ids]
-    assert usage.completion_tokens == len(token_ids)
+    answer = chat(smollm2_replica, {"temperature": 0, "max_tokens": 16, "return_token_ids": True})
+    assert answer.usage["prompt_tokens"] == expected_prompt
+    assert answer.usage["completion_tokens"] == len(answer.token_ids)
 
 
 def test_max_tokens_gives_length_and_stop_string_gives_stop(smollm2_replica):
-    _, chunks = run(smollm2_replica, {"messages": CAPITAL, "temperature": 0, "max_tokens": 3})
-    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 3
-    text, chunks = run(smollm2_replica, {"messages": CAPITAL, "temperature": 0, "max_tokens": 32, "stop": ["Paris"]})
-    assert chunks[-1].finish_reason == "stop"
-    assert "Paris" not in text and "capital" in text.lower()
+    answer = chat(smollm2_replica, {"temperature": 0, "max_tokens": 3})
+    assert answer.finish_reason == "length" and answer.usage["completion_tokens"] == 3
+    answer = chat(smollm2_replica, {"temperature": 0, "max_tokens": 32, "stop": ["Paris"]})
+    assert answer.finish_reason == "stop"
+    assert "Paris" not in answer.text and "capital" in answer.text.lower()
 
 
 def test_32_concurrent_streams_each_get_their_own_output(smollm2_replica, bundled_model_dir):
@@ -78,24 +72,23 @@ def test_32_concurrent_streams_each_get_their_own_output(smollm2_replica, bundle
     prompts = [f"Write the number {i} in words, then count up from {i}." for i in range(32)]
 
     def request(i):
-        return {"prompt": prompts[i], "temperature": 0, "max_tokens": 4 + i, "ignore_eos": True}
+        body = {"prompt": prompts[i], "temperature": 0, "max_tokens": 4 + i, "ignore_eos": True}
+        return run(smollm2_replica, {**body, "return_token_ids": True})
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        results = list(pool.map(lambda i: run(smollm2_replica, request(i)), range(32)))
-    for i, (text, chunks) in enumerate(results):
-        token_ids = [t for c in chunks for t in c.token_ids]
-        assert len(token_ids) == 4 + i, (i, len(token_ids))
-        assert chunks[-1].finish_reason == "length"
-        assert chunks[-1].usage.completion_tokens == 4 + i
-        assert chunks[-1].usage.prompt_tokens == len(tok.encode(prompts[i]))
-        assert text == tok.decode(token_ids, skip_special_tokens=True), i
-    assert len({text for text, _ in results}) > 16  # the prompts really produce different texts
+        results = list(pool.map(request, range(32)))
+    for i, answer in enumerate(results):
+        assert len(answer.token_ids) == 4 + i, (i, len(answer.token_ids))
+        assert answer.finish_reason == "length"
+        assert answer.usage["completion_tokens"] == 4 + i
+        assert answer.usage["prompt_tokens"] == len(tok.encode(prompts[i]))
+        assert answer.text == tok.decode(answer.token_ids, skip_special_tokens=True), i
+    assert len({answer.text for answer in results}) > 16  # the prompts really produce different texts
 
 
 def test_cancel_aborts_the_request_in_the_engine(smollm2_replica):
-    gen = smollm2_replica.generate.remote(
-        {"messages": CAPITAL, "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
-    )
+    body = {"messages": CAPITAL, "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}
+    gen = smollm2_replica.http.remote(http_request(CHAT, body))
     for _ in range(3):
         ray.get(next(gen))
     before = ray.get(smollm2_replica.stats.remote())
@@ -111,29 +104,23 @@ def test_cancel_aborts_the_request_in_the_engine(smollm2_replica):
     [
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "hi", "temperature": -1}, "temperature"),
-        ({"prompt": "hi", "messages": CAPITAL}, "prompt"),
         ({}, "prompt"),
-        ({"prompt": "word " * 3000, "max_tokens": 4}, "prompt"),
-        ({"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
-        ({"prompt": "hi", "logprobs": 3}, "logprobs"),
+        ({"prompt": "word " * 3000, "max_tokens": 4}, "2048"),
+        ({"prompt": "hi", "max_tokens": 5000}, "5000"),
     ],
 )
 def test_bad_request_fails_alone_with_the_field_named(smollm2_replica, request_, field):
-    ok = smollm2_replica.generate.remote({"messages": CAPITAL, "temperature": 0, "max_tokens": 24})
-    err = raises_typed(smollm2_replica, request_)
-    assert isinstance(err, InvalidRequest), repr(err)
-    assert err.field == field
-    assert "Paris" in "".join(ray.get(ref).text_delta for ref in ok)  # the other request is unaffected
-
-
-def test_over_long_prompt_names_the_limit(smollm2_replica):
-    err = raises_typed(smollm2_replica, {"prompt": "hi", "max_tokens": 5000})
-    assert "2048" in str(err) and "5000" in str(err)
+    ok = smollm2_replica.http.remote(http_request(CHAT, {"messages": CAPITAL, "temperature": 0, "max_tokens": 24}))
+    answer = run(smollm2_replica, request_)
+    assert answer.status == 400, answer.body[:300]
+    assert field in answer.error["message"] or answer.error.get("param") == field, answer.error
+    assert "Paris" in b"".join(ray.get(ref) for ref in list(ok)[1:]).decode()  # the other request is unaffected
 
 
 def test_broken_engine_errors_every_stream_and_fails_health(ray_cluster, bundled_model_dir):
     import cloudpickle
 
+    from atomr_infer.engine.vllm.backend import VllmBackend
     from atomr_infer.replica import replica_actor_class
     from tests.integration import broken_engine
 
@@ -141,22 +128,25 @@ def test_broken_engine_errors_every_stream_and_fails_health(ray_cluster, bundled
 
     cloudpickle.register_pickle_by_value(broken_engine)
     factory = broken_engine.broken_engine_factory(str(bundled_model_dir), fail_after_steps=3)
-    actor = replica_actor_class().options(num_cpus=0).remote(smollm2_spec(name="broken"), "r0", factory)
+    backend = VllmBackend.factory(factory)
+    actor = replica_actor_class().options(num_cpus=0).remote(smollm2_spec(name="broken"), "r0", backend)
     try:
         ray.get(actor.ready.remote(120))
-        assert ray.get(actor.health.remote())["phase"] == "ready"
-        gens = [actor.generate.remote({"prompt": f"p{i}", "max_tokens": 100}) for i in range(3)]
-        for gen in gens:
-            with pytest.raises(Exception) as info:
-                for ref in gen:
-                    ray.get(ref)
-            err = unwrap(info.value)
-            assert isinstance(err, EngineError) and "simulated engine crash" in str(err)
+        assert ray.get(actor.health.remote()).state == "ready"
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            bodies = [{"model": "broken", "prompt": f"p{i}", "max_tokens": 100} for i in range(3)]
+            answers = list(pool.map(lambda body: run(actor, body), bodies))
+        for answer in answers:  # vLLM's server reports the engine's failure: in-band, or as a 500
+            said = answer.body.decode()
+            assert "simulated engine crash" in said or "EngineDeadError" in said or answer.status >= 500, said[-500:]
+            assert answer.finish_reason != "length"
         with pytest.raises(Exception) as info:
             ray.get(actor.health.remote())
         assert isinstance(unwrap(info.value), EngineError)
         # New requests are refused rather than left hanging.
-        err = raises_typed(actor, {"prompt": "again", "max_tokens": 5})
+        with pytest.raises(Exception) as info:
+            run(actor, {"model": "broken", "prompt": "again", "max_tokens": 5})
+        err = unwrap(info.value)
         assert isinstance(err, EngineError) and "unhealthy" in str(err)
     finally:
         ray.kill(actor)

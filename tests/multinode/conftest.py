@@ -145,10 +145,10 @@ def manager(cluster, bundled_model_dir):
     from atomr_infer.control.client import manager_options
     from atomr_infer.control.manager import DeploymentManager
     from atomr_infer.control.ray_replicas import RayReplicaLauncher
-    from atomr_infer.engine.vllm.emulated import emulated_engine_factory
+    from atomr_infer.engine.vllm.emulated import emulated_backend
 
     launcher = RayReplicaLauncher(
-        lambda spec: True, replica_kwargs={"engine_factory": emulated_engine_factory(str(bundled_model_dir), STEP_S)}
+        lambda spec: True, replica_kwargs={"backend": emulated_backend(str(bundled_model_dir), STEP_S)}
     )
     handle = ray.remote(DeploymentManager).options(**manager_options()).remote(launcher=launcher)
     ray.get(handle.ping.remote())

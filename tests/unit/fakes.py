@@ -21,7 +21,8 @@ def request(deployment: str = "d", prompt: str = "hi") -> tuple[RoutingFacts, Ht
     import json
 
     data = {"model": deployment, "prompt": prompt}
-    return RoutingFacts.of("/v1/completions", data), HttpRequest("POST", "/v1/completions", JSON, json.dumps(data).encode())
+    body = json.dumps(data).encode()
+    return RoutingFacts.of("/v1/completions", data), HttpRequest("POST", "/v1/completions", JSON, body)
 
 
 async def text_of(router, deployment: str = "d") -> str:

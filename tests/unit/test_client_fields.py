@@ -7,13 +7,13 @@ import json
 import pytest
 
 from atomr_infer.client import CHAT, COMPLETION, EMBEDDING, _error, _request
+from atomr_infer.errors import EngineError, InvalidRequest, RequestError
 
 
 def _body(endpoint, name, fields):
     facts, request = _request(endpoint, name, fields)
     assert facts.deployment == name and request.path == endpoint.path
     return request.body
-from atomr_infer.errors import EngineError, InvalidRequest, RequestError
 
 
 def test_fields_of_vllms_requests_are_accepted():

@@ -11,7 +11,6 @@ from atomr_infer.routing.prefix import PrefixIndex, block_hashes, pick_prefix_af
 from atomr_infer.routing.prefix import prompt_key as key_of
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
-
 from atomr_infer.wire import HttpRequest, RequestKind, RoutingFacts
 
 from .fakes import FakeReplica, route

@@ -3,9 +3,9 @@
 The replica runs here exactly as in its actor, over the real vLLM backend (engine/vllm/backend.py):
 its step-loop thread drives the engine and the test's event loop plays Ray's. Requests enter
 where vLLM's serving layer submits them (the backend's ``submit``, the engine client's gate),
-so vLLM's OpenAI app is not built (it needs a real engine: the integration tests run it). Log lines go through the real structlog JSON pipeline; metrics
-go to recorders in place of ``ray.util.metrics`` (which needs a Ray worker; the integration
-test scrapes the real ones).
+so vLLM's OpenAI app is not built (it needs a real engine: the integration tests run it). Log
+lines go through the real structlog JSON pipeline; metrics go to recorders in place of
+``ray.util.metrics`` (which needs a Ray worker; the integration test scrapes the real ones).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import pytest
 import structlog
 
 from atomr_infer import log as log_module
+from atomr_infer.engine.vllm.backend import VllmBackend
 from atomr_infer.errors import InvalidRequest
 from atomr_infer.log import configure_logging
 from atomr_infer.metrics import ManagerMetrics, ReplicaMetrics, failure_reason
-from atomr_infer.engine.vllm.backend import VllmBackend
 from atomr_infer.replica import actor as actor_module
 from atomr_infer.replica.actor import VllmReplica
 
@@ -145,7 +145,8 @@ def test_every_request_line_carries_its_request_id(json_logs, monkeypatch):
     # The replica binds its logger at construction, so build it after logging is configured.
     monkeypatch.setattr(VllmBackend, "_openai_app", no_openai_app)
     monkeypatch.setattr(actor_module, "ReplicaMetrics", lambda d, r: ReplicaMetrics(d, r, enabled=False))
-    rep = VllmReplica({"name": "unitdep", "model": "bundled:smollm2-135m-instruct", "device": "cpu"}, "r7", backend=BACKEND)
+    spec = {"name": "unitdep", "model": "bundled:smollm2-135m-instruct", "device": "cpu"}
+    rep = VllmReplica(spec, "r7", backend=BACKEND)
 
     async def main():
         outputs = await collect(rep, 5, 3, "req-abc-123")

@@ -17,8 +17,8 @@ from atomr_infer.errors import (
     NoReadyReplica,
 )
 from atomr_infer.serve.app import _relay
-from atomr_infer.wire import RequestKind, RoutingFacts
 from atomr_infer.serve.errors import ManagerUnreachable, http_error
+from atomr_infer.wire import RequestKind, RoutingFacts
 
 
 def test_error_statuses_and_bodies():

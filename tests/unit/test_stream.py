@@ -9,8 +9,8 @@ import asyncio
 import pytest
 from vllm.outputs import CompletionOutput, RequestOutput
 
-from atomr_infer.errors import EngineError
 from atomr_infer.engine.vllm.stream import RequestStream
+from atomr_infer.errors import EngineError
 
 
 def delta(text: str, token_ids: list[int], finish: str | None = None) -> RequestOutput:

@@ -127,10 +127,17 @@ def emulated_engine(model_dir: str, step_s: float, max_model_len: int = 2048) ->
 
 
 def emulated_engine_factory(model_dir: str, step_s: float) -> Any:
-    """A replica ``engine_factory`` (``VllmReplica(engine_factory=...)``) for ``emulated_engine``."""
+    """An engine factory of ``VllmBackend`` (``VllmBackend.factory``) for ``emulated_engine``."""
 
     def factory(deployment: Any, progress: Any) -> Any:
         progress(f"starting an emulated engine ({step_s * 1000:g} ms per step)")
         return emulated_engine(model_dir, step_s)
 
     return factory
+
+
+def emulated_backend(model_dir: str, step_s: float) -> Any:
+    """A replica ``backend`` (``VllmReplica(backend=...)``): the vLLM backend over ``emulated_engine``."""
+    from atomr_infer.engine.vllm.backend import VllmBackend
+
+    return VllmBackend.factory(emulated_engine_factory(model_dir, step_s))
