@@ -20,9 +20,10 @@ from atomr_infer.cluster import NAMESPACE
 from atomr_infer.control.placement import node_hint
 from atomr_infer.control.replicas import Poll
 from atomr_infer.engine.cpu import cpu_reservation
-from atomr_infer.errors import AtomrError, EngineStartFailed
+from atomr_infer.errors import EngineStartFailed
 from atomr_infer.log import get_logger
 from atomr_infer.replica import replica_actor_class
+from atomr_infer.replica_calls import ReplicaCalls, replica_failure
 from atomr_infer.spec import Deployment
 
 log = get_logger(__name__)
@@ -32,26 +33,15 @@ def actor_name(deployment: str, replica_id: str) -> str:
     return f"atomr:{deployment}:{replica_id}"
 
 
-def error_reason(exc: BaseException) -> str:
-    """A one-line reason from whatever Ray raised (unwrapping task errors)."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException):
-        exc = cause
-    text = [ln for ln in str(exc).strip().splitlines() if not ln.strip().startswith("For further information")]
-    if isinstance(exc, AtomrError) or not text:
-        return text[-1] if text else type(exc).__name__
-    return f"{type(exc).__name__}: {text[-1]}"
-
-
 def _poll(fut: Future[Any] | None) -> tuple[Poll, Any]:
     if fut is None or not fut.done():
         return Poll.pending(), None
     try:
         return Poll.success(), fut.result()
     except Exception as exc:  # noqa: BLE001 - any failure is the replica's
-        cause = getattr(exc, "cause", None)
-        recurring = isinstance(cause, EngineStartFailed) and cause.recurring
-        return Poll.failed(error_reason(exc), recurring), None
+        failure = replica_failure(exc)  # replica_calls.py: the one translation
+        recurring = isinstance(failure.cause, EngineStartFailed) and failure.cause.recurring
+        return Poll.failed(failure.reason, recurring), None
 
 
 class RayReplicaHandle:
@@ -61,7 +51,8 @@ class RayReplicaHandle:
         self.actor_name = name
         self._node = node  # where it was sent, until it says where it runs
         self._actor, self._pg, self._reaper = actor, pg, reaper
-        self._ready: Future[Any] | None = actor.ready.remote().future()
+        self._calls = ReplicaCalls(actor)
+        self._ready: Future[Any] | None = self._calls.ready().future()
         self._health: Future[Any] | None = None
         self._drain: Future[Any] | None = None
         self._info: dict[str, Any] = {}
@@ -90,7 +81,7 @@ class RayReplicaHandle:
 
     def poll_health(self) -> Poll:
         if self._health is None:
-            self._health = self._actor.health.remote().future()
+            self._health = self._calls.health().future()
             return Poll.pending()
         poll, info = _poll(self._health)
         if poll.done:
@@ -103,7 +94,7 @@ class RayReplicaHandle:
         return self._in_flight
 
     def begin_drain(self, timeout_s: float) -> None:
-        self._drain = self._actor.drain.remote(timeout_s).future()
+        self._drain = self._calls.drain(timeout_s).future()
 
     def poll_drained(self) -> Poll:
         poll, _ = _poll(self._drain)
@@ -113,7 +104,7 @@ class RayReplicaHandle:
         # Graceful first: shutdown() frees the engine's processes; the reaper kills the actor
         # once that returned, or after a grace period if it hangs.
         try:
-            done: Future[Any] | None = self._actor.shutdown.remote().future()
+            done: Future[Any] | None = self._calls.shutdown().future()
         except Exception:  # noqa: BLE001 - already dead is fine
             done = None
         self._reaper.schedule(self._actor, self._pg, done)

@@ -7,7 +7,7 @@ news, the items it produced since the last batch (an ``HttpHead`` and body bytes
 merging.py), the token ids it generated if its router asked, and whether it ended, with its
 error (the types are wire.py's). So the Ray cost per engine step is one object per
 (router, replica) pair, not one per running request: measured with scripts/bench_dataplane.py,
-see docs/architecture.md.
+see docs/performance.md.
 
 No timer: a batch leaves as soon as the channel's task runs after something was put, so the
 first token of a request is not held back; whatever the requests put meanwhile (the rest of

@@ -13,15 +13,15 @@ notice; the router drops the channel and opens a new one on the next request.
 A channel is a lease on the replica (replica/channel.py): a second task renews it every
 ``KEEPALIVE_S``, so that the replica cancels the requests of a router whose process died.
 
-The reading and renewing tasks and the cancel calls run outside the caller's Ray task context: started from
-inside a request of the ingress, Ray would cancel them with that request (a client hanging up).
+The reading and renewing tasks, the batched opens and the cancel calls run outside the caller's
+Ray task context (task_context.py): started from inside a request of the ingress, Ray would
+cancel them with that request (a client hanging up).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -30,6 +30,8 @@ from typing import Any
 import ray
 
 from atomr_infer.merging import MergingBuffer, join_bytes
+from atomr_infer.replica_calls import ReplicaCalls
+from atomr_infer.task_context import outside_request
 from atomr_infer.wire import KEEPALIVE_S, HttpHead, OpenRequest
 
 Item = HttpHead | bytes
@@ -48,7 +50,7 @@ class _Inbox(MergingBuffer[Item]):
 
 class ReplicaChannel:
     def __init__(self, actor: Any, on_load: Callable[[], None] = lambda: None) -> None:
-        self._actor = actor
+        self._actor = ReplicaCalls(actor)
         self._on_load = on_load  # told whenever the replica says its load (a slot may have freed)
         self.channel_id = uuid.uuid4().hex
         self._inboxes: dict[str, _Inbox] = {}
@@ -74,20 +76,20 @@ class ReplicaChannel:
     def _start_reader(self) -> None:
         if self._reader is None:
             loop = asyncio.get_running_loop()
-            self._reader = contextvars.Context().run(loop.create_task, self._read())
-            self._renewer = contextvars.Context().run(loop.create_task, self._renew())
+            self._reader = outside_request(loop.create_task, self._read())
+            self._renewer = outside_request(loop.create_task, self._renew())
 
     async def _renew(self) -> None:
         while self.error is None:
             await asyncio.sleep(KEEPALIVE_S)
             # A failure is the reader's to see (a dead replica ends the channel).
             with contextlib.suppress(Exception):
-                await self._actor.keepalive.remote(self.channel_id)
+                await self._actor.keepalive(self.channel_id)
 
     async def _read(self) -> None:
         gen = None
         try:
-            gen = self._actor.channel.remote(self.channel_id)
+            gen = self._actor.channel(self.channel_id)
             async for ref in gen:
                 batch = await ref
                 self.batches += 1
@@ -126,7 +128,7 @@ class ReplicaChannel:
         opened = loop.create_future()
         if not self._opening:
             # Outside the caller's Ray task context, like the reader: the call serves many requests.
-            loop.call_soon(self._send_opens, context=contextvars.Context())
+            outside_request(loop.call_soon, self._send_opens)
         self._opening.append((request, opened))
         return opened
 
@@ -138,7 +140,7 @@ class ReplicaChannel:
             return
         waiting = [opened for _, opened in sending]
         try:
-            ref = self._actor.open_many.remote(self.channel_id, [request for request, _ in sending])
+            ref = self._actor.open_many(self.channel_id, [request for request, _ in sending])
         except Exception as exc:  # noqa: BLE001 - not sent (e.g. Ray refused the call): each caller sees why
             for opened in waiting:
                 opened.set_exception(exc)
@@ -189,7 +191,7 @@ class ReplicaChannel:
         finally:
             del self._inboxes[request_id]
             if not inbox.ended and self.error is None:  # the consumer left early: abort it
-                contextvars.Context().run(self._actor.cancel.remote, self.channel_id, [request_id])
+                outside_request(self._actor.cancel, self.channel_id, [request_id])
             if self._retired and not self._inboxes:
                 self.close()
 

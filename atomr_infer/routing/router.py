@@ -29,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from atomr_infer.errors import (
     AtomrError,
@@ -37,12 +37,10 @@ from atomr_infer.errors import (
     DeploymentNotFound,
     EngineError,
     NoReadyReplica,
-    ReplicaBusy,
-    ReplicaUnavailable,
-    unwrap,
 )
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import RouterMetrics
+from atomr_infer.replica_calls import Failure, replica_failure
 from atomr_infer.routing.channel import ReplicaChannel
 from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.prefix import PrefixIndex, pick_prefix_affinity, prompt_key
@@ -51,7 +49,6 @@ from atomr_infer.wire import HttpHead, HttpRequest, OpenRequest, RoutingFacts
 
 # fetch(since_version) -> a newer table, or None when ``since_version`` is current.
 TableSource = Callable[[int], Awaitable[RoutingTable | None]]
-_DEAD = (ActorDiedError, ActorUnavailableError, RayActorError)
 # Tries for one request that fails before its first chunk (each on a replica not yet tried).
 MAX_ATTEMPTS = 4
 # How long a replica's own word on its load counts (a router that sends it nothing hears nothing).
@@ -273,27 +270,23 @@ class Router:
                     yield chunk
                 finished = True
                 return
-            except (*_DEAD, ConnectionError) as exc:
+            except (RayActorError, RayTaskError, ConnectionError, AtomrError) as exc:
                 finished = True
-                # Ray says "unavailable" for a replica it cannot reach right now (it may come
-                # back); anything else is an actor that died and never serves again.
-                self.exclude(route.actor_name, permanent=not isinstance(exc, (ActorUnavailableError, ConnectionError)))
-                if sent or last_try:
-                    raise EngineError(f"replica {route.actor_name} died mid-request: {exc}") from None
-            except (RayTaskError, AtomrError) as exc:
-                finished = True
-                cause = unwrap(exc)
-                if isinstance(cause, ReplicaBusy) and not sent:
+                failure = replica_failure(exc)  # replica_calls.py: the one translation
+                if failure.kind in (Failure.DEAD, Failure.UNREACHABLE):
+                    # Unreachable may come back; dead never serves again.
+                    self.exclude(route.actor_name, permanent=failure.kind is Failure.DEAD)
+                    if sent or last_try:
+                        raise EngineError(f"replica {route.actor_name} died mid-request: {exc}") from None
+                elif failure.kind is Failure.BUSY and not sent:
                     attempt -= 1  # full, not failed: route again (it counts as full for a while)
-                    self._channel(route).note_full(cause.limit)
-                elif isinstance(cause, ReplicaUnavailable) and not sent:
+                    self._channel(route).note_full(failure.cause.limit)  # type: ignore[attr-defined]
+                elif failure.kind is Failure.UNAVAILABLE and not sent:
                     self.exclude(route.actor_name, permanent=True)  # draining or stopped
                     if last_try:
-                        raise cause from None
-                elif isinstance(cause, AtomrError):
-                    raise cause from None
+                        raise failure.cause from None
                 else:
-                    raise EngineError(f"{route.actor_name}: {type(cause).__name__}: {cause}") from None
+                    raise failure.cause from None
             finally:
                 self._in_flight[route.actor_name] -= 1
                 self._released.set()

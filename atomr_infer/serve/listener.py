@@ -3,7 +3,7 @@
 Serve's proxy is not in the path. Through it, every request and every SSE chunk crossed one
 more process (proxy → ingress, one Ray object per chunk): measured with
 ``scripts/bench_http.py`` on a 2-core EPYC, TTFT p50 at c=1 was +7 to +18 ms over ``vllm
-serve``'s, and with the ingress serving HTTP itself +0.7 ms (docs/architecture.md). Serve's own
+serve``'s, and with the ingress serving HTTP itself +0.7 ms (docs/performance.md). Serve's own
 way to do that (``RAY_SERVE_ENABLE_DIRECT_INGRESS``) must be in the Ray head's environment when
 it starts, gives each replica a port of its own, and holds every ingress replica 35 s when it
 stops; here the ingress replicas of one API share its one port (``SO_REUSEPORT``: the kernel

@@ -9,7 +9,6 @@ ingress that owns it, and survives manager restarts (it retries with a pause).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ from atomr_infer.cluster import MANAGER_NAME, NAMESPACE
 from atomr_infer.log import get_logger
 from atomr_infer.routing.table import RoutingTable
 from atomr_infer.serve.errors import ManagerUnreachable
+from atomr_infer.task_context import outside_request
 
 log = get_logger(__name__)
 POLL_TIMEOUT_S = 30.0
@@ -63,7 +63,7 @@ class TableCache:
         """
         if self._task is None or self._task.done():
             loop = asyncio.get_running_loop()
-            self._task = contextvars.Context().run(loop.create_task, self._poll())
+            self._task = outside_request(loop.create_task, self._poll())
 
     def stop(self) -> None:
         if self._task is not None:
@@ -92,7 +92,8 @@ class TableCache:
         return newer
 
     def _take(self, newer: RoutingTable) -> None:
-        # A restarted manager counts from 0 again: "different" is what matters, not "higher".
+        # Any table that differs is taken ("different", not "higher"): a restarted manager starts
+        # its versions from the clock (control/manager.py), and a clock can step back.
         self._table = newer
         self._loaded.set()
         log.debug("routing_table_updated", version=newer.version, deployments=sorted(newer.deployments))

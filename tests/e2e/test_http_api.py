@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import smollm2_spec
 from tests.e2e.conftest import REPLICA_WAIT_S
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -38,15 +39,6 @@ def second(manager, ray_cluster, openai_server):
     replica = ray_cluster.get_actor(actor_name, namespace="atomr")
     yield {"name": name, "replica": replica, "health_while_starting": health}
     ray_cluster.get(manager.remove.remote(name))
-
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
 
 
 def error_of(exc: openai.APIStatusError) -> dict:

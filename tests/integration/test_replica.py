@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import time
 
 import pytest
 import ray
@@ -11,6 +10,7 @@ from transformers import AutoTokenizer
 
 from atomr_infer.errors import EngineError, unwrap
 from tests.replica_http import http_request, run
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
@@ -21,16 +21,6 @@ CHAT = "/v1/chat/completions"
 
 def chat(replica, body: dict):
     return run(replica, {"messages": CAPITAL, **body}, CHAT)
-
-
-def wait_for(pred, timeout=30.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout:.0f}s")
 
 
 def test_chat_round_trip_mentions_paris(smollm2_replica):
@@ -94,7 +84,8 @@ def test_cancel_aborts_the_request_in_the_engine(smollm2_replica):
     before = ray.get(smollm2_replica.stats.remote())
     assert before.in_flight >= 1 and before.engine_unfinished >= 1
     ray.cancel(gen)
-    after = wait_for(lambda: (s := ray.get(smollm2_replica.stats.remote())).engine_unfinished == 0 and s, timeout=10)
+    after = wait_until(lambda: (s := ray.get(smollm2_replica.stats.remote())).engine_unfinished == 0 and s, 10,
+                       what="the abort reaching the engine")
     assert after.in_flight == 0
     assert after.requests_aborted == before.requests_aborted + 1
 

@@ -13,6 +13,7 @@ import pytest
 from atomr_infer.client import Client
 from atomr_infer.control.client import ControlPlane
 from tests.multinode.test_multinode import deploy, remove, spec
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 UP_S, DOWN_S = 2.0, 5.0
@@ -28,13 +29,8 @@ def load(client: Client, name: str, stop: threading.Event, served: list, failed:
 
 
 def wait_for(what, predicate, timeout_s: float, cp: ControlPlane, name: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = cp.status(name)
-        if predicate(status):
-            return status
-        time.sleep(0.25)
-    raise AssertionError(f"{what} not within {timeout_s:g}s: {cp.status(name)}")
+    """The deployment's status once ``predicate`` holds of it."""
+    return wait_until(lambda: (lambda s: s if predicate(s) else None)(cp.status(name)), timeout_s, 0.25, what)
 
 
 def ready(status) -> int:

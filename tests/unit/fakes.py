@@ -148,6 +148,44 @@ class _RemoteStream(_Remote):
         return _Refs(self._fn(*args))
 
 
+class FakeManager:
+    """The one fake of the ``DeploymentManager``, for every tier that has no Ray: its messages
+    as a Ray handle exposes them (``routing_table.remote``, ``report_demand.remote``), over a
+    table ``source`` (``source(since_version)``), and ``apply`` as ``ControlPlane`` calls it
+    (records each spec; the generation rises when its hash changes). ``lag_long_polls``: a long
+    poll (``timeout_s > 0``) never answers, while a direct ask does at once."""
+
+    def __init__(self, source=None, lag_long_polls: bool = False) -> None:
+        self._source, self._lag = source, lag_long_polls
+        self.asked = 0  # routing-table asks answered
+        self.applied: list = []
+        self.hashes: dict[str, str] = {}
+        self.generation = 0
+        self.routing_table = _Remote(self._routing_table)
+        self.report_demand = _Remote(self._report_demand)
+
+    async def _routing_table(self, since_version, timeout_s: float = 0.0):
+        if timeout_s > 0 and self._lag:
+            await asyncio.Event().wait()
+        self.asked += 1
+        return await self._source(since_version)
+
+    async def _report_demand(self, *report):
+        return None
+
+    def apply(self, spec):
+        from types import SimpleNamespace
+
+        from atomr_infer.spec import spec_hash
+
+        self.applied.append(spec)
+        changed = self.hashes.get(spec.name) != spec_hash(spec)
+        if changed:
+            self.hashes[spec.name] = spec_hash(spec)
+            self.generation += 1
+        return SimpleNamespace(name=spec.name, changed=changed, generation=self.generation, actions=[])
+
+
 class FakeReplica:
     """A replica's channel methods (open_many, channel, cancel) over the real ``ChannelHub``; each
     request answers a head and one body piece naming the replica, or every call fails with

@@ -8,7 +8,7 @@ import asyncio
 from atomr_infer.client import Client
 from atomr_infer.engine.vllm.openai_app import HttpHead
 
-from .fakes import FakeReplica, _Remote
+from .fakes import FakeManager, FakeReplica
 from .test_router_refresh import SlowSource
 
 
@@ -25,15 +25,6 @@ class SseReplica(FakeReplica):
     async def _cancel(self, channel_id, request_ids):
         self.cancelled += len(request_ids)
         await super()._cancel(channel_id, request_ids)
-
-
-class FakeManager:
-    def __init__(self, source: SlowSource) -> None:
-        self.routing_table = _Remote(source)
-        self.report_demand = _Remote(self._demand)
-
-    async def _demand(self, *args):
-        return None
 
 
 MESSAGES = [{"role": "user", "content": "x"}]

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from atomr_infer.errors import AtomrError
 from atomr_infer.local_ray import free_port
 from atomr_infer.serve.listener import HttpListener, check_free, listen
+from tests.waiting import await_until
 
 
 def slow_app(events: list[str], delay_s: float) -> FastAPI:
@@ -31,15 +32,6 @@ def slow_app(events: list[str], delay_s: float) -> FastAPI:
         return JSONResponse({"ok": True})
 
     return app
-
-
-async def wait_for(predicate, timeout_s: float) -> bool:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
 
 
 def test_replicas_share_the_port_and_a_taken_port_is_one_clear_error():
@@ -65,7 +57,7 @@ def test_a_client_that_hangs_up_cancels_a_response_that_is_not_streamed():
             async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=0.5)) as client:
                 with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
                     await client.post(f"http://127.0.0.1:{port}/slow")
-            assert await wait_for(lambda: "cancelled" in events, 5.0), events
+            assert await await_until(lambda: "cancelled" in events, 5.0), events
         finally:
             await listener.stop(1.0)
 
@@ -84,7 +76,7 @@ def test_a_request_runs_to_its_end_and_a_stop_lets_an_open_one_finish():
             answer = await client.post(f"http://127.0.0.1:{port}/slow")
             assert (answer.status_code, answer.json()) == (200, {"ok": True})
             open_request = asyncio.ensure_future(client.post(f"http://127.0.0.1:{port}/slow"))
-            assert await wait_for(lambda: events.count("started") == 2, 5.0)
+            assert await await_until(lambda: events.count("started") == 2, 5.0)
             await listener.stop(5.0)
             assert (await open_request).status_code == 200
         with pytest.raises(httpx.ConnectError):  # stopped: nothing listens any more

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -30,6 +28,8 @@ from atomr_infer.provision.facts import hf_token_source
 from atomr_infer.provision.gemma import DISABLE_VALUES
 from atomr_infer.provision.probe import probe
 from atomr_infer.spec import Deployment, spec_hash
+
+from .fakes import FakeManager
 
 GB = 1_000_000_000
 E2B, E2B_IT, E4B, E4B_IT = "google/gemma-4-E2B", "google/gemma-4-E2B-it", "google/gemma-4-E4B", "google/gemma-4-E4B-it"
@@ -67,23 +67,6 @@ def host(
         weights_cached=lambda model, cache_dir: model in cached,
         ray=lambda: ray,
     )
-
-
-@dataclass
-class FakeManager:
-    """Stands in for the DeploymentManager: records specs, bumps the generation on a new hash."""
-
-    applied: list[Deployment] = field(default_factory=list)
-    hashes: dict[str, str] = field(default_factory=dict)
-    generation: int = 0
-
-    def apply(self, spec: Deployment) -> Any:
-        self.applied.append(spec)
-        changed = self.hashes.get(spec.name) != spec_hash(spec)
-        if changed:
-            self.hashes[spec.name] = spec_hash(spec)
-            self.generation += 1
-        return SimpleNamespace(name=spec.name, changed=changed, generation=self.generation, actions=[])
 
 
 class NoApply:

@@ -16,7 +16,7 @@ from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, RoutingTable
 from atomr_infer.serve.table_cache import TableCache
 
-from .fakes import FakeReplica, GatedReplica, route
+from .fakes import FakeManager, FakeReplica, GatedReplica, route
 from .fakes import text_of as body_text
 
 
@@ -146,30 +146,17 @@ def test_a_request_in_flight_on_a_replica_that_leaves_the_table_still_finishes()
     assert asyncio.run(main()) == "from r0"
 
 
-class LaggingManager:
-    """The manager's ``routing_table``: answers a direct ask (timeout 0) at once, while the
-    long poll's answer is still on its way (it never arrives here)."""
-
-    def __init__(self, table: RoutingTable) -> None:
-        self.table, self.asked = table, 0
-        self.routing_table = self
-
-    def remote(self, since_version: int, timeout_s: float):
-        async def answer() -> RoutingTable | None:
-            if timeout_s > 0:
-                await asyncio.Event().wait()  # the long poll: lagging
-            self.asked += 1
-            return self.table if since_version != self.table.version else None
-
-        return answer()
-
-
 def test_a_deployment_the_ingress_copy_lacks_yet_is_found_by_asking_the_manager():
     """The ingress's table is a copy kept by long poll: a deployment applied a moment ago may
     not be in it yet. The router then asks the manager itself (``fresh_source``), not 404."""
-    manager = LaggingManager(Tables(FakeReplica("r0")).table)
+    table = Tables(FakeReplica("r0")).table
+
+    async def source(since_version):
+        return table if since_version != table.version else None
+
+    manager = FakeManager(source, lag_long_polls=True)
     cache = TableCache(lookup=lambda: manager)
-    cache._table = RoutingTable(manager.table.version - 1, {})  # its copy from before the apply
+    cache._table = RoutingTable(table.version - 1, {})  # its copy from before the apply
     cache._loaded.set()
 
     async def main():

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from atomr_infer.engine.vllm.step_loop import StepLoop
+from tests.waiting import wait_until
 
 
 @dataclass
@@ -76,14 +77,6 @@ class Recorder:
             on_rejected=lambda rid, exc: self.rejected.append((rid, exc)),
             name="test-step-loop",
         )
-
-
-def wait_until(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.005)
 
 
 def test_one_step_serves_every_running_request():

@@ -17,6 +17,7 @@ import importlib.util
 from pathlib import Path
 
 from atomr_infer.engine.vllm.engine_args import check_extra_engine_args, check_names
+from atomr_infer.errors import SpecError, SpecProblem
 from atomr_infer.spec import Deployment
 
 
@@ -58,11 +59,21 @@ def registered_names(package: str, registry: str) -> frozenset[str] | None:
 
 def check_spec(deployment: Deployment) -> None:
     """Raise ``SpecError`` naming each vLLM setting of ``deployment`` that vLLM does not have."""
+    problems: list[SpecProblem] = []
     names = engine_arg_names()
-    if names is not None and deployment.runtime_config.extra_engine_args:
-        check_extra_engine_args(deployment, set(names))
     o = deployment.serving.openai
     tools = registered_names("tool_parsers", "_TOOL_PARSERS_TO_REGISTER")
     reasoning = registered_names("reasoning", "_REASONING_PARSERS_TO_REGISTER")
-    check_names(deployment, o.tool_call_parser if tools else None, o.reasoning_parser if reasoning else None,
-                tools or frozenset(), reasoning or frozenset())
+    checks = [
+        lambda: check_names(deployment, o.tool_call_parser if tools else None,
+                            o.reasoning_parser if reasoning else None, tools or frozenset(), reasoning or frozenset()),
+    ]
+    if names is not None and deployment.runtime_config.extra_engine_args:
+        checks.insert(0, lambda: check_extra_engine_args(deployment, set(names)))
+    for check in checks:  # every problem at once, as the spec's own validation reports them
+        try:
+            check()
+        except SpecError as exc:
+            problems += exc.problems
+    if problems:
+        raise SpecError(problems)

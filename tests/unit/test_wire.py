@@ -1,0 +1,92 @@
+"""The typed wire's own behaviour: routing facts read once from a body, the one merging buffer,
+the replica's lifecycle machine, and the manager's vLLM checks that load no vLLM (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from atomr_infer.errors import EngineError, InvalidRequest, ReplicaUnavailable
+from atomr_infer.merging import MergingBuffer, join_bytes
+from atomr_infer.replica.lifecycle import Lifecycle
+from atomr_infer.status import ReplicaState
+from atomr_infer.wire import Batch, HttpHead, RequestKind, RoutingFacts
+
+
+def test_routing_facts_come_from_the_parsed_body_once():
+    messages = [{"role": "user", "content": "hi"}]
+    facts = RoutingFacts.of("/v1/chat/completions", {"model": "m", "messages": messages, "stream": True})
+    assert (facts.deployment, facts.kind, facts.stream, facts.usage_wanted) == ("m", RequestKind.CHAT, True, False)
+    assert facts.prompt is messages  # the parsed value itself: nothing is parsed again for routing
+    asked = {"model": "m", "prompt": "p", "stream": True, "stream_options": {"include_usage": True}}
+    assert RoutingFacts.of("/v1/completions", asked).usage_wanted
+    with pytest.raises(InvalidRequest) as info:
+        RoutingFacts.of("/v1/completions", {"prompt": "p"})
+    assert info.value.field == "model"
+
+
+def test_a_merging_buffer_joins_what_the_reader_has_not_taken_and_ends_with_its_error():
+    async def main():
+        buffer: MergingBuffer = MergingBuffer(join_bytes)
+        buffer.put(HttpHead(200, ()))
+        buffer.put(b"a")
+        buffer.put(b"b")  # not taken yet: joined with b"a"
+        buffer.end(EngineError("gone"))
+        buffer.put(b"late")  # after the end: dropped
+        got = []
+        with pytest.raises(EngineError):
+            async for item in buffer:
+                got.append(item)
+        return got
+
+    assert asyncio.run(main()) == [HttpHead(200, ()), b"ab"]
+
+
+def test_the_replica_lifecycle_allows_only_its_transitions():
+    life = Lifecycle("r")
+    assert life.admission_error() is None and life.state is ReplicaState.STARTING
+    assert life.to(ReplicaState.READY, "serving")
+    assert life.to(ReplicaState.DRAINING)
+    assert not life.to(ReplicaState.READY)  # a draining replica never serves again
+    assert isinstance(life.admission_error(), ReplicaUnavailable)
+    assert life.to(ReplicaState.UNHEALTHY, error=EngineError("boom"))
+    assert not life.to(ReplicaState.READY) and isinstance(life.admission_error(), EngineError)
+    assert life.to(ReplicaState.STOPPED) and not life.to(ReplicaState.UNHEALTHY)  # stopped is final
+    report = life.report(in_flight=2, waiting=1)
+    assert (report.state, report.in_flight, report.error) == (ReplicaState.STOPPED, 2, "EngineError: boom")
+
+
+def test_a_batch_with_only_token_ids_has_news():
+    assert not Batch(0) and Batch(0, token_ids={"r": [1]}) and Batch(0, ended={"r": None})
+
+
+PROBE = """
+import sys
+from atomr_infer.control.manager import DeploymentManager
+from atomr_infer.control.client import ControlPlane
+from atomr_infer.client import Client
+from atomr_infer.serve.app import OpenAIIngress
+from atomr_infer.cli.main import main
+from atomr_infer.errors import SpecError
+from atomr_infer.spec import parse_deployment
+spec = parse_deployment({"name": "d", "model": "m", "runtime_config": {"extra_engine_args": {"max_num_seq": 4}},
+                         "serving": {"openai": {"tool_call_parser": "hermez"}}})
+try:
+    DeploymentManager._check_engine_args(spec)
+except SpecError as exc:
+    print("refused:", exc)
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "torch"))
+print("loaded:", loaded[:5])
+"""
+
+
+def test_the_control_plane_refuses_bad_engine_settings_without_loading_vllm_or_torch():
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "loaded: []" in out.stdout, out.stdout
+    refused = next(line for line in out.stdout.splitlines() if line.startswith("refused:"))
+    assert "extra_engine_args.max_num_seq" in refused and "max_num_seqs" in refused, refused
+    assert "tool_call_parser" in refused and "'hermes'" in refused, refused
