@@ -84,7 +84,13 @@ class ControlPlane:
         return cls(manager_handle(address, start))
 
     def apply(self, spec: Deployment | dict[str, Any]) -> ApplyResult:
-        """Record ``spec`` as desired; idempotent. Returns at once: ``wait_ready`` waits."""
+        """Record ``spec`` as desired; idempotent. Returns at once: ``wait_ready`` waits.
+
+        Checked before anything runs, by the manager: the spec's fields, names, budgets, and
+        its vLLM settings (``extra_engine_args`` keys, parser names) against the vLLM installed
+        on the manager's node, read from vLLM's source without importing it
+        (engine/vllm/spec_check.py). Where that node has no vLLM, each replica checks them with
+        vLLM before its engine starts, and the deployment's status names the field."""
         return call(self.handle.apply.remote(spec), self._timeout_s)
 
     def plan(self, spec: Deployment | dict[str, Any]) -> PlanResult:

@@ -143,7 +143,7 @@ class RayReplicaLauncher:
     def __init__(self, uses_gpus: Callable[[Deployment], bool], replica_kwargs: dict[str, Any] | None = None) -> None:
         # uses_gpus(spec): decided from the cluster (device auto + GPUs present).
         self._uses_gpus = uses_gpus
-        # Extra VllmReplica arguments (engine_factory, step_timeout_s): another engine plugs in here.
+        # Extra VllmReplica arguments (backend, step_timeout_s): another engine backend plugs in here.
         self._replica_kwargs = replica_kwargs or {}
         self.reaper = Reaper()
 

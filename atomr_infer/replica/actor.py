@@ -143,7 +143,7 @@ class VllmReplica:
             if failed and self._life.to(ReplicaState.UNHEALTHY, "failed to start", exc):
                 self._log.error("replica_start_failed", error=str(exc))
             raise
-        if self._life.to(ReplicaState.READY, "serving"):
+        if self._life.to(ReplicaState.READY):
             self._facts = dataclasses.asdict(facts)
             self._log.info("replica_ready", max_model_len=facts.max_model_len, start_s=round(self._uptime(), 1))
             tune_serving_process()  # started: what exists now lives as long as the process

@@ -34,7 +34,7 @@ class ReplicaHealth:
     """A replica's answer to ``health()`` (and the state its gauges show)."""
 
     state: ReplicaState
-    progress: str  # what it is doing: a start step, "serving", "draining", the failure
+    progress: str  # a start step while starting; else the state, or why it failed
     in_flight: int
     waiting: int  # admitted, no output yet
     uptime_s: float
