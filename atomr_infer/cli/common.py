@@ -51,6 +51,20 @@ def quiet_serve_logs() -> None:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
 
+def import_serve() -> None:
+    """Ray Serve and atomr's ingress, imported (Serve's logs quieted), or ``AtomrError`` in one
+    line saying why not: a host whose Ray lacks Serve, or whose Serve fails at import (a
+    missing dependency, say), gets that, not a traceback."""
+    try:
+        quiet_serve_logs()
+        import atomr_infer.serve  # noqa: F401 - the ingress imports ray.serve at its top
+    except Exception as exc:  # noqa: BLE001 - ImportError, or anything a broken install raises
+        raise AtomrError(
+            f"Ray Serve cannot be imported here: {type(exc).__name__}: {one_line(exc)} "
+            "(hint: `make setup`, or pip install 'ray[serve]')"
+        ) from None
+
+
 def connect(address: str | None, start: bool, announce: bool = True) -> None:
     """Join the cluster; with ``start``, start the local head if none runs (saying so)."""
     from atomr_infer import cluster

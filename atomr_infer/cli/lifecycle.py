@@ -77,9 +77,12 @@ def up_command(
 def _start_api(host: str, port: int, api_keys: str | None = None, max_body_bytes: int | None = None) -> None:
     """The API on ``host:port``: started, or reported when it already runs there (updated in
     place when ``api_keys`` or ``max_body_bytes`` is given, so that they take effect)."""
+    try:
+        common.import_serve()
+    except AtomrError as exc:
+        fail(exc)
     from atomr_infer.serve import run_server, running_server
 
-    common.quiet_serve_logs()
     try:
         current = running_server()
         reconfigure = api_keys is not None or max_body_bytes is not None
@@ -155,10 +158,16 @@ def down_command(
 
 
 def _stop_api() -> None:
-    """Delete the API first, so no request reaches a replica that is stopping."""
+    """Delete the API first, so no request reaches a replica that is stopping. Where Serve
+    cannot be imported, this process cannot reach the API to stop it: say so and go on, so that
+    ``atomr down`` still removes the deployments and stops Ray."""
+    try:
+        common.import_serve()
+    except AtomrError as exc:
+        _line("api", f"not checked: {exc}")
+        return
     from atomr_infer.serve import running_server, stop_server
 
-    common.quiet_serve_logs()
     try:
         current = running_server()
         if current is None:

@@ -35,11 +35,14 @@ def serve_command(
     ),
 ) -> None:
     """Serve every deployment over an OpenAI-compatible HTTP API (model = deployment name)."""
+    try:
+        common.import_serve()
+    except AtomrError as exc:
+        fail(exc)
     from atomr_infer.serve import run_server, stop_server
     from atomr_infer.serve.api_keys import load_key_file
     from atomr_infer.serve.server import hold_foreground
 
-    common.quiet_serve_logs()
     try:
         if api_keys is not None:
             load_key_file(api_keys)  # a bad file fails in one line before anything starts

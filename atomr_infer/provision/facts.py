@@ -29,6 +29,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from atomr_infer.errors import one_line
 from atomr_infer.log import get_logger
 
 log = get_logger(__name__)
@@ -59,6 +60,15 @@ class GpuFacts:
     torch_version: str | None = None  # None: torch is not importable
     torch_cuda: str | None = None  # the CUDA version torch was built for; None for a CPU build
     notes: tuple[str, ...] = ()  # why a source gave nothing, e.g. "pynvml not installed"
+    # Set when torch is installed but its import failed (an undefined symbol, say): the reason.
+    torch_import_error: str | None = None
+
+    @property
+    def torch_problem(self) -> str:
+        """Why torch gives no CUDA here, for a message: not installed, or installed but broken."""
+        if self.torch_import_error is not None:
+            return f"torch is installed but fails to import: {self.torch_import_error}"
+        return "torch is not installed"
 
 
 @dataclass(frozen=True)
@@ -114,12 +124,14 @@ def gather_gpus() -> GpuFacts:
     """NVML for the GPU list and memory, torch for whether CUDA works. Never raises."""
     notes: list[str] = []
     gpus, source = _nvml_gpus(notes), "nvml"
-    torch_version = torch_cuda = None
+    torch_version = torch_cuda = import_error = None
     cuda_usable = False
     try:
         import torch
     except Exception as exc:  # ImportError, or a broken install raising anything at import
         notes.append(f"torch not importable ({type(exc).__name__})")
+        if importlib.util.find_spec("torch") is not None:  # installed: its import is what failed
+            import_error = f"{type(exc).__name__}: {one_line(exc)}"
     else:
         torch_version, torch_cuda = torch.__version__, torch.version.cuda
         try:
@@ -136,6 +148,7 @@ def gather_gpus() -> GpuFacts:
         torch_version=torch_version,
         torch_cuda=torch_cuda,
         notes=tuple(notes),
+        torch_import_error=import_error,
     )
 
 

@@ -128,7 +128,7 @@ def _local_gpu_problem(g: GpuFacts | None) -> str:
     if g is None:
         return "GPUs not probed"
     if g.torch_version is None:
-        torch = "torch is not installed"
+        torch = g.torch_problem
     elif not g.torch_cuda:
         torch = f"torch {g.torch_version} is a CPU build"
     else:
@@ -261,7 +261,7 @@ def _gpu_check(g: GpuFacts) -> Check:
 
 def _cuda_check(g: GpuFacts) -> Check:
     if g.torch_version is None:
-        return Check("cuda", False, "not usable: torch is not installed", "run `make setup`")
+        return Check("cuda", False, f"not usable: {g.torch_problem}", "run `make setup`")
     if g.cuda_usable:
         return Check("cuda", True, f"usable (torch {g.torch_version}, CUDA {g.torch_cuda})")
     if not g.torch_cuda:

@@ -110,6 +110,33 @@ def test_probe_flags_the_cpu_vllm_build_on_a_gpu_host(tmp_path: Path) -> None:
     assert "CPU build" in check.detail and "atomr-infer[gpu]" in check.hint
 
 
+def test_probe_says_torch_is_installed_but_fails_to_import(tmp_path: Path) -> None:
+    env = host(tmp_path)
+    broken = GpuFacts(torch_import_error="OSError: libtorch_cuda.so: undefined symbol: ncclCommSuspend")
+    report = probe(env=ProbeEnv(**{**env.__dict__, "gpus": lambda: broken}))
+    cuda = report.check("cuda")
+    assert cuda is not None and not cuda.ok
+    assert "installed but fails to import: OSError" in cuda.detail and "not installed" not in cuda.detail
+    assert GpuFacts().torch_problem == "torch is not installed"
+
+
+def test_gathering_a_broken_torch_reports_why_its_import_failed(tmp_path: Path) -> None:
+    """The real gatherer, in a fresh interpreter whose ``torch`` fails as an incomplete CUDA
+    install does (an undefined symbol at import)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        'raise OSError("libtorch_cuda.so: undefined symbol: ncclCommSuspend")\n'
+    )
+    code = "from atomr_infer.provision.facts import gather_gpus; print(gather_gpus().torch_problem)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-1500:]
+    assert "torch is installed but fails to import: OSError: libtorch_cuda.so: undefined symbol" in out.stdout
+
+
 def test_probe_reports_missing_vllm(tmp_path: Path) -> None:
     check = probe(env=host(tmp_path, vllm=VllmInfo(error="no vllm distribution installed"))).check("vllm")
     assert check is not None and not check.ok and "not installed" in check.detail
