@@ -97,6 +97,9 @@ class EngineBackend(Protocol):
     def open_requests(self) -> tuple[int, int]:
         """Requests open in the engine, and of those, how many have no output yet."""
 
+    def fail_open(self, error: BaseException) -> None:
+        """Fail every open request with ``error`` (the replica found the engine wedged)."""
+
     async def load_adapter(self, name: str, path: str) -> None:
         """Load a LoRA adapter so that requests can name it."""
 
