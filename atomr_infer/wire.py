@@ -86,8 +86,9 @@ class RoutingFacts:
     usage_wanted: bool = True  # a stream that did not ask for usage says False
     adapter: str | None = None  # a LoRA adapter of the deployment (issue 33 addresses them)
     response_id: str | None = None  # a stored response the request continues (previous_response_id)
-    # The body's ``messages`` (chat) or ``prompt`` (completion), as parsed: the prefix key of
-    # routing.prefix is computed from it only where the deployment routes by prefix.
+    # The body's ``messages`` (a list: chat) or ``prompt`` (a string: completion), as parsed:
+    # the prefix key of routing.prefix is computed from it only where the deployment routes by
+    # prefix. None when the body has neither.
     prompt: Any = None
 
     @classmethod
@@ -103,13 +104,15 @@ class RoutingFacts:
         options = data.get("stream_options")
         asked = isinstance(options, dict) and bool(options.get("include_usage"))
         previous = data.get("previous_response_id")
+        # As routing has always read them: a chat's messages if a list, else a prompt's text.
+        messages, text = data.get("messages"), data.get("prompt")
         return cls(
             deployment=model,
             kind=RequestKind.of_path(path),
             stream=stream,
             usage_wanted=not stream or asked or (options is not None and not isinstance(options, dict)),
             response_id=previous if isinstance(previous, str) else None,
-            prompt=data.get("messages", data.get("prompt")),
+            prompt=messages if isinstance(messages, list) else text if isinstance(text, str) else None,
         )
 
     @classmethod

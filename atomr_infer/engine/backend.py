@@ -19,7 +19,7 @@ pieces in order; ``health`` from its watchdog; ``shutdown`` once.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from atomr_infer.spec import Deployment
@@ -55,7 +55,6 @@ class EngineStats:
     kv_cache_usage: float | None = None
     steps: int = 0
     unfinished: int | None = None  # requests the engine itself still holds
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

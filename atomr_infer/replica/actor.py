@@ -27,7 +27,7 @@ from typing import Any
 from atomr_infer.engine.backend import BackendContext, EngineBackend, backend_class
 from atomr_infer.engine.device import resolve_device
 from atomr_infer.engine.stats import ReplicaStats, StatsCollector
-from atomr_infer.errors import AtomrError, EngineError, ReplicaBusy, ReplicaUnavailable
+from atomr_infer.errors import AtomrError, EngineError, EngineStartFailed, ReplicaBusy, ReplicaUnavailable
 from atomr_infer.log import get_logger
 from atomr_infer.merging import MergingBuffer, join_bytes
 from atomr_infer.metrics import GAUGE_PERIOD_S, ReplicaMetrics
@@ -139,8 +139,8 @@ class VllmReplica:
         try:
             facts = await self._backend.wait_started(timeout)
         except AtomrError as exc:
-            failed = self._backend.health().error is not None  # else: timed out, still starting
-            if failed and self._life.to(ReplicaState.UNHEALTHY, "failed to start", exc):
+            # A start that failed (the engine, or its serving layer) is final; a timeout is not.
+            if isinstance(exc, EngineStartFailed) and self._life.to(ReplicaState.UNHEALTHY, "failed to start", exc):
                 self._log.error("replica_start_failed", error=str(exc))
             raise
         if self._life.to(ReplicaState.READY):

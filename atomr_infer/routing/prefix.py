@@ -97,7 +97,7 @@ def chat_text(messages: Sequence[Any]) -> tuple[str, str, int]:
 def prompt_key(prompt: Any, block_chars: int = BLOCK_CHARS) -> PromptKey | None:
     """The prefix key of a request's prompt as the edge parsed it (``RoutingFacts.prompt``):
     a chat's ``messages`` or a completion's ``prompt`` text. None: no text to match."""
-    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+    if isinstance(prompt, list):
         text, conversation, shared = chat_text(prompt)
     elif isinstance(prompt, str):
         text, conversation, shared = prompt, prompt[: 2 * block_chars], 0

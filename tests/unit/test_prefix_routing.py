@@ -50,7 +50,9 @@ def test_a_later_turn_extends_the_earlier_one_and_keeps_its_conversation_key() -
     other = prompt_key(chat("what is 2+2? "))
     assert other.conversation != one.conversation and other.blocks[0] == one.blocks[0]  # the shared system prompt
     assert prompt_key({"prompt": "a plain prompt " * 40}).blocks
-    assert key_of(None) is None and key_of(3) is None and key_of([1, 2]) is None  # no text to match
+    assert key_of(None) is None and key_of(3) is None  # no text to match
+    token_ids = RoutingFacts.of("/v1/completions", {"model": "d", "prompt": [1, 2]})
+    assert token_ids.prompt is None and key_of(token_ids.prompt) is None  # token ids: no text either
 
 
 def test_the_next_turn_goes_where_the_conversation_went() -> None:

@@ -23,6 +23,8 @@ def test_routing_facts_come_from_the_parsed_body_once():
     assert facts.prompt is messages  # the parsed value itself: nothing is parsed again for routing
     asked = {"model": "m", "prompt": "p", "stream": True, "stream_options": {"include_usage": True}}
     assert RoutingFacts.of("/v1/completions", asked).usage_wanted
+    # Routing reads a chat's messages when they are a list, else a prompt's text, as it always did.
+    assert RoutingFacts.of("/v1/completions", {"model": "m", "messages": "x", "prompt": "p"}).prompt == "p"
     with pytest.raises(InvalidRequest) as info:
         RoutingFacts.of("/v1/completions", {"prompt": "p"})
     assert info.value.field == "model"

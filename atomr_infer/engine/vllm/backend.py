@@ -151,7 +151,8 @@ class VllmBackend:
                 _TOKENS.reset(reset)
 
     async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
-        await self._openai_app()
+        if self._client is None:  # built with the app, once
+            await self._openai_app()
         async for output in self._client.generate(prompt, params, request_id):
             yield output
 
