@@ -140,11 +140,18 @@ class Reaper:
 
 
 class RayReplicaLauncher:
-    def __init__(self, uses_gpus: Callable[[Deployment], bool], replica_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        uses_gpus: Callable[[Deployment], bool],
+        replica_kwargs: dict[str, Any] | None = None,
+        actor_options: dict[str, Any] | None = None,
+    ) -> None:
         # uses_gpus(spec): decided from the cluster (device auto + GPUs present).
         self._uses_gpus = uses_gpus
         # Extra VllmReplica arguments (backend, step_timeout_s): another engine backend plugs in here.
         self._replica_kwargs = replica_kwargs or {}
+        # Extra Ray actor options of every replica (a runtime_env with the engine's environment).
+        self._actor_options = actor_options or {}
         self.reaper = Reaper()
 
     def start(self, deployment: Deployment, replica_id: str, peer_nodes: Sequence[str] = ()) -> RayReplicaHandle:
@@ -155,6 +162,7 @@ class RayReplicaLauncher:
             "lifetime": "detached",  # replicas outlive a manager restart and are re-adopted
             "max_concurrency": 10_000,
             "max_restarts": 0,  # the manager replaces failed replicas, with backoff
+            **self._actor_options,
         }
         pg = None
         if self._uses_gpus(deployment):

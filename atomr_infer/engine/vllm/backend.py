@@ -18,6 +18,7 @@ from typing import Any
 
 from atomr_infer.engine.backend import BackendContext, EngineFacts, EngineHealth, EngineStats, Put, TokenSink
 from atomr_infer.engine.vllm.coalesce import coalesce_core_outputs
+from atomr_infer.engine.vllm.core_failure import CoreStartFailed
 from atomr_infer.engine.vllm.engine_info import engine_memory, engine_unfinished, kv_cache_usage, start_failure_recurs
 from atomr_infer.engine.vllm.handoff import LoopHandoff
 from atomr_infer.engine.vllm.open_streams import OpenStreams
@@ -122,7 +123,8 @@ class VllmBackend:
             raise EngineError(f"{self._ctx.name} did not start within {timeout:.0f}s")
         if self._start_error is not None:
             err = self._start_error
-            message = f"{self._ctx.name} failed to start: {type(err).__name__}: {err}"
+            cause = str(err) if isinstance(err, CoreStartFailed) else f"{type(err).__name__}: {err}"
+            message = f"{self._ctx.name} failed to start: {cause}"
             raise EngineStartFailed(message, start_failure_recurs(err))
         try:
             await self._openai_app()

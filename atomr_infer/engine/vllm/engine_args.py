@@ -26,6 +26,7 @@ from atomr_infer.engine.cpu import (
     size_kv_cache,
 )
 from atomr_infer.engine.device import Device, resolve_device
+from atomr_infer.engine.vllm.core_failure import core_start_failures
 from atomr_infer.errors import EngineError, SpecError, SpecProblem
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
@@ -240,7 +241,8 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
         dtype=args.get("dtype"), kv_cache=str(kv) if kv else None, threads=threads,
     )
     say(f"starting vLLM engine on {device}" + (f" ({args['dtype']}, {threads} threads, {kv})" if kv else ""))
-    return LLMEngine.from_engine_args(EngineArgs(**args))
+    with core_start_failures():  # a core process's own exception, not vLLM's wrapper of it
+        return LLMEngine.from_engine_args(EngineArgs(**args))
 
 
 def cpu_kv_cache(deployment: Deployment, model_dir: Path) -> KvCacheSize:

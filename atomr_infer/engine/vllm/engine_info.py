@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from atomr_infer.engine.vllm.core_failure import CoreStartFailed
 from atomr_infer.engine.vllm.step_loop import Engine
+
+_TRANSIENT = re.compile(r"(Connection\w*Error|Timeout\w*|BrokenPipeError)$")
 
 
 def start_failure_recurs(start_error: BaseException) -> bool:
     """Whether starting again with the same spec fails the same way: yes, unless the network
-    (a hub download) or a timeout failed it."""
+    (a hub download) or a timeout failed it. A core process's failure is judged by its own
+    exception's name (a core the kernel killed for memory would be killed again: recurring)."""
+    if isinstance(start_error, CoreStartFailed):
+        return not _TRANSIENT.search(start_error.type_name)
     return not isinstance(start_error, ConnectionError | TimeoutError)
 
 
