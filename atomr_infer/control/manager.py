@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from atomr_infer import heavy_imports
 from atomr_infer.cluster import MANAGER_NAME
 from atomr_infer.control.budget import (
     BudgetVerdict,
@@ -74,6 +75,7 @@ class DeploymentManager:
         reconcile_config: ReconcileConfig | None = None,
         clock: Any = time.time,
     ) -> None:
+        heavy_imports.watch("manager")  # it must load neither torch nor vLLM (heavy_imports.py)
         self._cluster_override = cluster
         self._launcher = launcher or self._ray_launcher()
         self._store = store or StateStore()
@@ -331,6 +333,13 @@ class DeploymentManager:
         import ray
 
         return str(ray.get_runtime_context().get_node_id())
+
+    async def process_report(self) -> dict[str, Any]:
+        """This process: its pid, and torch or vLLM if loaded (with the stack that imported
+        each): only replicas should load them."""
+        import os
+
+        return {"pid": os.getpid(), "heavy_imports": heavy_imports.loaded()}
 
     async def ping(self) -> str:
         self._ensure_loop()

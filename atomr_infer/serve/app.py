@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from atomr_infer import heavy_imports
 from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica
 from atomr_infer.log import get_logger
 from atomr_infer.routing.router import Router
@@ -119,6 +120,7 @@ class OpenAIIngress:
         listen_on: tuple[str, int] | None = None,
     ) -> None:
         """``listen_on``: the API's ``(host, port)``, served by this replica itself (serve/listener.py)."""
+        heavy_imports.watch("ingress")  # it must load neither torch nor vLLM (heavy_imports.py)
         self._max_body_bytes = max_body_bytes
         self._keys = KeyFile(api_keys_path, watch=True) if api_keys_path else None
         self._limits = IngressLimits()

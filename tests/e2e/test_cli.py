@@ -156,6 +156,25 @@ def test_deploy_waits_until_ready(smollm2):
     assert "ready: smollm2" in smollm2.stdout
 
 
+def test_nothing_but_the_replica_loads_torch_or_vllm_and_no_worker_idles(cli, smollm2):
+    """Issue 31: on a GPU node the manager had torch and vLLM mapped (0.73 GiB) and 12 idle
+    Ray workers waited (0.51 GiB). The manager reports its own imports (heavy_imports.py)."""
+    code = (
+        "import json, ray; from atomr_infer.control.client import manager_handle; "
+        "print(json.dumps(ray.get(manager_handle(start=False).process_report.remote())))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=cli.env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["heavy_imports"] == {}, report
+    titles = []
+    for proc in head_processes(cli.port):
+        with contextlib.suppress(psutil.Error):  # one that ended meanwhile
+            titles.append(" ".join(proc.cmdline()[:1]))
+    assert any(t.startswith("ray::VllmReplica") for t in titles), titles
+    assert not [t for t in titles if t.startswith("ray::IDLE")], titles
+
+
 def test_status_shows_the_deployment_ready(cli, smollm2):
     proc = cli.run("status")
     assert proc.returncode == 0, proc.stderr
