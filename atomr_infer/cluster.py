@@ -71,11 +71,19 @@ def start_local_head(dashboard: bool = True) -> str:
         cmd.append(f"--temp-dir={os.environ['ATOMR_RAY_TEMP_DIR']}")
     if os.environ.get("ATOMR_RAY_NUM_GPUS"):  # logical GPUs, for tests of placement on CPU hosts
         cmd.append(f"--num-gpus={os.environ['ATOMR_RAY_NUM_GPUS']}")
+    if os.environ.get("ATOMR_RAY_NUM_CPUS"):  # a GPU node's core count, reproduced on a small host
+        cmd.append(f"--num-cpus={os.environ['ATOMR_RAY_NUM_CPUS']}")
+    # No idle workers started ahead of need: atomr starts its actors one by one, each in a
+    # worker of its own, and Ray would otherwise keep up to one idle Python worker per CPU
+    # (12 of 16, 0.51 GiB, on the first H100 run).
+    env = {"RAY_prestart_worker_first_driver": "0", "RAY_enable_worker_prestart": "0", **os.environ}
     log.info("ray_head_starting", port=port)
     for attempt in (1, 2):  # the dashboard's start fails now and then on a busy machine
         # A new session: the head's daemons have no controlling terminal, so closing the
         # terminal (SIGHUP) or Ctrl-C in it does not take them down with the command.
-        proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+        )
         if proc.returncode == 0:
             break
         stop_head(int(port))  # a failed `ray start` leaves some of its processes behind

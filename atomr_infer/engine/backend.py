@@ -120,7 +120,14 @@ class BackendClass(Protocol):
 
 
 def backend_class(deployment: Deployment) -> BackendClass:
-    """The backend that serves ``deployment`` (vLLM for every spec today)."""
+    """The backend that serves ``deployment`` (vLLM for every spec today; its emulated engine
+    where ``ATOMR_EMULATED_STEP_MS`` is set, engine/device.py)."""
+    from atomr_infer.engine.device import emulated_step_s
+
+    if emulated_step_s() is not None:
+        from atomr_infer.engine.vllm.emulated_backend import EmulatedVllmBackend
+
+        return EmulatedVllmBackend
     from atomr_infer.engine.vllm.backend import VllmBackend
 
     return VllmBackend

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from atomr_infer.errors import DeviceUnavailable
 from atomr_infer.spec import Deployment
 
 Device = Literal["cuda", "cpu"]
+# Set (milliseconds per step) on a Ray head, its replicas serve with the emulated engine
+# (engine/vllm/emulated.py), which stands in for a GPU: scripts/stack_memory.py measures a GPU
+# spec's whole stack on a host without one this way. Never for serving.
+EMULATED_STEP_ENV = "ATOMR_EMULATED_STEP_MS"
+
+
+def emulated_step_s() -> float | None:
+    value = os.environ.get(EMULATED_STEP_ENV)
+    return float(value) / 1000 if value else None
 
 
 def cuda_available() -> bool:
@@ -22,6 +32,8 @@ def resolve_device(deployment: Deployment) -> Device:
     """``auto`` → ``cuda`` when a GPU is usable here, else ``cpu``; ``cuda`` without one raises."""
     if deployment.device == "cpu":
         return "cpu"
+    if emulated_step_s() is not None:
+        return "cuda" if deployment.device == "cuda" else "cpu"
     if cuda_available():
         return "cuda"
     if deployment.device == "auto":

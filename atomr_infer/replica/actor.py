@@ -62,6 +62,7 @@ class VllmReplica:
         self._deployment = parse_deployment(deployment)
         self._step_timeout_s = step_timeout_s or float(os.environ.get("ATOMR_STEP_TIMEOUT_S", DEFAULT_STEP_TIMEOUT_S))
         self._replica_id = replica_id
+        self._device = self._deployment.device  # until resolved: Ray prints repr(self) if that raises
         self._device = resolve_device(self._deployment)
         self._log = get_logger(__name__, deployment=self._deployment.name, replica=replica_id)
         self._life = Lifecycle(repr(self))

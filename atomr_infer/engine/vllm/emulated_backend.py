@@ -1,0 +1,27 @@
+"""The vLLM backend over the emulated engine, for a spec served where ``ATOMR_EMULATED_STEP_MS``
+is set (engine/device.py): the replica runs as for a real engine (vLLM's serving layer, the
+step loop, the router's transport) while a core that computes nothing keeps GPU time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atomr_infer.engine.backend import BackendContext
+from atomr_infer.engine.device import emulated_step_s
+from atomr_infer.engine.vllm.backend import VllmBackend
+from atomr_infer.spec import Deployment
+
+
+def _emulated_engine(deployment: Deployment, progress: Any) -> Any:
+    from atomr_infer.engine.vllm.emulated import emulated_engine
+    from atomr_infer.models.resolve import resolve_model
+
+    step_s = emulated_step_s() or 0.01
+    resolved = resolve_model(deployment.model, cache_dir=deployment.runtime_config.hf_cache_dir, progress=progress)
+    progress(f"starting an emulated engine ({step_s * 1000:g} ms per step)")
+    return emulated_engine(str(resolved.path), step_s, deployment.runtime_config.max_model_len or 2048)
+
+
+class EmulatedVllmBackend(VllmBackend):
+    def __init__(self, context: BackendContext) -> None:
+        super().__init__(context, _emulated_engine)
