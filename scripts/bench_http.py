@@ -4,6 +4,7 @@ generator, in one run.
 
     .venv/bin/python scripts/bench_http.py [--input-len 32] [--output-len 64]
                                            [--loads 1:8,16:32,64:128] [--rounds 1] [--no-rayllm]
+                                           [--device cpu|cuda] [--graphs] [--quick]
 
 Three servers on the bundled SmolLM2, each with the engine arguments of deployments/smollm2.yaml:
 (a) vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console
@@ -20,7 +21,10 @@ tokens/s, TTFT p50/p95, ITL, TPOT and end-to-end latency p50, the ratios against
 each stack's memory (PSS), and issue 14's targets (tokens/s >= 0.97x at c=16 and c=64; TTFT p50
 within +5 ms at c=1; ITL p50 within 1.05x; ahead of Ray Serve LLM, on end-to-end latency where
 its tokens come in bunches). An idle engine costs (almost) no CPU. Machines here are noisy:
-compare ratios.
+compare ratios. ``--device cuda`` runs (a) and (b) on the GPU, each with
+``gpu_memory_utilization`` 0.3 (tests/device_spec.py), ``--graphs`` with CUDA graphs instead of
+eager; ``--quick`` is a smoke run (``--loads 1:4,4:16 --output-len 16``, no wait for an idle
+machine).
 """
 
 from __future__ import annotations
@@ -42,16 +46,19 @@ import httpx
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from atomr_infer.local_ray import free_port  # noqa: E402 - after the path insert
+from tests.device_spec import SHARED_GPU_MEMORY, add_device_options, smollm2_on  # noqa: E402
 from tests.vllm_serve import vllm_server  # noqa: E402
 
 SERVED_NAME = "smollm2"
 START_TIMEOUT_S = 600
 
 
-def spec():  # noqa: ANN201 - a Deployment
-    from atomr_infer.spec import load_deployments
+DEVICE = {"device": "cpu", "graphs": False}  # --device and --graphs (main_cli sets them)
 
-    return load_deployments(os.path.join(REPO, "deployments", "smollm2.yaml"))[0]
+
+def spec():  # noqa: ANN201 - a Deployment
+    """deployments/smollm2.yaml on ``--device``; on cuda vllm serve and atomr share the GPU."""
+    return smollm2_on(**DEVICE, gpu_memory_utilization=SHARED_GPU_MEMORY)
 
 
 def wait_http(url: str, proc: subprocess.Popen | None, log_path: str | None = None) -> None:
@@ -261,7 +268,15 @@ def main_cli() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="Interleaved rounds (medians are reported).")
     parser.add_argument("--no-rayllm", action="store_true", help="Leave out Ray Serve LLM (it needs pyarrow).")
     parser.add_argument("--cpu-threads", type=int, help="atomr replica's cpu_threads (default: node cores)")
+    add_device_options(parser)
+    parser.add_argument("--quick", action="store_true",
+                        help="A smoke run: --loads 1:4,4:16 --output-len 16, no wait for an idle machine.")
     opts = parser.parse_args()
+    if opts.device != "cpu" and not opts.no_rayllm:
+        parser.error("Ray Serve LLM runs on the CPU only here (scripts/rayllm_peer.py): add --no-rayllm")
+    DEVICE.update(device=opts.device, graphs=opts.graphs)
+    if opts.quick:
+        opts.loads, opts.output_len = "1:4,4:16", 16
     loads = [tuple(int(x) for x in item.split(":")) for item in opts.loads.split(",")]
 
     from atomr_infer.models import prepare_bundled
@@ -269,7 +284,8 @@ def main_cli() -> None:
     model_dir = str(prepare_bundled("smollm2-135m-instruct"))
     started = time.monotonic()
     loadavg = "/".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"random dataset, {opts.input_len} in / {opts.output_len} out, ignore_eos, temperature 0; "
+    print(f"device {opts.device}, {'CUDA graphs' if opts.graphs else 'eager'}; "
+          f"random dataset, {opts.input_len} in / {opts.output_len} out, ignore_eos, temperature 0; "
           f"load average {loadavg} on {os.cpu_count()} CPUs", flush=True)
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack:
@@ -287,7 +303,8 @@ def main_cli() -> None:
 
             urls["rayllm"], roots["rayllm"] = stack.enter_context(rayllm_server(wait_http, free_port))
         names = list(urls)
-        settle()
+        if not opts.quick:
+            settle()
         for round_ in range(opts.rounds):
             # Rotate which server goes first, so slow drifts in background load hit all alike.
             order = names[round_ % len(names):] + names[:round_ % len(names)]

@@ -2,8 +2,11 @@
 """Throughput of a VllmReplica (and the Client's router) against raw ``vllm.LLM``, in one run.
 
     .venv/bin/python scripts/bench_replica.py [--sizes 64,256,1024:32] [--tokens 64]
+                                              [--device cpu|cuda] [--graphs] [--quick]
 
-A size is N prompts, or N:T for N prompts of T tokens each (else --tokens).
+A size is N prompts, or N:T for N prompts of T tokens each (else --tokens). ``--device cuda``
+runs every arm on the GPU (tests/device_spec.py: the spec with ``gpu_memory_utilization`` 0.3),
+``--graphs`` with CUDA graphs instead of eager, ``--quick`` a smoke run (``--sizes 8,32:16``).
 
 (a) raw ``vllm.LLM.generate`` of N prompts x T tokens (ignore_eos), in its own process;
 (b) the same N requests through the engine interface of a ``VllmReplica`` (engine/backend.py
@@ -33,6 +36,9 @@ import types
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from tests.device_spec import add_device_options  # noqa: E402 - after the path insert
+
+QUICK_SIZES = "8,32:16"
 
 
 def prompts(n: int, arm: str) -> list[str]:
@@ -41,10 +47,12 @@ def prompts(n: int, arm: str) -> list[str]:
     return [f"{arm}{n}-{i}: write a short story about a lighthouse keeper." for i in range(n)]
 
 
-def spec():
-    from atomr_infer.spec import load_deployments
+def spec(opts: argparse.Namespace):  # noqa: ANN201 - a Deployment
+    """deployments/smollm2.yaml on ``--device``; on cuda the GPU is shared (the raw arm's
+    process may not have let go of its memory when the replica starts)."""
+    from tests.device_spec import SHARED_GPU_MEMORY, smollm2_on
 
-    return load_deployments(os.path.join(REPO, "deployments", "smollm2.yaml"))[0]
+    return smollm2_on(opts.device, graphs=opts.graphs, gpu_memory_utilization=SHARED_GPU_MEMORY)
 
 
 def parse_sizes(text: str, tokens: int) -> dict[int, int]:
@@ -56,14 +64,14 @@ def parse_sizes(text: str, tokens: int) -> dict[int, int]:
     return out
 
 
-def raw_main(sizes: dict[int, int]) -> None:
+def raw_main(sizes: dict[int, int], opts: argparse.Namespace) -> None:
     """Child process: raw vllm.LLM throughput for each size, as one JSON line."""
     from vllm import LLM, SamplingParams
 
     from atomr_infer.engine.vllm.engine_args import engine_args
     from atomr_infer.models import prepare_bundled
 
-    args = engine_args(spec(), str(prepare_bundled("smollm2-135m-instruct")), "cpu")
+    args = engine_args(spec(opts), str(prepare_bundled("smollm2-135m-instruct")), opts.device)
     llm = LLM(**args)
     llm.generate(["warm up"], SamplingParams(max_tokens=8), use_tqdm=False)
     out = {}
@@ -89,14 +97,14 @@ async def through(stream_fn, n: int, tokens: int, arm: str) -> float:
     return sum(counts) / (time.perf_counter() - started)
 
 
-def backend_main(sizes: dict[int, int]) -> None:
+def backend_main(sizes: dict[int, int], opts: argparse.Namespace) -> None:
     """Child process: a VllmReplica's backend, driven through the engine interface."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     from atomr_infer.replica.actor import VllmReplica
 
-    replica = VllmReplica(spec(), "bench")
+    replica = VllmReplica(spec(opts), "bench")
 
     async def via_backend(req):
         params = SamplingParams(max_tokens=req["max_tokens"], ignore_eos=True, temperature=0,
@@ -116,7 +124,8 @@ def backend_main(sizes: dict[int, int]) -> None:
 
 def child(flag: str, opts: argparse.Namespace) -> dict[int, float]:
     proc = subprocess.run(
-        [sys.executable, __file__, flag, "--sizes", opts.sizes, "--tokens", str(opts.tokens)],
+        [sys.executable, __file__, flag, "--sizes", opts.sizes, "--tokens", str(opts.tokens),
+         "--device", opts.device, *(["--graphs"] if opts.graphs else [])],
         capture_output=True, text=True, check=True,
     )
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT "))
@@ -127,17 +136,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="64,256,1024:32")
     ap.add_argument("--tokens", type=int, default=64)
+    add_device_options(ap)
+    ap.add_argument("--quick", action="store_true", help="A smoke run: --sizes 8,32:16 (ratios mean little).")
     ap.add_argument("--raw-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend-child", action="store_true", help=argparse.SUPPRESS)
     opts = ap.parse_args()
+    if opts.quick:
+        opts.sizes = QUICK_SIZES
     sizes = parse_sizes(opts.sizes, opts.tokens)
     if opts.raw_child:
-        raw_main(sizes)
+        raw_main(sizes, opts)
         return
     if opts.backend_child:
-        backend_main(sizes)
+        backend_main(sizes, opts)
         return
 
+    print(f"device {opts.device}, {'CUDA graphs' if opts.graphs else 'eager'}", flush=True)
     print(f"(a) raw vllm.LLM, {', '.join(f'{n}x{t}' for n, t in sizes.items())} prompts x tokens ...", flush=True)
     raw = child("--raw-child", opts)
     print("    " + ", ".join(f"{n} prompts: {v:.1f} tok/s" for n, v in raw.items()), flush=True)
@@ -156,7 +170,7 @@ def main() -> None:
     )
     try:
         manager = get_manager()
-        d = spec()
+        d = spec(opts)
         ray.get(manager.apply.remote(d))
         ray.get(manager.wait_ready.remote(d.name, 600))
         client = Client(manager=manager)

@@ -34,10 +34,12 @@ API_SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
 
 def vllm_serve_command(spec, model_dir: str, port: int, server: list[str] = API_SERVER) -> list[str]:  # noqa: ANN001
+    """On the spec's device (``auto``: as a replica on this host would resolve it)."""
+    from atomr_infer.engine.device import resolve_device
     from atomr_infer.engine.vllm.engine_args import as_cli_flags, engine_args
     from atomr_infer.engine.vllm.openai_app import server_flags
 
-    flags = [*server_flags(spec), *as_cli_flags(engine_args(spec, str(model_dir), "cpu"))]
+    flags = [*server_flags(spec), *as_cli_flags(engine_args(spec, str(model_dir), resolve_device(spec)))]
     return [*server, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *flags]
 
 
