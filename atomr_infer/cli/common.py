@@ -77,6 +77,11 @@ def connect(address: str | None, start: bool, announce: bool = True) -> None:
         cluster.connect(address, start=start)
     except AtomrError:
         raise
+    except ImportError as exc:
+        raise AtomrError(
+            f"Ray cannot be imported here: {type(exc).__name__}: {one_line(exc)} (hint: `atomr probe` checks "
+            "this host; `make setup` or pip install 'ray[serve]' repairs it)"
+        ) from exc
     except Exception as exc:  # ConnectionError, RuntimeError from ray.init: one line
         raise AtomrError(f"could not connect to Ray: {one_line(exc)}") from exc
 

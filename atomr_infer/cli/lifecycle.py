@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from atomr_infer.cli import common
-from atomr_infer.cli.app import EXIT_OK, app, err, fail, out
+from atomr_infer.cli.app import EXIT_FAILED, EXIT_OK, app, err, fail, out
 from atomr_infer.errors import AtomrError, one_line
 
 if TYPE_CHECKING:
@@ -126,10 +126,16 @@ def down_command(
     timeout: float = typer.Option(120.0, "--timeout", min=1.0, help="Seconds to wait for replicas to stop."),
 ) -> None:
     """Remove every deployment, stop the manager, and stop the Ray that `atomr up` started."""
-    import ray
-
     from atomr_infer import cluster
 
+    try:
+        import ray
+    except ImportError as exc:  # nothing can be asked of the cluster: stop atomr's head outright
+        _line("Ray", f"cannot be imported here: {type(exc).__name__}: {one_line(exc)}")
+        stopped = _stop_stale_head()
+        _line("Ray", f"stopped the local head atomr started ({stopped} processes; its replicas were not "
+                     "drained)" if stopped else "no local head atomr started is running here")
+        raise typer.Exit(EXIT_OK if stopped is not None else EXIT_FAILED) from None
     try:
         common.connect(address, start=False)
     except AtomrError:
@@ -241,8 +247,9 @@ def _started_by_atomr(port: int) -> bool:
     return recorded.endswith(f":{port}") and started_before(port, written)
 
 
-def _stop_stale_head() -> None:
-    """No cluster answers, but atomr's head may have left processes behind: stop them."""
+def _stop_stale_head() -> int | None:
+    """No cluster answers (or Ray cannot be imported here), but atomr's head may have left
+    processes behind: stop them. How many were stopped; None where atomr started no head."""
     from atomr_infer import cluster
     from atomr_infer.local_ray import head_processes, stop_head
 
@@ -250,8 +257,8 @@ def _stop_stale_head() -> None:
     try:
         port = int(marker.read_text().strip().rsplit(":", 1)[1])
     except (OSError, ValueError, IndexError):
-        return
-    if head_processes(port) and _started_by_atomr(port):
-        stop_head(port)
+        return None
+    stopped = stop_head(port) if head_processes(port) and _started_by_atomr(port) else None
     with contextlib.suppress(OSError):
         marker.unlink()
+    return stopped

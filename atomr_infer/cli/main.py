@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from atomr_infer.cli import chat, deploy, lifecycle, probe, serve, status, validate  # noqa: F401 - registers the commands
-from atomr_infer.cli.app import EXIT_INTERRUPTED, app, err
+from atomr_infer.cli.app import EXIT_FAILED, EXIT_INTERRUPTED, app, err
 
 
 def main() -> None:
@@ -18,6 +18,15 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(EXIT_INTERRUPTED)
+    except ImportError as exc:  # a part of Ray, vLLM or torch this host cannot load: one line
+        from atomr_infer.errors import one_line
+
+        what = exc.name or "a part of Ray, vLLM or torch"
+        err.print(
+            f"error: {what} cannot be imported here: {type(exc).__name__}: {one_line(exc)} "
+            "(hint: `atomr probe` checks this host; `make setup` repairs it)", markup=False,
+        )
+        sys.exit(EXIT_FAILED)
 
 
 if __name__ == "__main__":
