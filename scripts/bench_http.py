@@ -146,8 +146,11 @@ def settle(limit_s: float = 120.0, busy_below: float = 0.2) -> None:
 def stack_pss_gib(roots: dict[str, int]) -> dict[str, float]:
     """Memory (PSS, GiB) of each stack: the process trees in ``roots`` (name -> pid), and every
     other process this script started (Ray's head, the manager, the replica, Serve's proxy and
-    ingress) for atomr. This script itself is counted for none."""
+    ingress) for atomr, whose processes are printed one per row (scripts/process_table.py).
+    This script itself is counted for none."""
     import psutil
+
+    from scripts.process_table import table
 
     owner: dict[int, str] = {}
     for name, pid in roots.items():
@@ -156,9 +159,14 @@ def stack_pss_gib(roots: dict[str, int]) -> dict[str, float]:
             for proc in (root, *root.children(recursive=True)):
                 owner[proc.pid] = name
     out = {name: 0.0 for name in (*roots, "atomr")}
+    atomr = []
     for proc in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             out[owner.get(proc.pid, "atomr")] += proc.memory_full_info().pss / 2**30
+            if proc.pid not in owner:
+                atomr.append(proc)
+    print("atomr's processes:")
+    table(atomr)
     return out
 
 

@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,62 +32,8 @@ import psutil
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from atomr_infer.local_ray import free_port, head_processes  # noqa: E402 - after the path insert
+from scripts.process_table import table  # noqa: E402
 from tests.atomr_serve import ATOMR_COMMAND, AtomrServe  # noqa: E402
-
-HEAVY = {"torch": ("libtorch_cpu.so", "libtorch_cuda.so"), "vllm": ("vllm/_C", "vllm/_moe_C"), "cuda": ("libcuda.so",)}
-ENGINE_SIDE = ("ray::VllmReplica", "EngineCore", "VllmWorker")  # the engines and what they start
-
-
-def role(proc: psutil.Process) -> str:
-    """A short name for what the process is (Ray's process titles, else its command)."""
-    with contextlib.suppress(psutil.Error):
-        args = proc.cmdline()
-        first = args[0] if args else proc.name()
-        if first.startswith("ray::") or first.startswith("ray-dashboard-"):
-            return first.split(" (")[0].split("(")[0]
-        if "EngineCore" in proc.name() or "VLLM" in proc.name().upper():
-            return proc.name()
-        joined = " ".join(args)
-        for name in ("gcs_server", "raylet", "dashboard.py", "log_monitor", "monitor.py", "client.server",
-                     "forkserver", "atomr"):
-            if name in joined:
-                return name
-        return os.path.basename(first)
-    return "?"
-
-
-def heavy(pid: int) -> str:
-    """Which of torch, vLLM's compiled code and libcuda the process has mapped."""
-    try:
-        maps = Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return ""
-    return ",".join(name for name, files in HEAVY.items() if any(f in maps for f in files))
-
-
-def engine_side(name: str) -> bool:
-    return any(name.startswith(e) for e in ENGINE_SIDE)
-
-
-def table(procs: list[psutil.Process]) -> dict[str, float]:
-    """Prints one row per process (the engines' last) and the two totals; returns them."""
-    rows = []
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            rows.append((role(proc), proc.pid, proc.memory_full_info().pss / 2**30, heavy(proc.pid)))
-    rows.sort(key=lambda r: (engine_side(r[0]), -r[2]))
-    totals = {"engines": 0.0, "rest": 0.0}
-    print(f"{'process':<40} {'pid':>8} {'PSS GiB':>8}  maps")
-    for name, pid, pss, libs in rows:
-        totals["engines" if engine_side(name) else "rest"] += pss
-        print(f"{name[:40]:<40} {pid:>8} {pss:>8.3f}  {libs}")
-    rest = [r for r in rows if not engine_side(r[0])]
-    loaded = [f"{name} ({libs})" for name, _, _, libs in rest if libs]
-    idle = sum(1 for r in rest if r[0] == "ray::IDLE")
-    print(f"replicas and engine cores: {totals['engines']:.2f} GiB; everything else: {totals['rest']:.2f} GiB "
-          f"(target <= 1.0) in {len(rest)} processes, {idle} of them idle Ray workers")
-    print("torch/vLLM outside the replicas: " + (", ".join(loaded) if loaded else "none"))
-    return totals
 
 
 def spec_file(directory: str, device: str, gpus: int) -> str:
@@ -125,8 +72,9 @@ def stack(opts: argparse.Namespace) -> Iterator[tuple[dict[str, str], int]]:
             atomr("down", timeout=180)
 
 
-def manager_imports(env: dict[str, str]) -> None:
-    """What the manager says it imported of torch and vLLM, and from where (heavy_imports.py)."""
+def manager_imports(env: dict[str, str]) -> bool:
+    """What the manager says it imported of torch and vLLM, and from where (heavy_imports.py);
+    whether it imported neither."""
     code = (
         "import json; from atomr_infer.control.client import manager_handle; import ray; "
         "print(json.dumps(ray.get(manager_handle(start=False).process_report.remote())))"
@@ -140,6 +88,7 @@ def manager_imports(env: dict[str, str]) -> None:
         print(f"manager imported {module}, from:\n{stack}")
     if imports == {}:
         print("manager: imported neither torch nor vLLM")
+    return imports == {}
 
 
 def main() -> None:
@@ -151,7 +100,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=2.0, help="the emulated engine's step")
     opts = parser.parse_args()
     if opts.engine is None:
-        opts.engine = "real" if Path("/dev/nvidia0").exists() else "emulated"
+        opts.engine = "real" if Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi") else "emulated"
     import httpx
 
     with stack(opts) as (env, port):
@@ -168,10 +117,12 @@ def main() -> None:
             procs = [*head_processes(port), serve, *serve.children(recursive=True)]
             print(f"engine: {opts.engine}; head advertising {opts.cpus} CPUs and {opts.gpus} GPUs; "
                   "deployed smollm2 (device: cuda), atomr serve up, 3 requests served")
-            table(list({p.pid: p for p in procs}.values()))
-            manager_imports(env)
+            _, loaded = table(list({p.pid: p for p in procs}.values()))
+            clean = manager_imports(env)
         finally:
             server.interrupt()
+    if loaded or not clean:
+        sys.exit("torch or vLLM is loaded outside the replicas (see above)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,66 @@
+"""One row per process: what it is, its memory (PSS), and whether it maps torch, vLLM's
+compiled code or libcuda. Printed by scripts/stack_memory.py and scripts/bench_http.py."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import psutil
+
+HEAVY = {"torch": ("libtorch_cpu.so", "libtorch_cuda.so"), "vllm": ("vllm/_C", "vllm/_moe_C"), "cuda": ("libcuda.so",)}
+ENGINE_SIDE = ("ray::VllmReplica", "EngineCore", "VllmWorker")  # the engines and what they start
+
+
+def role(proc: psutil.Process) -> str:
+    """A short name for what the process is (Ray's process titles, else its command)."""
+    with contextlib.suppress(psutil.Error):
+        args = proc.cmdline()
+        first = args[0] if args else proc.name()
+        if first.startswith("ray::") or first.startswith("ray-dashboard-"):
+            return first.split(" (")[0].split("(")[0]
+        if "EngineCore" in proc.name() or "VLLM" in proc.name().upper():
+            return proc.name()
+        joined = " ".join(args)
+        for name in ("gcs_server", "raylet", "dashboard.py", "log_monitor", "monitor.py", "client.server",
+                     "forkserver", "atomr"):
+            if name in joined:
+                return name
+        return os.path.basename(first)
+    return "?"
+
+
+def heavy(pid: int) -> str:
+    """Which of torch, vLLM's compiled code and libcuda the process has mapped."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return ""
+    return ",".join(name for name, files in HEAVY.items() if any(f in maps for f in files))
+
+
+def engine_side(name: str) -> bool:
+    return any(name.startswith(e) for e in ENGINE_SIDE)
+
+
+def table(procs: list[psutil.Process]) -> tuple[dict[str, float], list[str]]:
+    """Prints one row per process (the engines' last) and the two totals; returns them, and
+    the processes other than the engines' that map torch, vLLM or libcuda."""
+    rows = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            rows.append((role(proc), proc.pid, proc.memory_full_info().pss / 2**30, heavy(proc.pid)))
+    rows.sort(key=lambda r: (engine_side(r[0]), -r[2]))
+    totals = {"engines": 0.0, "rest": 0.0}
+    print(f"{'process':<40} {'pid':>8} {'PSS GiB':>8}  maps")
+    for name, pid, pss, libs in rows:
+        totals["engines" if engine_side(name) else "rest"] += pss
+        print(f"{name[:40]:<40} {pid:>8} {pss:>8.3f}  {libs}")
+    rest = [r for r in rows if not engine_side(r[0])]
+    loaded = [f"{name} ({libs})" for name, _, _, libs in rest if libs]
+    idle = sum(1 for r in rest if r[0] == "ray::IDLE")
+    print(f"replicas and engine cores: {totals['engines']:.2f} GiB; everything else: {totals['rest']:.2f} GiB "
+          f"(target <= 1.0) in {len(rest)} processes, {idle} of them idle Ray workers")
+    print("torch/vLLM outside the replicas: " + (", ".join(loaded) if loaded else "none"))
+    return totals, loaded
