@@ -3,14 +3,26 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test unit demo lint clean-ray
+.PHONY: setup test test-gpu unit demo lint clean-ray
 setup:
 	@bash scripts/setup.sh
 
-# tests/multinode joins a cluster of its own, so it runs in a pytest session of its own.
+# tests/multinode joins a cluster of its own, so it runs in a pytest session of its own. Then the
+# GPU smoke in its CPU mode (docs/gpu.md), so that its plumbing is tested on every change.
 test: setup
 	$(PY) -m pytest -q -rs --durations=10 $(PYTEST_ARGS)
 	$(PY) -m pytest -q -rs tests/multinode $(PYTEST_ARGS)
+	PY=$(PY) bash scripts/gpu_smoke.sh --device cpu
+
+# On a CUDA host, with no setup (`make setup` installs the CPU builds): the interpreter that has
+# vLLM's CUDA build, $(PY) where it exists, else python3 (`make test-gpu PY=...` picks another).
+# Both run, and it fails if either did.
+GPU_PY = $(if $(or $(filter command line,$(origin PY)),$(wildcard $(PY))),$(PY),python3)
+test-gpu:
+	status=0; \
+	$(GPU_PY) -m pytest -q -rs tests/gpu $(PYTEST_ARGS) || status=1; \
+	PY=$(GPU_PY) bash scripts/gpu_smoke.sh --device cuda || status=1; \
+	exit $$status
 
 unit: setup
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

@@ -6,7 +6,7 @@
 
 A size is N prompts, or N:T for N prompts of T tokens each (else --tokens). ``--device cuda``
 runs every arm on the GPU (tests/device_spec.py: the spec with ``gpu_memory_utilization`` 0.3),
-``--graphs`` with CUDA graphs instead of eager, ``--quick`` a smoke run (``--sizes 8,32:16``).
+``--graphs`` with CUDA graphs instead of eager, ``--quick`` a smoke run (``--sizes 8:16,32:16``).
 
 (a) raw ``vllm.LLM.generate`` of N prompts x T tokens (ignore_eos), in its own process;
 (b) the same N requests through the engine interface of a ``VllmReplica`` (engine/backend.py
@@ -38,7 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from tests.device_spec import add_device_options  # noqa: E402 - after the path insert
 
-QUICK_SIZES = "8,32:16"
+QUICK_SIZES = "8:16,32:16"
 
 
 def prompts(n: int, arm: str) -> list[str]:
@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="64,256,1024:32")
     ap.add_argument("--tokens", type=int, default=64)
     add_device_options(ap)
-    ap.add_argument("--quick", action="store_true", help="A smoke run: --sizes 8,32:16 (ratios mean little).")
+    ap.add_argument("--quick", action="store_true", help=f"A smoke run: --sizes {QUICK_SIZES} (ratios mean little).")
     ap.add_argument("--raw-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend-child", action="store_true", help=argparse.SUPPRESS)
     opts = ap.parse_args()

@@ -1,5 +1,6 @@
 """``atomr serve`` as a user runs it in a terminal: a subprocess whose output lines are read as
-they come, used by the e2e tier's session server (tests/e2e/conftest.py) and the CLI tests."""
+they come, used by the e2e tier's session server (tests/e2e/conftest.py), the CLI tests and the
+GPU smoke (scripts/gpu_smoke.py, which runs without pytest)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,23 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 ATOMR = Path(sys.executable).parent / "atomr"
+# The console script beside the interpreter, else the module it runs (packages installed
+# without their scripts, as on a GPU host's own venv with --target).
+ATOMR_COMMAND = [str(ATOMR)] if ATOMR.exists() else [sys.executable, "-m", "atomr_infer.cli.main"]
 READY_LINE = "Ctrl-C to stop."  # its last line once it serves
+
+
+class ServeDidNotStart(AssertionError):
+    """``atomr serve`` exited or said nothing within its start timeout (a test failure)."""
 
 
 class AtomrServe:
     def __init__(self, args: list[str], env: dict[str, str], start_timeout_s: float = 180.0,
                  cwd: Path | None = None) -> None:
-        """Start ``atomr serve *args`` and return once it says it serves (``pytest.fail`` if it
+        """Start ``atomr serve *args`` and return once it says it serves (``ServeDidNotStart`` if it
         exits or says nothing within ``start_timeout_s``, after killing it)."""
-        self.proc = subprocess.Popen([str(ATOMR), "serve", *args], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([*ATOMR_COMMAND, "serve", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
                                      stdin=subprocess.DEVNULL)
         self.lines: list[str] = []
@@ -31,7 +37,7 @@ class AtomrServe:
         while READY_LINE not in self.lines:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
-                pytest.fail("atomr serve did not start:\n" + "\n".join(self.lines[-40:]))
+                raise ServeDidNotStart("atomr serve did not start:\n" + "\n".join(self.lines[-40:]))
             time.sleep(0.2)
 
     def _read(self) -> None:
