@@ -57,8 +57,9 @@ def _ready_in(lines: list[str], name: str) -> str:
     return found[-1] if found else "?"
 
 
-def _one_ready(stack: Stack, name: str) -> dict[str, Any]:
-    ready = stack.head.ready_replicas(name)
+def _one_ready(stack: Stack, name: str, status: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The one ready replica of ``name`` (from ``status`` when given: one CLI call fewer)."""
+    ready = [r for r in (status or stack.head.status(name))["replicas"] if r["state"] == "ready"]
     if len(ready) != 1:
         raise CommandFailed(f"{name}: {len(ready)} ready replicas, expected 1")
     return ready[0]
@@ -140,11 +141,12 @@ def _stream(url: str, body: dict[str, Any], timeout: float) -> tuple[int, str, d
 def roll_to_graphs(stack: Stack, deadline: float) -> str:
     """``atomr deploy`` of the spec with CUDA graphs (``enforce_eager: false``): the replica is
     rolled. On cpu the spec keeps eager and rolls by ``restart_on_apply``."""
-    before, generation = _one_ready(stack, NAME), stack.head.status(NAME)["generation"]
+    status = stack.head.status(NAME)
+    before, generation = _one_ready(stack, NAME, status), status["generation"]
     fields = stack.fields(graphs=True) if stack.device == "cuda" else stack.fields(restart_on_apply=True)
     lines = stack.head.deploy(fields, deadline)
-    observed = stack.head.status(NAME)["observed_generation"]
-    after = _one_ready(stack, NAME)
+    status = stack.head.status(NAME)
+    observed, after = status["observed_generation"], _one_ready(stack, NAME, status)
     if after["actor_id"] == before["actor_id"] or observed != generation + 1:
         raise CommandFailed(f"not rolled: {before['actor_name']} still serves (generation {observed})")
     stack.head.chat(NAME, deadline)
