@@ -162,6 +162,12 @@ class DeploymentManager:
                 self._autoscale(name, managed)
             except Exception as exc:  # noqa: BLE001 - a failed look at the load never stops the loop
                 log.error("autoscale_failed", deployment=name, error=repr(exc))
+        for name, managed in self._desired.items():
+            if managed.reconciler.rolling:
+                try:
+                    managed.reconciler.surge_allowed = self._room_for_one_more(managed)
+                except Exception as exc:  # noqa: BLE001 - without an answer the roll surges as before
+                    log.error("surge_check_failed", deployment=name, error=repr(exc))
         for name, rec in [(n, d.reconciler) for n, d in self._desired.items()] + list(self._removing.items()):
             try:
                 routes_changed |= rec.update()
@@ -199,6 +205,13 @@ class DeploymentManager:
         cluster = cluster or self._cluster_view()
         sizes = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
         return scale_cap(spec, self._others(spec.name), cluster, current, wanted, sizes)
+
+    def _room_for_one_more(self, managed: ManagedDeployment) -> bool:
+        """Whether the budget has room for one more replica than the deployment wants (the
+        surge of a roll); on a one-GPU cluster it has not, and the roll goes stop-first."""
+        want = managed.reconciler.want
+        cap, _why = self._scale_cap(managed.spec, want, want + 1)
+        return cap > want
 
     def _others(self, name: str) -> list[Deployment]:
         """The other deployments as the budget counts them: at their current replica targets."""

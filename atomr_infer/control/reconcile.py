@@ -56,6 +56,10 @@ class DeploymentReconciler:
         self.observed_generation = 0
         self.replicas: list[ReplicaRecord] = []
         self.replicas_wanted: int | None = None  # the autoscaler's target; None: the spec's replicas
+        # False where the cluster has no room for one replica more (one GPU, held by the old
+        # replica): a roll then stops an old replica before it starts its replacement. The
+        # manager sets it from the budget while a roll is under way.
+        self.surge_allowed = True
         self.failures = 0
         self.recurring_failures = 0  # start failures that will recur, since the last success
         self.failure_kind = ""  # "recurring" | "transient", of the last failure
@@ -112,6 +116,11 @@ class DeploymentReconciler:
         """Requests open on the ready replicas, as of their last health checks."""
         return sum(r.handle.in_flight() for r in self.ready_replicas())
 
+    @property
+    def rolling(self) -> bool:
+        """Replicas of an older runtime key are still live: a roll is under way."""
+        return any(r.live and r.runtime_key != self.runtime_key for r in self.replicas)
+
     def ready_replicas(self) -> list[ReplicaRecord]:
         return [r for r in self.replicas if r.state == ReplicaState.READY]
 
@@ -166,7 +175,7 @@ class DeploymentReconciler:
             old.remove(r)
 
         # Start what is missing, within the surge allowance and the failure backoff.
-        surge = self._cfg.max_surge if old else 0
+        surge = self._cfg.max_surge if old and self.surge_allowed else 0
         room = want + surge - len(new) - len(old)
         to_start = min(want - len(new), room)
         if to_start > 0 and now >= self.next_start_at and not self.gave_up:

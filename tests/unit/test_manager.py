@@ -165,3 +165,32 @@ def test_a_restarted_manager_never_reuses_the_name_of_a_stopped_replica() -> Non
     second.call("apply", spec(replicas=1))
     second.converge()
     assert second.live() == ["atomr:demo:r2"]  # from the store: r0, r1 may still be stopping
+
+
+def test_a_roll_on_a_cluster_with_no_gpu_to_spare_stops_the_old_replica_first() -> None:
+    # One GPU, held by the running replica: a surge replica could never be placed (it waited
+    # for a GPU forever on a one-GPU host), so the roll replaces the old replica stop-first.
+    h = Harness()
+    h.manager._cluster_override = ClusterView(total_gpus=1, accelerator_type="L4", gpu_memory_bytes=24 << 30)
+    h.call("apply", spec())
+    h.converge()
+    assert h.live() == ["atomr:demo:r0"]
+    h.call("apply", spec(model="org/other"))
+    for _ in range(10):
+        h.manager.reconcile_once()
+        assert len(h.live()) <= 1  # never two at once: there is one GPU
+        h.launcher.make_ready()
+        for handle in h.launcher.started:
+            if handle.draining:
+                handle.drained = Poll.success()
+        h.clock.advance(1.0)
+    assert h.live() == ["atomr:demo:r1"]
+
+
+def test_a_roll_with_a_gpu_to_spare_starts_the_new_replica_first() -> None:
+    h = Harness()  # four GPUs
+    h.call("apply", spec())
+    h.converge()
+    h.call("apply", spec(model="org/other"))
+    h.manager.reconcile_once()
+    assert h.live() == ["atomr:demo:r0", "atomr:demo:r1"]  # r0 serves while r1 starts
