@@ -94,7 +94,9 @@ class VllmReplica:
         self._log.info("replica_start_progress", step=message)
 
     def _engine_failed(self, exc: BaseException) -> None:
-        if self._life.to(ReplicaState.UNHEALTHY, f"failed: {type(exc).__name__}", exc):
+        # A core process's own exception is named, not its wrapper's (engine/vllm/core_failure.py).
+        kind = getattr(exc, "type_name", None) or type(exc).__name__
+        if self._life.to(ReplicaState.UNHEALTHY, f"failed: {kind}", exc):
             self._log.error("engine_failed", error=repr(exc), open_requests=self._open_requests())
 
     def _open_requests(self) -> int:

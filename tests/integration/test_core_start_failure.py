@@ -59,6 +59,8 @@ def test_the_replica_raises_the_core_processes_own_exception(ray_cluster, unbuil
         # the model code's own words, from the worker process under the core
         assert "ValueError" in err.message and "no_such_activation" in err.message, err.message
         assert err.recurring
+        phase = ray.get(actor.stats.remote()).phase  # what `atomr deploy` shows: never the wrapper's name
+        assert phase.startswith("failed") and "CoreStartFailed" not in phase, phase
     finally:
         with contextlib.suppress(Exception):
             ray.kill(actor)
