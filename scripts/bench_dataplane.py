@@ -2,7 +2,7 @@
 """The data plane's own cost, on any CPU: an emulated engine at GPU rates behind a replica.
 
     .venv/bin/python scripts/bench_dataplane.py [--streams 64,256,1024] [--step-ms 10]
-        [--tokens 200] [--paths local,backend,router,client,http,vllm]
+        [--tokens 200] [--paths local,backend,router,client,http,vllm] [--core-process]
 
 The replica runs ``atomr_infer.engine.vllm.emulated``: vLLM's real front half (tokenizer, output
 processing, and vLLM's OpenAI server in the replica) over a core that steps every
@@ -25,6 +25,9 @@ number of streams, that many streamed completions of ``--tokens`` tokens are sen
   like ``http``: what a user of vLLM's own server gets on this CPU.
 delivered = completion tokens / wall time from the first request sent to the last token;
 ideal = tokens x step time (every stream running from the start). Compare ratios from one run.
+With ``--core-process`` the emulated core runs in a process of its own behind vLLM's own
+``SyncMPClient`` (ZMQ, msgpack, its receiving thread), as a GPU's core does, in every arm; the
+``vllm`` peer's too (``AsyncMPClient``). Without it (the default) the core is a thread.
 Each line also gives when the last stream's first output arrived (admission: vLLM's request
 parsing, tokenizing and input processing, per request, plus the transport's open) and
 streaming/ideal: the same ratio without that time, (tokens x step) / (wall - admission), the
@@ -108,7 +111,7 @@ async def via_backend(replica, i: int, tokens: int) -> int:
 
 
 async def local_arm(
-    model_dir: str, step_s: float, sizes: list[int], tokens: int, paths: list[str]
+    model_dir: str, step_s: float, sizes: list[int], tokens: int, paths: list[str], core_process: bool
 ) -> dict[str, dict[int, float]]:
     """delivered/ideal with no transport: a VllmReplica object in this process (``local``), and
     its backend alone (``backend``)."""
@@ -118,7 +121,8 @@ async def local_arm(
     # A replica tunes its process's collector and GIL switch interval (serving_process.py):
     # put this process back as it was after, so that the other arms measure a caller's process.
     threshold, switch = gc.get_threshold(), sys.getswitchinterval()
-    replica = VllmReplica(spec_of(model_dir), "local", backend=emulated_backend(model_dir, step_s))
+    backend = emulated_backend(model_dir, step_s, core_process)
+    replica = VllmReplica(spec_of(model_dir), "local", backend=backend)
     try:
         await replica.ready(300)
         arms = {"local": via_local, "backend": via_backend}
@@ -199,6 +203,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--paths", default="local,router,client,http,vllm")
     ap.add_argument("--port", type=int, default=8011)
+    ap.add_argument("--core-process", action="store_true",
+                    help="the emulated core in a process of its own (vLLM's SyncMPClient/AsyncMPClient), as on a GPU")
     opts = ap.parse_args()
     sizes = [int(s) for s in opts.streams.split(",")]
     paths = opts.paths.split(",")
@@ -218,7 +224,7 @@ def main() -> None:
     model_dir = str(prepare_bundled("smollm2-135m-instruct"))
     results: dict[str, dict[int, float]] = {}
     if "local" in paths or "backend" in paths:
-        results.update(asyncio.run(local_arm(model_dir, step_s, sizes, opts.tokens, paths)))
+        results.update(asyncio.run(local_arm(model_dir, step_s, sizes, opts.tokens, paths, opts.core_process)))
     remote = [p for p in paths if p not in ("local", "backend")]
     stack = contextlib.ExitStack()
     vllm_url = ""
@@ -226,15 +232,16 @@ def main() -> None:
         from tests.vllm_serve import vllm_server
 
         script = os.path.join(REPO, "scripts", "emulated_vllm_serve.py")
-        peer = [sys.executable, script, "--step-ms", str(opts.step_ms), "--"]
+        peer = [sys.executable, script, "--step-ms", str(opts.step_ms),
+                *(["--core-process"] if opts.core_process else []), "--"]
         vllm_url = stack.enter_context(vllm_server(spec_of(model_dir), model_dir, print, server=peer))
     os.environ.pop("RAY_ADDRESS", None)
     server = None
     try:
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
                  logging_level="ERROR")
-        launcher = RayReplicaLauncher(lambda spec: False,
-                                      replica_kwargs={"backend": emulated_backend(model_dir, step_s)})
+        backend = emulated_backend(model_dir, step_s, opts.core_process)
+        launcher = RayReplicaLauncher(lambda spec: False, replica_kwargs={"backend": backend})
         manager = ray.remote(DeploymentManager).options(
             name=MANAGER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000,
         ).remote(launcher=launcher, store=MemoryStore())
@@ -285,7 +292,8 @@ def main() -> None:
     from atomr_infer.engine.cpu import machine_line
 
     print(f"\nCPU: {machine_line()}")
-    print(f"emulated engine, {opts.step_ms:g} ms per step, {opts.tokens} tokens per stream")
+    where = "in a process of its own" if opts.core_process else "in a thread"
+    print(f"emulated engine, {opts.step_ms:g} ms per step, core {where}, {opts.tokens} tokens per stream")
     print(f"{'streams':>8} " + " ".join(f"{p:>8}" for p in paths))
     for n in sizes:
         print(f"{n:>8} " + " ".join(f"{results[p][n]:>8.3f}" for p in paths))
