@@ -71,6 +71,10 @@ def start_local_head(dashboard: bool = True) -> str:
         cmd.append(f"--temp-dir={os.environ['ATOMR_RAY_TEMP_DIR']}")
     if os.environ.get("ATOMR_RAY_NUM_GPUS"):  # logical GPUs, for tests of placement on CPU hosts
         cmd.append(f"--num-gpus={os.environ['ATOMR_RAY_NUM_GPUS']}")
+    # No log monitor (45 MiB): it streams workers' output to drivers, and atomr's drivers take
+    # none (log_to_driver=False); `atomr logs` and the dashboard read the log files themselves.
+    if os.environ.get("ATOMR_RAY_LOG_MONITOR", "0") != "1":
+        cmd.append("--include-log-monitor=false")
     if os.environ.get("ATOMR_RAY_NUM_CPUS"):  # a GPU node's core count, reproduced on a small host
         cmd.append(f"--num-cpus={os.environ['ATOMR_RAY_NUM_CPUS']}")
     # No idle workers started ahead of need: atomr starts its actors one by one, each in a
