@@ -10,7 +10,8 @@ from pathlib import Path
 import psutil
 
 HEAVY = {"torch": ("libtorch_cpu.so", "libtorch_cuda.so"), "vllm": ("vllm/_C", "vllm/_moe_C"), "cuda": ("libcuda.so",)}
-ENGINE_SIDE = ("ray::VllmReplica", "EngineCore", "VllmWorker")  # the engines and what they start
+# The replicas and what they start: vLLM titles its processes VLLM::EngineCore_DP0, VLLM::Worker_TP0.
+ENGINE_SIDE = ("ray::VllmReplica", "VLLM::", "EngineCore")
 
 
 def role(proc: psutil.Process) -> str:
@@ -18,7 +19,7 @@ def role(proc: psutil.Process) -> str:
     with contextlib.suppress(psutil.Error):
         args = proc.cmdline()
         first = args[0] if args else proc.name()
-        if first.startswith("ray::") or first.startswith("ray-dashboard-"):
+        if first.startswith(("ray::", "ray-dashboard-", "VLLM::")):
             return first.split(" (")[0].split("(")[0]
         if "EngineCore" in proc.name() or "VLLM" in proc.name().upper():
             return proc.name()

@@ -50,7 +50,9 @@ class AtomrHead:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="atomr-gpu-", dir="/tmp"))
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
-        inherited = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "ATOMR_RAY_"))}
+        # Not the caller's Ray, nor an emulated engine (ATOMR_EMULATED_STEP_MS) in place of the real one.
+        inherited = {k: v for k, v in os.environ.items()
+                     if not k.startswith(("RAY_", "ATOMR_RAY_")) and k != "ATOMR_EMULATED_STEP_MS"}
         self.env = {
             **inherited,
             "ATOMR_RAY_PORT": str(self.port),
@@ -89,8 +91,8 @@ class AtomrHead:
     def deploy(self, fields: dict[str, Any], deadline: float) -> list[str]:
         """``atomr deploy`` of a spec (its fields), waiting until every replica is ready; its
         lines. Fails early, naming the replica, when a rollout waits ``STUCK_S`` for a GPU with
-        nothing else happening: a roll starts the new replica before the old one stops, so on a
-        cluster with no spare GPU it can wait forever."""
+        nothing else happening (a roll is stop-first where the budget has no GPU to spare, so
+        this is a guard against that going wrong, not an expected wait)."""
         path = self.write_spec(fields)
         cmd = [*ATOMR_COMMAND, "deploy", str(path), "--timeout", str(int(left(deadline)))]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
@@ -105,8 +107,8 @@ class AtomrHead:
                     seen, last_change = len(lines), time.monotonic()
                 waiting = lines and "waiting for a node with" in lines[-1] and "GPU" in lines[-1]
                 if waiting and time.monotonic() - last_change > STUCK_S:
-                    raise CommandFailed(f"rollout stuck for {STUCK_S:.0f}s: {lines[-1].strip()} (a roll starts the "
-                                        "new replica before it stops the old one; this cluster has no GPU to spare)")
+                    raise CommandFailed(f"rollout stuck for {STUCK_S:.0f}s: {lines[-1].strip()} (with no GPU to "
+                                        "spare a roll should stop the old replica first)")
                 left(deadline)
                 time.sleep(0.5)
         finally:
@@ -153,11 +155,14 @@ class AtomrHead:
         return bool(head_processes(self.port))
 
     def down(self, timeout: float = 300) -> subprocess.CompletedProcess[str] | None:
-        """``atomr down`` (None when no head runs), then stop whatever of the head is left."""
+        """``atomr down`` (None when no head runs), then stop whatever of the head is left;
+        ``left_after_down`` says how many of its processes ``atomr down`` itself left running."""
         proc = None
+        self.left_after_down = 0
         if self.running():
             try:
                 proc = self.atomr("down", timeout=timeout, check=False)
+                self.left_after_down = len(head_processes(self.port))
             finally:
                 stop_head(self.port)
         return proc

@@ -13,13 +13,14 @@ machine with it.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import TYPE_CHECKING
 
 import typer
 
 from atomr_infer.cli import common
-from atomr_infer.cli.app import EXIT_FAILED, EXIT_OK, app, err, fail, out
+from atomr_infer.cli.app import EXIT_OK, app, err, fail, out
 from atomr_infer.errors import AtomrError, one_line
 
 if TYPE_CHECKING:
@@ -132,10 +133,13 @@ def down_command(
         import ray
     except ImportError as exc:  # nothing can be asked of the cluster: stop atomr's head outright
         _line("Ray", f"cannot be imported here: {type(exc).__name__}: {one_line(exc)}")
+        target = address or os.environ.get("RAY_ADDRESS", "").strip()
+        if target and target.rsplit(":", 1)[0] not in ("127.0.0.1", "localhost"):
+            fail(AtomrError(f"the cluster at {target} cannot be reached without Ray; nothing was stopped"))
         stopped = _stop_stale_head()
         _line("Ray", f"stopped the local head atomr started ({stopped} processes; its replicas were not "
-                     "drained)" if stopped else "no local head atomr started is running here")
-        raise typer.Exit(EXIT_OK if stopped is not None else EXIT_FAILED) from None
+                     "drained)" if stopped else "no local head atomr started is running here; nothing to stop")
+        raise typer.Exit(EXIT_OK) from None
     try:
         common.connect(address, start=False)
     except AtomrError:

@@ -19,6 +19,8 @@ def main() -> None:
         err.print("interrupted")
         sys.exit(EXIT_INTERRUPTED)
     except ImportError as exc:  # a part of Ray, vLLM or torch this host cannot load: one line
+        if (exc.name or "").startswith("atomr_infer"):
+            raise  # a bug of atomr's own, not this host's: its traceback
         from atomr_infer.errors import one_line
 
         what = exc.name or "a part of Ray, vLLM or torch"

@@ -167,6 +167,7 @@ class DeploymentManager:
                 try:
                     managed.reconciler.surge_allowed = self._room_for_one_more(managed)
                 except Exception as exc:  # noqa: BLE001 - without an answer the roll surges as before
+                    managed.reconciler.surge_allowed = True
                     log.error("surge_check_failed", deployment=name, error=repr(exc))
         for name, rec in [(n, d.reconciler) for n, d in self._desired.items()] + list(self._removing.items()):
             try:
@@ -207,8 +208,7 @@ class DeploymentManager:
         return scale_cap(spec, self._others(spec.name), cluster, current, wanted, sizes)
 
     def _room_for_one_more(self, managed: ManagedDeployment) -> bool:
-        """Whether the budget has room for one more replica than the deployment wants (the
-        surge of a roll); on a one-GPU cluster it has not, and the roll goes stop-first."""
+        """Room in the budget for a roll's surge replica (none on one GPU: the roll is stop-first)."""
         want = managed.reconciler.want
         cap, _why = self._scale_cap(managed.spec, want, want + 1)
         return cap > want

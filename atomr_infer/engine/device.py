@@ -17,7 +17,15 @@ EMULATED_STEP_ENV = "ATOMR_EMULATED_STEP_MS"
 
 def emulated_step_s() -> float | None:
     value = os.environ.get(EMULATED_STEP_ENV)
-    return float(value) / 1000 if value else None
+    if not value:
+        return None
+    try:
+        step_ms = float(value)
+    except ValueError:
+        step_ms = 0.0
+    if not step_ms > 0:
+        raise ValueError(f"{EMULATED_STEP_ENV}={value!r}: milliseconds per step, a number above 0")
+    return step_ms / 1000
 
 
 def cuda_available() -> bool:

@@ -213,8 +213,9 @@ def stop(stack: Stack, deadline: float) -> str:
     proc = stack.head.down(timeout=left(deadline))
     if proc is None or proc.returncode != 0:
         raise CommandFailed("atomr down: " + ("no head was running" if proc is None else proc.stderr.strip()[-500:]))
-    if stack.head.running():
-        raise CommandFailed(f"processes of the head at {stack.head.address} still run after atomr down")
+    if stack.head.left_after_down or stack.head.running():
+        raise CommandFailed(f"{stack.head.left_after_down} processes of the head at {stack.head.address} still "
+                            "ran after atomr down")
     stopped = re.search(r"\((\d+) processes\)", proc.stdout)
     figure = f"head stopped ({stopped.group(1) if stopped else '?'} processes)"
     used = gpu_memory_used()

@@ -67,3 +67,14 @@ def test_other_errors_pass_unchanged_and_network_failures_are_transient() -> Non
     assert not start_failure_recurs(CoreStartFailed("requests.exceptions.ConnectionError", "refused"))
     assert not start_failure_recurs(CoreStartFailed("httpx.ReadTimeout", ""))
     assert start_failure_recurs(CoreStartFailed("ModuleNotFoundError", "No module named 'flashinfer'"))
+
+
+def test_a_signal_exit_wins_over_a_traceback_someone_else_wrote(tmp_path, monkeypatch) -> None:
+    import atomr_infer.engine.vllm.core_failure as cf
+
+    monkeypatch.setattr(cf, "_OutputMark", type("M", (), {"here": staticmethod(
+        lambda: type("W", (), {"written_since": lambda self: WORKER_LOG})())}))
+    with pytest.raises(CoreStartFailed) as info, core_start_failures():
+        raise RuntimeError("Engine core initialization failed. See root cause above. "
+                           "Failed core proc(s): {'EngineCore': -9}")
+    assert info.value.type_name == "Killed", info.value

@@ -28,3 +28,13 @@ def test_an_emulated_engine_stands_in_for_a_gpu(monkeypatch) -> None:
     monkeypatch.setenv("ATOMR_EMULATED_STEP_MS", "2")
     assert resolve_device(spec) == "cuda"
     assert resolve_device(spec.model_copy(update={"device": "auto"})) == "cpu"
+
+
+def test_a_bad_emulated_step_is_refused_by_name(monkeypatch) -> None:
+    import pytest
+
+    spec = Deployment.model_validate({"name": "g", "model": "bundled:smollm2-135m-instruct", "device": "cuda"})
+    for bad in ("0", "fast", "-2"):
+        monkeypatch.setenv("ATOMR_EMULATED_STEP_MS", bad)
+        with pytest.raises(ValueError, match="ATOMR_EMULATED_STEP_MS"):
+            resolve_device(spec)

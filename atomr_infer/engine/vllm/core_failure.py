@@ -129,7 +129,8 @@ def core_start_failures() -> Iterator[None]:
     except RuntimeError as exc:
         if _WRAPPER not in str(exc):
             raise
-        cause = last_exception(mark.written_since()) or _killed(str(exc))
+        # A core killed by a signal wrote nothing of its own: any traceback since is another's.
+        cause = _killed(str(exc)) or last_exception(mark.written_since())
         if cause is None:
             raise
         raise cause from exc

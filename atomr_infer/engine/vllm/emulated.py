@@ -224,7 +224,10 @@ class CoreProcess:
     def start(cls, step_s: float) -> CoreProcess:
         code = "import sys; from atomr_infer.engine.vllm.emulated import _core_main; _core_main(sys.argv[1:])"
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+                   # vLLM logs to stdout by default: here stdout is the "ready" line alone, and
+                   # nothing reads it after that (a chatty child would fill the pipe and block).
+                   VLLM_LOGGING_STREAM="ext://sys.stderr")
         argv = [sys.executable, "-c", code, repr(step_s), str(os.getpid())]
         return cls(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env))
 

@@ -16,7 +16,7 @@ def _emulated_engine(deployment: Deployment, progress: Any) -> Any:
     from atomr_infer.engine.vllm.emulated import emulated_engine
     from atomr_infer.models.resolve import resolve_model
 
-    step_s = emulated_step_s() or 0.01
+    step_s = emulated_step_s() or 0.01  # set: the backend is only chosen where it is
     resolved = resolve_model(deployment.model, cache_dir=deployment.runtime_config.hf_cache_dir, progress=progress)
     progress(f"starting an emulated engine ({step_s * 1000:g} ms per step)")
     return emulated_engine(str(resolved.path), step_s, deployment.runtime_config.max_model_len or 2048)
