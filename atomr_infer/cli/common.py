@@ -51,6 +51,11 @@ def quiet_serve_logs() -> None:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
 
+def cannot_import(what: str, exc: BaseException) -> str:
+    """One form for every part of the install this host cannot load: what, and why."""
+    return f"{what} cannot be imported here: {type(exc).__name__}: {one_line(exc)}"
+
+
 def import_serve() -> None:
     """Ray Serve and atomr's ingress, imported (Serve's logs quieted), or ``AtomrError`` in one
     line saying why not: a host whose Ray lacks Serve, or whose Serve fails at import (a
@@ -60,8 +65,7 @@ def import_serve() -> None:
         import atomr_infer.serve  # noqa: F401 - the ingress imports ray.serve at its top
     except Exception as exc:  # noqa: BLE001 - ImportError, or anything a broken install raises
         raise AtomrError(
-            f"Ray Serve cannot be imported here: {type(exc).__name__}: {one_line(exc)} "
-            "(hint: `make setup`, or pip install 'ray[serve]')"
+            f"{cannot_import('Ray Serve', exc)} (hint: `make setup`, or pip install 'ray[serve]')"
         ) from None
 
 
@@ -79,8 +83,8 @@ def connect(address: str | None, start: bool, announce: bool = True) -> None:
         raise
     except ImportError as exc:
         raise AtomrError(
-            f"Ray cannot be imported here: {type(exc).__name__}: {one_line(exc)} (hint: `atomr probe` checks "
-            "this host; `make setup` or pip install 'ray[serve]' repairs it)"
+            f"{cannot_import('Ray', exc)} (hint: `atomr probe` checks this host; `make setup` or pip install "
+            "'ray[serve]' repairs it)"
         ) from exc
     except Exception as exc:  # ConnectionError, RuntimeError from ray.init: one line
         raise AtomrError(f"could not connect to Ray: {one_line(exc)}") from exc

@@ -10,6 +10,7 @@ import sys
 
 from atomr_infer.cli import chat, deploy, lifecycle, probe, serve, status, validate  # noqa: F401 - registers the commands
 from atomr_infer.cli.app import EXIT_FAILED, EXIT_INTERRUPTED, app, err
+from atomr_infer.cli.common import cannot_import
 
 
 def main() -> None:
@@ -21,13 +22,9 @@ def main() -> None:
     except ImportError as exc:  # a part of Ray, vLLM or torch this host cannot load: one line
         if (exc.name or "").startswith("atomr_infer"):
             raise  # a bug of atomr's own, not this host's: its traceback
-        from atomr_infer.errors import one_line
-
         what = exc.name or "a part of Ray, vLLM or torch"
-        err.print(
-            f"error: {what} cannot be imported here: {type(exc).__name__}: {one_line(exc)} "
-            "(hint: `atomr probe` checks this host; `make setup` repairs it)", markup=False,
-        )
+        err.print(f"error: {cannot_import(what, exc)} (hint: `atomr probe` checks this host; `make setup` repairs it)",
+                  markup=False)
         sys.exit(EXIT_FAILED)
 
 

@@ -153,13 +153,14 @@ def token_id(renderer: Any) -> int:
     return renderer.tokenizer.encode(TOKEN_TEXT, add_special_tokens=False)[0]
 
 
-def emulated_engine_factory(model_dir: str, step_s: float, core_process: bool = False) -> Any:
+def emulated_engine_factory(model_dir: str, step_s: float, core_process: bool = False,
+                            max_model_len: int = 2048) -> Any:
     """An engine factory of ``VllmBackend`` (``VllmBackend.factory``) for ``emulated_engine``."""
 
     def factory(deployment: Any, progress: Any) -> Any:
         where = "in its own process" if core_process else "in a thread"
         progress(f"starting an emulated engine ({step_s * 1000:g} ms per step, core {where})")
-        return emulated_engine(model_dir, step_s, core_process=core_process)
+        return emulated_engine(model_dir, step_s, max_model_len, core_process=core_process)
 
     return factory
 
