@@ -60,6 +60,7 @@ class ReplicaStatus:
     dtype: str | None = None
     kv_cache_bytes: int | None = None
     kv_cache_tokens: int | None = None
+    routes: tuple[str, ...] = ()  # its server's routes for its model, "METHOD /path"
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ class RayReplicaHandle:
             "dtype": self._info.get("dtype"),
             "kv_cache_bytes": self._info.get("kv_cache_bytes"),
             "kv_cache_tokens": self._info.get("kv_cache_tokens"),
+            "routes": tuple(self._info.get("routes") or ()),
         }
 
     def poll_ready(self) -> Poll:

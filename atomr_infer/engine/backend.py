@@ -38,6 +38,8 @@ class EngineFacts:
     dtype: str | None = None
     kv_cache_bytes: int | None = None
     kv_cache_tokens: int | None = None
+    # The routes its server has for this model, as "METHOD /path" (an embedding model has no chat).
+    routes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,23 @@ class VllmConfig(_Strict):
         return self
 
 
+class ResponseStore(_Strict):
+    """vLLM's store of Responses-API responses (``VLLM_ENABLE_RESPONSES_API_STORE``), bounded.
+
+    Each replica keeps the responses it made, in memory: ``store``, ``previous_response_id``,
+    ``background`` and ``GET /v1/responses/{id}`` work as on ``vllm serve`` with the store on.
+    A stored response lives until it is ``max_age_s`` old or ``max_responses`` newer ones
+    pushed it out, and never longer than its replica."""
+
+    enabled: StrictBool = Field(False, description="Keep responses (`store: true`) for later requests; off as in vLLM.")
+    max_responses: Annotated[StrictInt, Field(ge=1, le=10_000_000)] = Field(
+        10_000, description="Responses one replica keeps at most; the oldest go first."
+    )
+    max_age_s: Annotated[float, Field(gt=0, le=30 * 86400)] = Field(
+        3600.0, description="Seconds a stored response is kept after it was last written."
+    )
+
+
 class OpenAIServing(_Strict):
     """Options of vLLM's OpenAI server (``vllm serve``'s flags, in snake case). The replica runs
     that server, so changing them restarts the replicas (rolling)."""
@@ -135,6 +152,10 @@ class OpenAIServing(_Strict):
     )
     override_generation_config: dict[StrictStr, Any] | None = Field(
         None, description="Default sampling values over the generation config, e.g. {temperature: 0.6}."
+    )
+
+    response_store: ResponseStore = Field(
+        default_factory=ResponseStore, description="Stored Responses-API responses, kept per replica."
     )
 
     @model_validator(mode="after")

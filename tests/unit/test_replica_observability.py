@@ -79,8 +79,12 @@ class ScriptedEngine:
         return bool(self.running)
 
 
+class NoOpenAIApp:
+    routes = ()
+
+
 async def no_openai_app(self):
-    return None
+    return NoOpenAIApp()
 
 
 class Recorder:

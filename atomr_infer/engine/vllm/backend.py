@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -127,10 +128,10 @@ class VllmBackend:
             message = f"{self._ctx.name} failed to start: {cause}"
             raise EngineStartFailed(message, start_failure_recurs(err))
         try:
-            await self._openai_app()
+            app = await self._openai_app()
         except Exception as exc:
             raise EngineStartFailed(f"{self._ctx.name}: vLLM's OpenAI server failed to start: {exc!r}") from None
-        return self._facts
+        return dataclasses.replace(self._facts, routes=app.routes)
 
     async def _openai_app(self) -> OpenAIApp:
         async with self._app_lock:

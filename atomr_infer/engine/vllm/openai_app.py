@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from atomr_infer.engine.vllm.direct_routes import DirectRoutes
+from atomr_infer.engine.vllm.response_store import configure_response_store
 from atomr_infer.spec import Deployment
 from atomr_infer.wire import HttpHead, HttpRequest
 
@@ -59,6 +60,10 @@ Put = Callable[["HttpHead | bytes"], None]
 class OpenAIApp:
     def __init__(self, app: Any) -> None:
         self._app = app
+        # "METHOD /path" of each route the app has: which of vLLM's endpoints this model serves.
+        self.routes = tuple(sorted(
+            f"{method} {route.path}" for route in app.routes for method in getattr(route, "methods", None) or ()
+        ))
         self._direct = DirectRoutes(app, HttpHead)
 
     @classmethod
@@ -70,6 +75,7 @@ class OpenAIApp:
         tasks = await client.get_supported_tasks()
         app = build_app(args, tasks, client.model_config)
         await init_app_state(client, app.state, args, tasks)
+        configure_response_store(app.state, deployment.serving.openai.response_store)
         return cls(app)
 
     async def run(self, request: HttpRequest, put: Put) -> None:

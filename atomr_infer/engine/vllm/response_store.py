@@ -1,0 +1,94 @@
+"""vLLM's store of Responses-API responses, turned on per deployment and bounded.
+
+vLLM keeps stored responses, their input messages and a background stream's events in three
+plain dicts on its Responses serving object, turned on by ``VLLM_ENABLE_RESPONSES_API_STORE``
+and never emptied (its own FIXME: "this may cause a memory leak"). The replica sets the switch
+from the spec (``serving.openai.response_store``) on that object, not through the process's
+environment, and swaps the dicts for ``BoundedStore``s: at most ``max_responses`` entries,
+each kept ``max_age_s`` after it was last written. A response whose background task still
+runs is never dropped. Everything else of the store (what is stored when, the 404 for an id it
+does not hold) is vLLM's.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+from atomr_infer.spec.deployment import ResponseStore
+
+STORES = ("response_store", "msg_store", "event_store")  # keyed alike: by the response's id
+
+
+class BoundedStore(dict):  # type: ignore[type-arg]
+    """A dict that holds at most ``max_items`` keys, each for ``max_age_s`` after its last write.
+
+    Overrides the methods vLLM's serving code uses (``get``, ``[]``, ``in``, ``pop``); the oldest
+    writes go first, except keys ``keep`` says are still in use."""
+
+    def __init__(
+        self, max_items: int, max_age_s: float, keep: Callable[[Any], bool] = lambda key: False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self._max_items, self._max_age_s, self._keep, self._clock = max_items, max_age_s, keep, clock
+        self._written: collections.OrderedDict[Any, float] = collections.OrderedDict()
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self._written[key] = self._clock()
+        self._written.move_to_end(key)
+        self._evict()
+
+    def __getitem__(self, key: Any) -> Any:
+        self._evict()
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self._evict()
+        return super().__contains__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._evict()
+        return super().get(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self._written.pop(key, None)
+        return super().pop(key, *default)
+
+    def __delitem__(self, key: Any) -> None:
+        self._written.pop(key, None)
+        super().__delitem__(key)
+
+    def _evict(self) -> None:
+        oldest_kept = self._clock() - self._max_age_s
+        kept: list[tuple[Any, float]] = []
+        while self._written:
+            key, at = next(iter(self._written.items()))
+            if at > oldest_kept and len(self._written) + len(kept) <= self._max_items:
+                break
+            del self._written[key]
+            if self._keep(key):
+                kept.append((key, at))
+            else:
+                super().pop(key, None)
+        for key, at in reversed(kept):  # still running: back at the front, in their order
+            self._written[key] = at
+            self._written.move_to_end(key, last=False)
+
+
+def configure_response_store(state: Any, config: ResponseStore) -> None:
+    """Turn vLLM's response store on or off on the app's Responses serving object (where the
+    model has one) and bound it as ``config`` says."""
+    serving = getattr(state, "openai_serving_responses", None)
+    if serving is None:
+        return
+    serving.enable_store = config.enabled
+
+    def running(key: Any) -> bool:
+        return key in serving.background_tasks
+
+    for name in STORES:
+        setattr(serving, name, BoundedStore(config.max_responses, config.max_age_s, running))
