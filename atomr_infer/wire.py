@@ -16,8 +16,7 @@ heard from for ``LEASE_S`` and cancels its requests (a router that died says not
 
 Fields the next features fill are here already, so none of them reopens the wire:
 ``OpenRequest.want_token_ids`` and ``Batch.token_ids`` (a request resumed on another replica
-needs what was generated), ``OpenRequest.response_id`` (an id the edge sets that vLLM uses as
-the response's, so a stored Responses-API response is found again), ``RoutingFacts.adapter``
+needs what was generated), ``RoutingFacts.adapter``
 (LoRA residency) and ``Batch.kv_events`` (routing by cached blocks).
 """
 
@@ -41,6 +40,8 @@ class RequestKind(enum.StrEnum):
     EMBEDDING = "embedding"
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
+    RESPONSES = "responses"  # a Responses-API request (POST /v1/responses)
+    MESSAGES = "messages"  # an Anthropic Messages request (POST /v1/messages)
     OTHER = "other"  # a route of vLLM's server routed by model, with no facts of its own
 
     @classmethod
@@ -54,7 +55,11 @@ _KIND_OF_PATH = {
     "/v1/embeddings": RequestKind.EMBEDDING,
     "/tokenize": RequestKind.TOKENIZE,
     "/detokenize": RequestKind.DETOKENIZE,
+    "/v1/responses": RequestKind.RESPONSES,
+    "/v1/messages": RequestKind.MESSAGES,
 }
+# Kinds whose streams always report usage (chat and completions do on request).
+_USAGE_ALWAYS = frozenset({RequestKind.RESPONSES, RequestKind.MESSAGES})
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +90,14 @@ class RoutingFacts:
     stream: bool = False
     usage_wanted: bool = True  # a stream that did not ask for usage says False
     adapter: str | None = None  # a LoRA adapter of the deployment (issue 33 addresses them)
-    response_id: str | None = None  # a stored response the request continues (previous_response_id)
-    # The body's ``messages`` (a list: chat) or ``prompt`` (a string: completion), as parsed:
+    # A stored response the request names (previous_response_id, or the path's id for a
+    # retrieve or cancel): routed to the replica that holds it (routing/response_ids.py).
+    response_id: str | None = None
+    # A Responses-API request that sets no ``request_id``: the router names its response after
+    # the replica it picks, so that a later request for it finds that replica.
+    names_response: bool = False
+    # The body's ``messages`` (a list: chat, Messages), ``prompt`` (a string: completion) or
+    # ``input`` (Responses), as parsed:
     # the prefix key of routing.prefix is computed from it only where the deployment routes by
     # prefix. None when the body has neither.
     prompt: Any = None
@@ -104,14 +115,21 @@ class RoutingFacts:
         options = data.get("stream_options")
         asked = isinstance(options, dict) and bool(options.get("include_usage"))
         previous = data.get("previous_response_id")
+        kind = RequestKind.of_path(path)
         # As routing has always read them: a chat's messages if a list, else a prompt's text.
         messages, text = data.get("messages"), data.get("prompt")
+        if kind is RequestKind.RESPONSES and not isinstance(messages, list):
+            messages = data.get("input")
+            text, messages = (messages, None) if isinstance(messages, str) else (text, messages)
         return cls(
             deployment=model,
-            kind=RequestKind.of_path(path),
+            kind=kind,
             stream=stream,
-            usage_wanted=not stream or asked or (options is not None and not isinstance(options, dict)),
+            usage_wanted=(
+                not stream or asked or kind in _USAGE_ALWAYS or (options is not None and not isinstance(options, dict))
+            ),
             response_id=previous if isinstance(previous, str) else None,
+            names_response=kind is RequestKind.RESPONSES and "request_id" not in data,
             prompt=messages if isinstance(messages, list) else text if isinstance(text, str) else None,
         )
 
@@ -135,7 +153,6 @@ class OpenRequest:
     http: HttpRequest
     limit: int | None = None  # the routing table's max_concurrent (changes in place); None: the spec's
     adapter: str | None = None
-    response_id: str | None = None  # an id vLLM then uses as the response's (stored Responses)
     want_token_ids: bool = False  # batches carry the token ids this request generates
 
 

@@ -53,6 +53,8 @@ def vllm_server(spec, model_dir: str, say: Callable[[str], None] = lambda _: Non
     say("$ " + " ".join(cmd))
     log = Path(tempfile.mkdtemp(prefix="vllm-serve-")) / "server.log"
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    if spec.serving.openai.response_store.enabled:  # vLLM's switch for what the spec turns on
+        env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
     with log.open("w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"

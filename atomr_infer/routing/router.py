@@ -41,6 +41,7 @@ from atomr_infer.errors import (
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import RouterMetrics
 from atomr_infer.replica_calls import Failure, replica_failure
+from atomr_infer.routing import response_ids
 from atomr_infer.routing.channel import ReplicaChannel
 from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.prefix import PrefixIndex, pick_prefix_affinity, prompt_key
@@ -222,6 +223,8 @@ class Router:
                 if dep is None:
                     raise DeploymentNotFound(name, sorted(table.deployments))
                 usable = [r for r in dep.replicas if r.actor_name not in self._excluded]
+                if facts.response_id is not None:
+                    usable = _holding(usable, dep.name, facts.response_id)
                 if usable:
                     choice = self._pick(dep, usable, key)
                     if choice is not None:
@@ -261,7 +264,10 @@ class Router:
             attempt += 1
             last_try = attempt >= MAX_ATTEMPTS
             self._in_flight[route.actor_name] += 1
-            opening = OpenRequest("", request, dep.max_concurrent, facts.adapter, facts.response_id)
+            sent_request = request
+            if facts.names_response:
+                sent_request = response_ids.with_request_id(request, response_ids.mint(dep.name, route.replica_id))
+            opening = OpenRequest("", sent_request, dep.max_concurrent, facts.adapter)
             items = self._channel(route).request(opening)
             sent = finished = False
             try:
@@ -294,3 +300,14 @@ class Router:
                     await items.aclose()
             log.info("request_retried", deployment=name, replica=route.actor_name, attempt=attempt)
             await self.refresh(force=True)
+
+
+def _holding(usable: list[ReplicaRoute], deployment: str, response_id: str) -> list[ReplicaRoute]:
+    """The replica that holds the stored response ``response_id`` if it is among ``usable``; else
+    every usable replica, any of which gives vLLM's own answer for a response it does not hold
+    (404 "not found"), as ``vllm serve`` does for an id it never made or has forgotten."""
+    where = response_ids.home(response_id)
+    if where is None or where.deployment != deployment:
+        return usable
+    held = [r for r in usable if r.replica_id == where.replica_id]
+    return held or usable

@@ -1,4 +1,5 @@
-"""API keys for the HTTP API: a YAML file of named keys, checked on every ``/v1/*`` request.
+"""API keys for the HTTP API: a YAML file of named keys, checked on every ``/v1/*`` request
+(``Authorization: Bearer KEY``, or ``x-api-key: KEY`` as Anthropic's clients send it).
 
     keys:
       - name: alice                 # in logs; the key itself never is
@@ -90,11 +91,16 @@ class ApiKey:
 class KeyRing:
     entries: tuple[tuple[bytes, ApiKey], ...]  # (sha256 of the key, what it may do)
 
-    def authenticate(self, authorization: str | None) -> ApiKey:
-        """The key an ``Authorization: Bearer KEY`` header names; ``ApiKeyError`` (401) if none."""
+    def authenticate(self, authorization: str | None, x_api_key: str | None = None) -> ApiKey:
+        """The key an ``Authorization: Bearer KEY`` header names, or an ``x-api-key: KEY`` header
+        (how Anthropic's clients send theirs); ``ApiKeyError`` (401) if none."""
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise ApiKeyError(401, "missing API key: send `Authorization: Bearer <key>`", "missing_api_key")
+            token = x_api_key or ""
+        if not token.strip():
+            raise ApiKeyError(
+                401, "missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`", "missing_api_key"
+            )
         digest = hashlib.sha256(token.strip().encode()).digest()
         found = None
         for known, key in self.entries:  # every entry, whatever matched: constant time

@@ -10,13 +10,17 @@ the handler's task (the listener does this, streaming or not); the cancellation 
 the router's ``finally``, which cancels the replica's generator and so aborts the request in
 the engine within one step.
 
-    POST /v1/chat/completions  /v1/completions  /v1/embeddings  /tokenize  /detokenize
-    GET  /v1/models            /v1/models/{name}  /health
+Every model-facing route of vLLM's server is routed (serve/routes.py lists them all and says
+what happens to the rest): by the JSON body's ``model`` (chat, completions, Responses,
+Anthropic Messages, embeddings, pooling, score, rerank, ...), by a multipart form's ``model``
+(audio), or by a stored response's id (``GET /v1/responses/{id}``, ``.../cancel``). The
+ingress itself answers ``GET /v1/models``, ``/v1/models/{name}`` and ``/health``.
 
-With an API keys file (``atomr serve --api-keys FILE``, serve/api_keys.py) every ``/v1/*``
-route needs ``Authorization: Bearer KEY``: 401 without a valid key, 403 for a deployment the
-key may not use; ``/health`` (and, as with ``vllm serve --api-key``, ``/tokenize`` and
-``/detokenize``) stay open. The header is never forwarded to the replica.
+With an API keys file (``atomr serve --api-keys FILE``, serve/api_keys.py) every routed route
+needs ``Authorization: Bearer KEY`` or ``x-api-key: KEY``: 401 without a valid key, 403 for a
+deployment the key may not use (in Anthropic's error shape on ``/v1/messages``); ``/health``
+(and, as with ``vllm serve --api-key``, ``/tokenize`` and ``/detokenize``) stay open. The key
+is never forwarded to the replica.
 """
 
 from __future__ import annotations
@@ -25,86 +29,65 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from atomr_infer import heavy_imports
-from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica
+from atomr_infer.errors import AtomrError, DeploymentNotFound, InvalidRequest, NoReadyReplica
 from atomr_infer.log import get_logger
+from atomr_infer.routing import response_ids
 from atomr_infer.routing.router import Router
 from atomr_infer.serve.access_log import AccessLog
+from atomr_infer.serve.answers import (
+    SSEResponse,
+    error_response,
+    form_model,
+    model_card,
+    relay,
+    response_not_found,
+)
 from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile
 from atomr_infer.serve.body import MAX_BODY_BYTES, parse_json, read_body
-from atomr_infer.serve.errors import ManagerUnreachable, http_error
+from atomr_infer.serve.errors import ManagerUnreachable
 from atomr_infer.serve.listener import HttpListener, listen
 from atomr_infer.serve.rate_limit import Budget, IngressLimits
+from atomr_infer.serve.routes import BY_KEY, Via, paths
 from atomr_infer.serve.table_cache import TableCache
 from atomr_infer.serve.usage import usage_tokens, without_usage
 from atomr_infer.serving_process import tune_serving_process
 from atomr_infer.status import DeploymentStatus
-from atomr_infer.wire import HttpRequest, RoutingFacts
+from atomr_infer.wire import HttpRequest, RequestKind, RoutingFacts
 
 log = get_logger(__name__)
 MAX_ONGOING_REQUESTS = 1024  # Serve's, for handle calls; HTTP comes through the listener, uncapped
 MANAGER_CALL_TIMEOUT_S = 5.0
 GRACEFUL_STOP_S = 10.0  # within Serve's graceful_shutdown_timeout_s (20 s by default)
+# Routes anyone may call when the API has keys (as with `vllm serve --api-key`): no model runs.
+OPEN_PATHS = frozenset({"/health", "/tokenize", "/detokenize"})
 
-api = FastAPI(title="atomr-infer OpenAI-compatible API", docs_url=None, redoc_url=None)
-
-
-def error_response(exc: BaseException) -> JSONResponse:
-    err = http_error(exc)
-    if err.status >= 500:
-        log.warning("request_failed", status=err.status, error=repr(exc))
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-class SSEResponse(StreamingResponse):
-    """A streaming response that always closes its body iterator, also when the task is cancelled."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
+api = FastAPI(title="atomr-infer OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
 
 # Set per connection by each server; never forwarded.
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "host", "keep-alive"})
-_NOT_FORWARDED = _HOP_HEADERS | {"authorization"}  # the API key stays at the ingress
+_NOT_FORWARDED = _HOP_HEADERS | {"authorization", "x-api-key"}  # the API key stays at the ingress
+# (the body, the request) -> the request's routing facts and its parsed JSON body (None if not JSON)
+FactsReader = Callable[[bytes, Request], Awaitable[tuple[RoutingFacts, Any]]]
 
 
-async def _relay(items: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The replica's SSE bytes as they come; a failure mid-stream ends it with an error event."""
-    try:
-        async for chunk in items:
-            yield chunk
-    except Exception as exc:  # noqa: BLE001 - the status line is gone; tell the client in-band
-        err = http_error(exc)
-        log.warning("stream_failed", status=err.status, error=repr(exc))
-        yield err.sse()
-        yield b"data: [DONE]\n\n"
-    finally:
-        await items.aclose()
+async def not_served(request: Request) -> Response:
+    """A route of vLLM's server that atomr's API does not route (serve/routes.py): 404 saying why."""
+    route = BY_KEY[f"{request.method} {request.scope['route'].path}"]
+    message = f"{route.key} is not served by atomr's API: {route.why}"
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "route_not_served"}}
+    return JSONResponse(body, status_code=404)
 
 
-def _model_card(status: DeploymentStatus) -> dict[str, Any]:
-    started = [r.started_at or 0 for r in status.replicas]
-    return {
-        "id": status.name,
-        "object": "model",
-        "created": int(min(started)) if started else 0,
-        "owned_by": "atomr",
-        "root": status.model,
-    }
+for _route in (r for r in BY_KEY.values() if r.via in (Via.OPERATOR, Via.NOT_SERVED)):
+    api.add_api_route(_route.path, not_served, methods=[_route.method], include_in_schema=False)
 
 
 # Serve pickles the route handlers when the decorators run: everything they use is defined above.
@@ -147,66 +130,84 @@ class OpenAIIngress:
         with contextlib.suppress(RuntimeError):  # the loop may be closed already
             self._tables.stop()
 
-    # -- OpenAI API requests: routed by `model`, answered by vLLM's server in the replica ----
+    # -- model requests: routed by `model`, answered by vLLM's server in the replica ----------
 
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._forward(request)
+    async def routed_by_body(self, request: Request) -> Response:
+        return await self._forward(request, self._body_facts)
 
-    @api.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        return await self._forward(request)
+    async def routed_by_form(self, request: Request) -> Response:
+        return await self._forward(request, self._form_facts)
 
-    @api.post("/v1/embeddings")
-    async def embeddings(self, request: Request) -> Response:
-        return await self._forward(request)
+    async def stored_response(self, response_id: str, request: Request) -> Response:
+        """Retrieve or cancel a stored response, on the replica that holds it."""
+        where = response_ids.home(response_id)
+        if where is None:  # not an id atomr made: no replica holds it
+            return response_not_found(response_id)
 
-    @api.post("/tokenize")
-    async def tokenize(self, request: Request) -> Response:
-        return await self._forward(request)
+        async def facts(raw: bytes, request: Request) -> tuple[RoutingFacts, Any]:
+            return RoutingFacts(where.deployment, RequestKind.OTHER, response_id=response_id), None
 
-    @api.post("/detokenize")
-    async def detokenize(self, request: Request) -> Response:
-        return await self._forward(request)
+        return await self._forward(request, facts)
 
-    async def _forward(self, request: Request) -> Response:
-        """Route by the body's ``model`` and return the replica's answer (vLLM's) unchanged.
+    # One handler per way of routing, on every path routed that way (serve/routes.py).
+    for _path in paths(Via.BODY):
+        api.post(_path)(routed_by_body)
+    for _path in paths(Via.FORM):
+        api.post(_path)(routed_by_form)
+    api.get("/v1/responses/{response_id}")(stored_response)
+    api.post("/v1/responses/{response_id}/cancel")(stored_response)
+    del _path
 
-        Only ``model`` is read here; vLLM validates the rest, once, in the replica. Errors of
-        our own (the body, routing, capacity) keep the OpenAI error shape."""
-        started, key, model = time.perf_counter(), None, "-"
+    @staticmethod
+    async def _body_facts(raw: bytes, request: Request) -> tuple[RoutingFacts, Any]:
+        data = parse_json(raw)  # the one parse of the body on this side of the replica
+        return RoutingFacts.of(request.url.path, data), data
+
+    @staticmethod
+    async def _form_facts(raw: bytes, request: Request) -> tuple[RoutingFacts, Any]:
+        model = await form_model(raw, request.headers.get("content-type", ""))
+        if not model:
+            raise InvalidRequest("model", f"the form's model must name a deployment, got {model!r}")
+        return RoutingFacts(model, RequestKind.OTHER), None
+
+    async def _forward(self, request: Request, read_facts: FactsReader) -> Response:
+        """Route by the request's deployment and return the replica's answer (vLLM's) unchanged.
+
+        Only ``model`` (and what routing needs) is read here; vLLM validates the rest, once, in
+        the replica. Errors of our own (the body, routing, capacity) keep the API's error shape."""
+        started, key, model, path = time.perf_counter(), None, "-", request.url.path
         try:
             key = self._authenticate(request)
             raw = await read_body(request.stream(), request.headers.get("content-length"), self._max_body_bytes)
-            data = parse_json(raw)  # the one parse of the body on this side of the replica
-            facts = RoutingFacts.of(request.url.path, data)
+            facts, data = await read_facts(raw, request)
             model = facts.deployment
             self._authorize(key, model)
             limit_headers, token_budgets = await self._admit(key, model)
         except AtomrError as exc:
-            return self._logged(error_response(exc), key, model, started)
+            return self._logged(error_response(exc, path), key, model, started)
         name = key.name if key is not None else None
         # A token budget is charged the usage the response reports: ask a stream for it, and
         # take it out again if the client did not ask.
-        hide_usage = bool(token_budgets) and not facts.usage_wanted
+        hide_usage = bool(token_budgets) and not facts.usage_wanted and isinstance(data, dict)
         if hide_usage:
             raw = json.dumps({**data, "stream_options": {**(data.get("stream_options") or {}), "include_usage": True}})
             raw = raw.encode()
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        target = path + (f"?{request.url.query}" if request.url.query else "")
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED)
-        items = self._router.stream(facts, HttpRequest(request.method, path, headers, raw))
+        items = self._router.stream(facts, HttpRequest(request.method, target, headers, raw))
         try:
             head = await anext(items)  # after routing and vLLM's validation: its status is known
-        except Exception as exc:  # noqa: BLE001 - routing and replica errors become OpenAI errors
+        except Exception as exc:  # noqa: BLE001 - routing and replica errors become the API's errors
             await items.aclose()
-            return self._logged(error_response(exc), key, model, started)
+            return self._logged(error_response(exc, path), key, model, started)
         except BaseException:
             await items.aclose()
             raise
         out_headers = {k: v for k, v in head.headers if k.lower() not in _HOP_HEADERS} | limit_headers
         if out_headers.get("content-type", "").startswith("text/event-stream"):
             relayed = self._access.stream(
-                _relay(items), name, model, head.status, started, lambda n: self._limits.charge(token_budgets, n)
+                relay(items, facts.kind), name, model, head.status, started,
+                lambda n: self._limits.charge(token_budgets, n),
             )
             return SSEResponse(
                 without_usage(relayed) if hide_usage else relayed, status_code=head.status, headers=out_headers
@@ -214,8 +215,8 @@ class OpenAIIngress:
         try:
             async with contextlib.aclosing(items):  # a cancelled task closes it: abort in the engine
                 body = b"".join([chunk async for chunk in items])
-        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
-            return self._logged(error_response(exc), key, model, started)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
+            return self._logged(error_response(exc, path), key, model, started)
         tokens = usage_tokens(body)
         self._limits.charge(token_budgets, tokens)
         self._access.done(name, model, head.status, tokens, started)
@@ -227,9 +228,9 @@ class OpenAIIngress:
 
     def _authenticate(self, request: Request) -> ApiKey | None:
         """The request's API key (None when the API has no keys); ``ApiKeyError`` (401) if it has none valid."""
-        if self._keys is None or not request.url.path.startswith("/v1/"):
+        if self._keys is None or request.url.path in OPEN_PATHS:
             return None
-        return self._keys.ring().authenticate(request.headers.get("authorization"))
+        return self._keys.ring().authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
 
     async def _admit(self, key: ApiKey | None, model: str) -> tuple[dict[str, str], list[Budget]]:
         """Under the key's and the deployment's rate limits (budgets shared by every ingress
@@ -270,7 +271,7 @@ class OpenAIIngress:
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         allowed = [d for d in deployments if key is None or key.may_use(d.name)]
-        data = [_model_card(d) for d in allowed if d.replicas_ready > 0]
+        data = [model_card(d) for d in allowed if d.replicas_ready > 0]
         return JSONResponse({"object": "list", "data": data})
 
     @api.get("/v1/models/{name}")
@@ -285,7 +286,7 @@ class OpenAIIngress:
             return error_response(DeploymentNotFound(name, sorted(deployments)))
         if status.replicas_ready < 1:
             return error_response(NoReadyReplica(name))
-        return JSONResponse(_model_card(status))
+        return JSONResponse(model_card(status))
 
     @api.get("/health")
     async def health(self) -> Response:

@@ -1,4 +1,5 @@
-"""Our typed errors as OpenAI-style JSON bodies and HTTP statuses (only here, at the edge).
+"""Our typed errors as OpenAI-style JSON bodies and HTTP statuses (only here, at the edge);
+on Anthropic's ``/v1/messages`` routes, the same statuses in Anthropic's shape.
 
     DeploymentNotFound  404  invalid_request_error  model_not_found
     InvalidRequest      400  invalid_request_error  param = the field
@@ -48,6 +49,13 @@ class ManagerUnreachable(RoutingError):
         return f"the atomr manager is unreachable ({self.reason}); hint: `atomr up`, or check `atomr status`"
 
 
+# Anthropic's error types by status (docs.anthropic.com "Errors").
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+}
+
+
 @dataclass(frozen=True)
 class HttpError:
     status: int
@@ -59,6 +67,11 @@ class HttpError:
 
     def body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict[str, object]:
+        """The error in Anthropic's shape (``/v1/messages``), with its type for the status."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
 
     def sse(self) -> bytes:
         """The error as one SSE event, for failures after the stream has started."""

@@ -6,9 +6,15 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
+# Anthropic's usage counts the prompt in parts (Messages): all of them, with the output.
+_ANTHROPIC_PARTS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+
 
 def usage_tokens(data: bytes) -> int | None:
-    """``usage.total_tokens`` of the last usage in a JSON body or an SSE chunk, if there is one."""
+    """The tokens (prompt plus output) of the last usage in a JSON body or an SSE chunk, if there
+    is one: OpenAI's ``usage.total_tokens`` (chat, completions, embeddings, Responses, where a
+    stream's usage is in its ``response``), or Anthropic's parts (Messages: a stream's last
+    usage is its ``message_delta``'s)."""
     at = data.rfind(b'"usage"')
     if at < 0:
         return None
@@ -17,11 +23,23 @@ def usage_tokens(data: bytes) -> int | None:
         end = data.find(b"\n", at)
         data = data[start + len(b"data: ") : end if end >= 0 else len(data)]
     try:
-        usage = json.loads(data).get("usage") or {}
-    except (ValueError, AttributeError):
+        parsed = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    usage = parsed.get("usage")
+    if not isinstance(usage, dict):  # a Responses event's usage is its response's
+        usage = (parsed.get("response") or {}).get("usage") if isinstance(parsed.get("response"), dict) else None
+    if not isinstance(usage, dict):
         return None
     total = usage.get("total_tokens")
-    return total if isinstance(total, int) else None
+    if isinstance(total, int):
+        return total
+    parts = [usage.get(name) for name in _ANTHROPIC_PARTS]
+    if not isinstance(parts[0], int) or not isinstance(parts[1], int):
+        return None
+    return sum(p for p in parts if isinstance(p, int))
 
 
 async def without_usage(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

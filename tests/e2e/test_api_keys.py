@@ -258,3 +258,37 @@ def test_a_stream_is_charged_the_usage_its_client_did_not_ask_to_see(keyed):
     assert first.status_code == 200 and first.text.rstrip().endswith("data: [DONE]")
     assert '"usage":{' not in first.text.replace(" ", ""), first.text[-300:]  # hidden again
     assert answers[-1].status_code == 429, [a.status_code for a in answers]
+
+
+def test_anthropic_clients_authenticate_with_x_api_key(keyed):
+    import anthropic
+
+    url, _ = keyed
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def claude(key: str) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120)
+
+    assert claude(ALICE).messages.create(model="smollm2", max_tokens=8, messages=ask).content[0].text
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        claude("sk-wrong-0123456789").messages.create(model="smollm2", max_tokens=8, messages=ask)
+    assert info.value.body == {"type": "error", "error": {"type": "authentication_error", "message": "invalid API key"}}
+    with pytest.raises(anthropic.PermissionDeniedError) as denied:
+        claude(BOB).messages.create(model="other", max_tokens=8, messages=ask)
+    assert denied.value.body["error"]["type"] == "permission_error"
+    # The same key as a bearer token, on an OpenAI route: x-api-key is only another way to send it.
+    headers = {"x-api-key": ALICE}
+    answer = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=120,
+                        json={"model": "smollm2", "messages": ask, "max_tokens": 4})
+    assert answer.status_code == 200, answer.text
+
+
+def test_a_stored_response_is_found_through_every_ingress_replica(keyed):
+    """Two ingress replicas share no state: the response's id says which engine replica holds it."""
+    url, _ = keyed
+    stored = client(url, ALICE).responses.create(model="smollm2", input="Say hi.", max_output_tokens=8, store=True)
+    for _ in range(8):  # a new connection each time: the kernel spreads them over both replicas
+        found = httpx.get(f"{url}/v1/responses/{stored.id}", headers={"Authorization": f"Bearer {ALICE}"}, timeout=60)
+        assert found.status_code == 200 and found.json()["id"] == stored.id, found.text
+    nobody = httpx.get(f"{url}/v1/responses/{stored.id}", headers={"x-api-key": "sk-nobody-01234"}, timeout=60)
+    assert nobody.status_code == 401  # a stored response is behind the keys, as every routed route

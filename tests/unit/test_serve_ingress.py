@@ -16,7 +16,7 @@ from atomr_infer.errors import (
     InvalidRequest,
     NoReadyReplica,
 )
-from atomr_infer.serve.app import _relay
+from atomr_infer.serve.answers import relay as _relay
 from atomr_infer.serve.errors import ManagerUnreachable, http_error
 from atomr_infer.wire import RequestKind, RoutingFacts
 

@@ -1,0 +1,45 @@
+"""Response ids that say where a stored Responses-API response lives.
+
+vLLM names a response after the request's ``request_id`` (``resp_<uuid>`` when the caller sets
+none) and keeps it in the memory of the replica that made it. So the router, once it has picked
+the replica for a new Responses request, sets ``request_id`` to
+``resp_<deployment>.<replica id>.<uuid>``: a later ``previous_response_id``, retrieve or cancel
+is routed to that replica from the id alone, by any router, with no state shared between them.
+Deployment names and replica ids hold no ``.``. An id atomr did not make (the caller set its own
+``request_id``) names no replica: such a request goes wherever routing sends it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import NamedTuple
+
+from atomr_infer.wire import HttpRequest
+
+PREFIX = "resp_"
+
+
+class ResponseHome(NamedTuple):
+    deployment: str
+    replica_id: str
+
+
+def mint(deployment: str, replica_id: str) -> str:
+    return f"{PREFIX}{deployment}.{replica_id}.{uuid.uuid4().hex}"
+
+
+def home(response_id: str) -> ResponseHome | None:
+    """Where a response id made by ``mint`` lives; None for any other id."""
+    parts = response_id.removeprefix(PREFIX).split(".") if response_id.startswith(PREFIX) else []
+    if len(parts) != 3 or not all(parts):
+        return None
+    return ResponseHome(parts[0], parts[1])
+
+
+def with_request_id(request: HttpRequest, request_id: str) -> HttpRequest:
+    """The request with ``request_id`` set first in its JSON body (which the edge parsed: an
+    object with a ``model``, and no ``request_id`` of its own)."""
+    at = request.body.index(b"{") + 1
+    field = b'"request_id":' + json.dumps(request_id).encode() + b","
+    return HttpRequest(request.method, request.path, request.headers, request.body[:at] + field + request.body[at:])

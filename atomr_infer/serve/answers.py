@@ -1,0 +1,118 @@
+"""What the ingress answers itself: errors in the shape of the API asked (OpenAI's, or
+Anthropic's on ``/v1/messages``), the relay of a replica's stream, a model card, and the
+``model`` of a multipart form (audio requests are routed by it)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from atomr_infer.errors import InvalidRequest
+from atomr_infer.log import get_logger
+from atomr_infer.serve.errors import http_error
+from atomr_infer.serve.routes import served_paths
+from atomr_infer.status import DeploymentStatus
+from atomr_infer.wire import RequestKind
+
+log = get_logger(__name__)
+ANTHROPIC_PREFIX = "/v1/messages"  # Anthropic's API: its clients read its error shape
+
+
+def speaks_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def error_response(exc: BaseException, path: str = "") -> JSONResponse:
+    err = http_error(exc)
+    if err.status >= 500:
+        log.warning("request_failed", status=err.status, error=repr(exc))
+    body = err.anthropic_body() if speaks_anthropic(path) else err.body()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+def response_not_found(response_id: str) -> JSONResponse:
+    """vLLM's answer for a stored response it does not hold (its ``_make_not_found_error``):
+    given by the ingress for an id that names no replica of atomr's."""
+    message = f"Response with id '{response_id}' not found."
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": "response_id", "code": 404}}
+    return JSONResponse(body, status_code=404)
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always closes its body iterator, also when the task is cancelled."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def relay(items: AsyncIterator[bytes], kind: RequestKind = RequestKind.OTHER) -> AsyncIterator[bytes]:
+    """The replica's SSE bytes as they come; a failure mid-stream ends it with an error event
+    in the stream's own shape (a Messages or Responses event, else OpenAI's ``data:`` error)."""
+    try:
+        async for chunk in items:
+            yield chunk
+    except Exception as exc:  # noqa: BLE001 - the status line is gone; tell the client in-band
+        err = http_error(exc)
+        log.warning("stream_failed", status=err.status, error=repr(exc))
+        if kind is RequestKind.MESSAGES:
+            yield b"event: error\ndata: " + json.dumps(err.anthropic_body()).encode() + b"\n\n"
+        elif kind is RequestKind.RESPONSES:
+            event = {"type": "error", "code": err.code, "message": err.message, "param": err.param}
+            yield b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+        else:
+            yield err.sse()
+            yield b"data: [DONE]\n\n"
+    finally:
+        await items.aclose()  # type: ignore[attr-defined]
+
+
+def model_card(status: DeploymentStatus) -> dict[str, Any]:
+    started = [r.started_at or 0 for r in status.replicas]
+    card = {
+        "id": status.name,
+        "object": "model",
+        "created": int(min(started)) if started else 0,
+        "owned_by": "atomr",
+        "root": status.model,
+    }
+    routes = next((r.routes for r in status.replicas if r.routes), ())
+    if routes:  # which endpoints it serves: an embedding model has no chat
+        card["endpoints"] = served_paths(routes)
+    return card
+
+
+async def form_model(raw: bytes, content_type: str) -> Any:
+    """The ``model`` field of a ``multipart/form-data`` (or urlencoded) body; ``InvalidRequest``
+    naming ``body`` if it is not a form."""
+    from starlette.datastructures import Headers
+    from starlette.formparsers import FormParser, MultiPartParser
+
+    async def stream() -> AsyncIterator[bytes]:
+        yield raw
+
+    headers = Headers({"content-type": content_type})
+    if content_type.startswith("multipart/form-data"):
+        parser: Any = MultiPartParser(headers, stream())
+    elif content_type.startswith("application/x-www-form-urlencoded"):
+        parser = FormParser(headers, stream())
+    else:
+        raise InvalidRequest("body", f"expected a multipart/form-data body, got content type {content_type!r}")
+    try:
+        form = await parser.parse()
+    except Exception as exc:  # noqa: BLE001 - starlette's MultiPartException and friends
+        raise InvalidRequest("body", f"the form cannot be parsed: {exc}") from None
+    try:
+        model = form.get("model")
+        return model if isinstance(model, str) else None
+    finally:
+        await form.close()

@@ -1,0 +1,100 @@
+"""The client libraries users build on, unchanged, against ``atomr serve``: the ``openai`` SDK's
+Responses API (plain, streamed, stored and chained, in the background), the ``openai-agents``
+SDK with its default model class (which speaks the Responses API), and the ``anthropic`` SDK
+(create, stream, count_tokens). The session's ``smollm2`` deployment stores responses
+(deployments/smollm2.yaml ``serving.openai.response_store``)."""
+
+from __future__ import annotations
+
+import time
+
+import anthropic
+import openai
+import pytest
+
+pytestmark = pytest.mark.e2e
+MODEL = "smollm2"
+ASK = "What is the capital of France? Answer in one sentence."
+
+
+@pytest.fixture(scope="module")
+def oai(openai_server, smollm2) -> openai.OpenAI:
+    return openai.OpenAI(base_url=openai_server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(openai_server, smollm2) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=openai_server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_responses_create_and_stream(oai):
+    reply = oai.responses.create(model=MODEL, input=ASK, max_output_tokens=24, temperature=0)
+    assert reply.status == "completed" and "Paris" in reply.output_text, reply
+    assert reply.usage.input_tokens > 0 and reply.usage.output_tokens > 0
+    assert reply.id.startswith(f"resp_{MODEL}.r"), reply.id  # says which replica holds it
+    with oai.responses.stream(model=MODEL, input=ASK, max_output_tokens=24, temperature=0) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == reply.output_text
+
+
+def test_stored_responses_chain_and_are_retrieved(oai):
+    first = oai.responses.create(model=MODEL, input="My name is Ada. Say hello to me.", max_output_tokens=24,
+                                 temperature=0, store=True)
+    second = oai.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                  max_output_tokens=24, temperature=0, store=True)
+    assert second.previous_response_id == first.id and second.output_text
+    assert oai.responses.retrieve(first.id).output_text == first.output_text
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        oai.responses.retrieve(f"resp_{MODEL}.r0.0123456789abcdef")
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        oai.responses.create(model=MODEL, input="hi", previous_response_id="resp_nope", max_output_tokens=4)
+
+
+def test_a_background_response_is_polled_to_completion(oai):
+    started = oai.responses.create(model=MODEL, input=ASK, max_output_tokens=24, temperature=0, background=True,
+                                   store=True)
+    assert started.status in ("queued", "in_progress", "completed"), started.status
+    deadline = time.monotonic() + 120
+    reply = started
+    while reply.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        reply = oai.responses.retrieve(started.id)
+    assert reply.status == "completed" and "Paris" in reply.output_text, reply
+
+
+def test_openai_agents_runs_an_agent_on_a_deployment(openai_server, smollm2):
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)  # its traces go to OpenAI's servers: none here
+    client = openai.AsyncOpenAI(base_url=openai_server.base_url, api_key="unused", max_retries=0)
+    agent = Agent(
+        name="geographer", instructions="Answer in one short sentence.",
+        model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+        model_settings=ModelSettings(temperature=0, max_tokens=32),  # a 135M model: greedy, or it guesses
+    )
+    result = Runner.run_sync(agent, "What is the capital of France?")
+    assert "Paris" in result.final_output, result.final_output
+
+
+def test_anthropic_messages_create_stream_and_count_tokens(claude):
+    # This SDK has no `temperature` argument; Anthropic's API (and vLLM's) take it in the body.
+    greedy = {"temperature": 0}
+    message = claude.messages.create(model=MODEL, max_tokens=24, extra_body=greedy,
+                                     messages=[{"role": "user", "content": ASK}])
+    assert message.type == "message" and "Paris" in message.content[0].text, message
+    assert message.usage.input_tokens > 0 and message.usage.output_tokens > 0
+    with claude.messages.stream(model=MODEL, max_tokens=24, extra_body=greedy,
+                                messages=[{"role": "user", "content": ASK}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text == message.content[0].text
+    counted = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": ASK}])
+    assert counted.input_tokens == message.usage.input_tokens
+
+
+def test_anthropic_errors_come_in_anthropics_shape(claude):
+    with pytest.raises(anthropic.NotFoundError) as info:
+        claude.messages.create(model="no-such-deployment", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "not_found_error"
+    assert "no-such-deployment" in info.value.body["error"]["message"]
