@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from atomr_infer.cli import chat, deploy, lifecycle, probe, serve, status, validate  # noqa: F401 - registers the commands
+from atomr_infer.cli import cache, chat, deploy, lifecycle, probe, serve, status, validate  # noqa: F401 - registers the commands
 from atomr_infer.cli.app import EXIT_FAILED, EXIT_INTERRUPTED, app, err
 from atomr_infer.cli.common import cannot_import
 

@@ -16,9 +16,9 @@ from typing import Any
 from atomr_infer.cluster import MANAGER_NAME, NAMESPACE, connect
 from atomr_infer.control.manager import ApplyResult, DeploymentManager, PlanResult
 from atomr_infer.control.placement import on_head_node
-from atomr_infer.errors import AtomrError, one_line, unwrap
+from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica, one_line, unwrap
 from atomr_infer.spec import Deployment
-from atomr_infer.status import DeploymentStatus
+from atomr_infer.status import DeploymentStatus, ReplicaState
 
 CALL_TIMEOUT_S = 60.0
 
@@ -105,6 +105,33 @@ class ControlPlane:
 
     def list(self) -> list[DeploymentStatus]:
         return call(self.handle.list.remote(), self._timeout_s)
+
+    def reset_prefix_cache(self, name: str, reset_running_requests: bool = False) -> dict[str, str]:
+        """Reset the prefix (KV) cache of every ready replica of ``name``, as vLLM's operator
+        route ``/reset_prefix_cache`` does on one server (atomr's API does not serve it): replica
+        id -> ``reset``, ``busy`` (running requests held cached blocks; ``reset_running_requests``
+        preempts them and resets anyway) or ``failed: <why>``."""
+        import ray
+
+        status = self.status(name)
+        if status is None:
+            raise DeploymentNotFound(name, [s.name for s in self.list()])
+        ready = [r for r in status.replicas if r.state == ReplicaState.READY]
+        if not ready:
+            raise NoReadyReplica(name)
+        calls = {
+            r.replica_id: ray.get_actor(r.actor_name, namespace=NAMESPACE).reset_prefix_cache.remote(
+                reset_running_requests
+            )
+            for r in ready
+        }
+        outcome = {}
+        for replica_id, ref in calls.items():
+            try:
+                outcome[replica_id] = "reset" if ray.get(ref, timeout=self._timeout_s) else "busy"
+            except Exception as exc:  # noqa: BLE001 - one replica's failure is its line, not the call's
+                outcome[replica_id] = f"failed: {one_line(unwrap(exc))}"
+        return outcome
 
     def wait_ready(self, name: str, timeout_s: float = 600.0) -> DeploymentStatus | None:
         """The status once ``name`` has converged, or after ``timeout_s`` (None: no such deployment)."""

@@ -101,6 +101,11 @@ class EngineBackend(Protocol):
     def fail_open(self, error: BaseException) -> None:
         """Fail every open request with ``error`` (the replica found the engine wedged)."""
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop the engine's cached prefixes (vLLM's ``/reset_prefix_cache``); False when
+        running requests hold cached blocks and ``reset_running_requests`` is not set (with it,
+        they are preempted and recomputed)."""
+
     async def load_adapter(self, name: str, path: str) -> None:
         """Load a LoRA adapter so that requests can name it."""
 

@@ -176,6 +176,14 @@ class VllmReplica:
         in_flight, waiting = self._backend.open_requests()
         return self._life.report(in_flight, waiting)
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop the engine's cached prefixes (the control plane does it for every replica of a
+        deployment: ``atomr reset-cache``); False when running requests held cached blocks."""
+        self._check()
+        reset = await self._backend.reset_prefix_cache(reset_running_requests)
+        self._log.info("prefix_cache_reset", reset=reset, reset_running_requests=reset_running_requests)
+        return reset
+
     async def stats(self) -> ReplicaStats:
         in_flight, waiting = self._backend.open_requests()
         engine = self._backend.stats()

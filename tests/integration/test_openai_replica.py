@@ -16,9 +16,11 @@ JSON = (("content-type", "application/json"),)
 
 
 def call(replica, path: str, body: dict) -> tuple[HttpHead, bytes]:
-    request = HttpRequest("POST", path, JSON, json.dumps(body).encode())
-    items = [ray.get(ref) for ref in replica.http.remote(request)]
-    head, *chunks = items
+    return call_request(replica, HttpRequest("POST", path, JSON, json.dumps(body).encode()))
+
+
+def call_request(replica, request: HttpRequest) -> tuple[HttpHead, bytes]:
+    head, *chunks = [ray.get(ref) for ref in replica.http.remote(request)]
     assert isinstance(head, HttpHead)
     return head, b"".join(chunks)
 
@@ -87,3 +89,29 @@ def test_cancelling_the_call_aborts_the_request_in_the_engine(smollm2_replica, s
         assert time.monotonic() < deadline, "not aborted"
         time.sleep(0.05)
     assert ray.get(smollm2_replica.stats.remote()).requests_aborted == before + 1
+
+
+def test_a_stored_response_is_kept_under_the_id_the_router_set(smollm2_replica):
+    from atomr_infer.routing import response_ids
+
+    minted = response_ids.mint("smollm2", "r0")
+    sent = HttpRequest("POST", "/v1/responses", JSON, json.dumps(
+        {"model": "smollm2", "input": "Say hi.", "max_output_tokens": 8, "store": True}).encode())
+    head, body = call_request(smollm2_replica, response_ids.with_request_id(sent, minted))
+    assert head.status == 200 and json.loads(body)["id"] == minted, body
+    head, body = call_request(smollm2_replica, HttpRequest("GET", f"/v1/responses/{minted}", (), b""))
+    assert head.status == 200 and json.loads(body)["id"] == minted, body
+
+
+def test_the_control_plane_resets_every_replicas_prefix_cache(manager, smollm2, smollm2_replica):
+    from atomr_infer.control.client import ControlPlane
+
+    call(smollm2_replica, "/v1/completions", {"model": "smollm2", "prompt": "The capital of France", "max_tokens": 2})
+    assert ControlPlane(manager).reset_prefix_cache(smollm2) == {"r0": "reset"}
+
+
+def test_a_replica_reports_the_routes_its_model_serves(manager, smollm2, ray_cluster):
+    status = ray_cluster.get(manager.status.remote(smollm2))
+    routes = status.replicas[0].routes
+    assert "POST /v1/chat/completions" in routes and "POST /v1/responses" in routes
+    assert "POST /v1/embeddings" not in routes  # a generating model: no pooling routes

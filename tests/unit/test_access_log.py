@@ -51,3 +51,12 @@ def test_a_stream_that_did_not_ask_for_usage_gets_it_hidden_again() -> None:
         return b"".join([c async for c in without_usage(source())])
 
     assert asyncio.run(read()) == text + b"data: [DONE]\n\n"
+
+
+def test_responses_and_messages_report_their_usage() -> None:
+    completed = {"type": "response.completed", "response": {"usage": {"input_tokens": 9, "output_tokens": 5,
+                                                                      "total_tokens": 14}}}
+    assert usage_tokens(b"event: response.completed\ndata: " + json.dumps(completed).encode() + b"\n\n") == 14
+    delta = {"type": "message_delta", "usage": {"input_tokens": 9, "output_tokens": 7, "cache_read_input_tokens": 2}}
+    assert usage_tokens(b"event: message_delta\ndata: " + json.dumps(delta).encode() + b"\n\n") == 18
+    assert usage_tokens(json.dumps({"type": "message", "usage": {"input_tokens": 3, "output_tokens": 4}}).encode()) == 7

@@ -117,3 +117,12 @@ def test_a_key_carries_its_limits() -> None:
     ring = parse_key_file(f"keys: [{{name: a, key: {ALICE}, requests_per_minute: 3, tokens_per_minute: 500}}]")
     key = ring.authenticate(f"Bearer {ALICE}")
     assert (key.requests_per_minute, key.tokens_per_minute) == (3, 500)
+
+
+def test_an_x_api_key_header_authenticates_as_a_bearer_token_does() -> None:
+    ring = parse_key_file(FILE)
+    assert ring.authenticate(None, ALICE).name == ring.authenticate(f"Bearer {ALICE}").name
+    assert ring.authenticate(f"Bearer {BOB}", ALICE).name == ring.authenticate(f"Bearer {BOB}").name  # bearer first
+    with pytest.raises(ApiKeyError) as info:
+        ring.authenticate(None, "sk-wrong-key")
+    assert (info.value.status, info.value.code) == (401, "invalid_api_key")

@@ -7,7 +7,10 @@ nothing vLLM's app does not have, apart from the ingress's own."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 from fastapi.testclient import TestClient
@@ -18,35 +21,36 @@ from atomr_infer.serve.routes import BY_KEY, Via
 pytest.importorskip("vllm")
 
 
-def vllm_app_routes(model: str, tasks: tuple[str, ...], convert: str | None = None) -> set[str]:
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+# Built in a process of its own: vLLM's switches below add routes to its module-level routers
+# for good, which would change the app other tests build.
+BUILD_APPS = """
+import json, sys
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.launchers.app import build_app
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+model, found = sys.argv[1], set()
+for tasks, convert in ((("generate",), None), (("transcription",), None), (("embed", "token_embed"), "embed"),
+                       (("classify", "score"), "classify")):
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", model])
     args.enable_fault_tolerance = args.enable_tokenizer_info_endpoint = True
     extra = {"runner": "pooling", "convert": convert} if convert else {}
-    config = EngineArgs(model=model, **extra).create_model_config()
-    app = build_app(args, tasks, config)
-    return {f"{m} {r.path}" for r in app.routes for m in getattr(r, "methods", None) or () if m != "HEAD"}
+    app = build_app(args, tasks, EngineArgs(model=model, **extra).create_model_config())
+    found |= {f"{m} {r.path}" for r in app.routes for m in getattr(r, "methods", None) or () if m != "HEAD"}
+print(json.dumps(sorted(found)))
+"""
 
 
 @pytest.fixture(scope="module")
 def vllm_routes(bundled_model_dir) -> set[str]:
-    model = str(bundled_model_dir)
-    # Its routes behind switches too: operators' (dev mode), runtime LoRA loading.
-    switches = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
-    os.environ.update(switches)
-    try:
-        return (
-            vllm_app_routes(model, ("generate",)) | vllm_app_routes(model, ("transcription",))
-            | vllm_app_routes(model, ("embed", "token_embed"), "embed")
-            | vllm_app_routes(model, ("classify", "score"), "classify")
-        )
-    finally:
-        for name in switches:
-            del os.environ[name]
+    """Every route of vLLM's app for a generating, a speech, an embedding and a classifying
+    model, with the routes behind its switches: operators' (dev mode), runtime LoRA loading."""
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    done = subprocess.run([sys.executable, "-c", BUILD_APPS, str(bundled_model_dir)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return set(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def test_every_route_of_vllms_server_is_in_the_table(vllm_routes: set[str]) -> None:

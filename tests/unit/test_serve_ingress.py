@@ -73,3 +73,64 @@ def test_a_replica_failure_mid_stream_ends_with_an_error_event_then_done():
     error = json.loads(events[1].removeprefix(b"data: "))["error"]
     assert error["code"] == "engine_error" and "died mid-request" in error["message"]
     assert events[2] == b"data: [DONE]\n\n" and closed == [True]
+
+
+def test_errors_on_anthropics_routes_come_in_its_shape():
+    from atomr_infer.serve.answers import error_response
+    from atomr_infer.serve.api_keys import ApiKeyError
+
+    cases = {
+        ApiKeyError(401, "invalid API key", "invalid_api_key"): (401, "authentication_error"),
+        ApiKeyError(403, "may not", "model_not_allowed"): (403, "permission_error"),
+        DeploymentNotFound("x", []): (404, "not_found_error"),
+        InvalidRequest("body", "bad"): (400, "invalid_request_error"),
+        CapacityExhausted("x", 1): (429, "rate_limit_error"),
+        NoReadyReplica("x"): (503, "overloaded_error"),
+        EngineError("boom"): (500, "api_error"),
+    }
+    for exc, (status, kind) in cases.items():
+        answer = error_response(exc, "/v1/messages")
+        body = json.loads(answer.body)
+        assert answer.status_code == status and body["type"] == "error" and body["error"]["type"] == kind, exc
+        assert set(body["error"]) == {"type", "message"}
+    assert "error" in json.loads(error_response(EngineError("boom"), "/v1/messages/count_tokens").body)
+    openai_shaped = json.loads(error_response(EngineError("boom"), "/v1/chat/completions").body)
+    assert openai_shaped["error"]["code"] == "engine_error"
+
+
+@pytest.mark.parametrize("kind", [RequestKind.MESSAGES, RequestKind.RESPONSES])
+def test_a_typed_stream_ends_with_its_own_error_event(kind):
+    async def items():
+        yield b"event: x\ndata: {}\n\n"
+        raise EngineError("replica died")
+
+    async def main():
+        return [e async for e in _relay(items(), kind)]
+
+    events = asyncio.run(main())
+    assert len(events) == 2 and events[1].startswith(b"event: error\n") and b"[DONE]" not in events[1]
+    assert json.loads(events[1].split(b"data: ")[1])["type"] == "error"
+
+
+def test_responses_and_messages_facts():
+    facts = RoutingFacts.of("/v1/responses", {"model": "m", "input": "hi", "stream": True})
+    assert (facts.kind, facts.prompt, facts.usage_wanted) == (RequestKind.RESPONSES, "hi", True)
+    assert facts.names_response
+    assert not RoutingFacts.of("/v1/responses", {"model": "m", "input": [], "request_id": "mine"}).names_response
+    ask = [{"role": "user", "content": "x"}]
+    facts = RoutingFacts.of("/v1/messages", {"model": "m", "messages": ask, "stream": True})
+    assert (facts.kind, facts.usage_wanted, facts.names_response) == (RequestKind.MESSAGES, True, False)
+
+
+def test_a_forms_model_is_read_from_multipart_and_urlencoded_bodies():
+    import httpx
+
+    from atomr_infer.serve.answers import form_model
+
+    multipart = httpx.Request("POST", "http://x", data={"model": "whisper"}, files={"file": ("a.wav", b"RIFF")})
+    multipart.read()
+    assert asyncio.run(form_model(multipart.content, multipart.headers["content-type"])) == "whisper"
+    assert asyncio.run(form_model(b"model=w2&x=1", "application/x-www-form-urlencoded")) == "w2"
+    with pytest.raises(InvalidRequest) as info:
+        asyncio.run(form_model(b"{}", "application/json"))
+    assert info.value.field == "body"

@@ -34,6 +34,7 @@ from atomr_infer.wire import HttpRequest
 # runs in the serving task or in a task it starts, which copies this context.
 _TOKENS: contextvars.ContextVar[TokenSink | None] = contextvars.ContextVar("atomr_tokens", default=None)
 EngineFactory = Callable[[Deployment, Callable[[str], None]], Engine]
+OPERATOR_CALL_TIMEOUT_S = 30.0  # an operator's call waits for the current step to end, then runs
 
 
 def _build_engine(deployment: Deployment, progress: Callable[[str], None]) -> Engine:
@@ -161,6 +162,12 @@ class VllmBackend:
 
     def abort(self, request_ids: list[str]) -> None:
         self._loop.abort(request_ids)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        if not self._started.is_set() or self._start_error is not None:
+            raise EngineError(f"{self._ctx.name} has no running engine")
+        done = self._loop.call(lambda engine: engine.reset_prefix_cache(reset_running_requests))
+        return bool(await asyncio.wait_for(asyncio.wrap_future(done), OPERATOR_CALL_TIMEOUT_S))
 
     def health(self) -> EngineHealth:
         error = self._start_error or self._loop.error

@@ -14,6 +14,7 @@ per-request poller would drop the outputs of all the others.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import threading
 import time
@@ -47,6 +48,15 @@ class _Add:
 class _Abort:
     request_ids: list[str]
 
+
+@dataclass(slots=True)
+class _Call:
+    """Run ``fn(engine)`` between two steps (the engine is this thread's alone); its result or
+    error goes to ``future``."""
+
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future[Any]
+
 EngineFactory = Callable[[], Engine]
 OnReady = Callable[[Engine], None]
 OnOutputs = Callable[[list[Any]], None]
@@ -71,7 +81,7 @@ class StepLoop:
         self._engine: Engine | None = None
         self._on_outputs, self._on_error, self._on_rejected = on_outputs, on_error, on_rejected
         # deque append/popleft are atomic; the event wakes the loop.
-        self._inbox: collections.deque[_Add | _Abort] = collections.deque()
+        self._inbox: collections.deque[_Add | _Abort | _Call] = collections.deque()
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -98,6 +108,14 @@ class StepLoop:
         self._inbox.append(_Abort(list(request_ids)))
         self._wake.set()
 
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
+        """``fn(engine)`` run by the loop's thread before its next step (an operator's action:
+        resetting the prefix cache); the future has its result."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._inbox.append(_Call(fn, future))
+        self._wake.set()
+        return future
+
     def stop(self, timeout: float | None = 10.0) -> None:
         self._stop = True
         self._wake.set()
@@ -120,6 +138,11 @@ class StepLoop:
                     engine.add_request(item.request_id, item.prompt, item.params, **item.options)
                 except Exception as exc:  # a bad request fails alone
                     self._on_rejected(item.request_id, exc)
+            elif isinstance(item, _Call):
+                try:
+                    item.future.set_result(item.fn(engine))
+                except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine steps on
+                    item.future.set_exception(exc)
             else:
                 engine.abort_request(item.request_ids)
 

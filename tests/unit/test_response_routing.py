@@ -1,0 +1,109 @@
+"""Stored Responses-API responses without shared state: the router names a new response after
+the replica it picks, and routes a request naming one to that replica (routing/response_ids.py);
+the replica's store is bounded (engine/vllm/response_store.py). Routing runs over fake replicas
+and the real ``ChannelHub``; tests/e2e covers the real path (two ingress replicas, vLLM's store)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from atomr_infer.engine.vllm.response_store import BoundedStore
+from atomr_infer.routing import response_ids
+from atomr_infer.routing.router import Router
+from atomr_infer.routing.table import DeploymentRoute, RoutingTable
+from atomr_infer.wire import HttpHead, HttpRequest, RoutingFacts
+
+from .fakes import JSON, FakeReplica, answer, route
+
+
+class EchoReplica(FakeReplica):
+    """Answers with its name and the request_id the body it got carries."""
+
+    async def _serve(self, request, put, tokens):
+        put(HttpHead(200, JSON))
+        put(json.dumps({"replica": self.name, "request_id": json.loads(request.body).get("request_id")}).encode())
+
+
+def responses_request(**fields) -> tuple[RoutingFacts, HttpRequest]:
+    data = {"model": "d", "input": "hi", **fields}
+    return RoutingFacts.of("/v1/responses", data), HttpRequest("POST", "/v1/responses", JSON, json.dumps(data).encode())
+
+
+def served(replicas, facts_and_request, times: int = 1) -> list[dict]:
+    table = RoutingTable(1, {"d": DeploymentRoute("d", 64, "queue", tuple(route(r) for r in replicas))})
+
+    async def source(version):
+        return table if version != table.version else None
+
+    async def main():
+        router = Router(source, refresh_s=0.0)
+        return [json.loads((await answer(router.stream(*facts_and_request)))[1]) for _ in range(times)]
+
+    return asyncio.run(main())
+
+
+def test_a_new_response_is_named_after_the_replica_that_makes_it():
+    for answer_ in served([EchoReplica("r0"), EchoReplica("r1")], responses_request(), times=10):
+        where = response_ids.home(answer_["request_id"])
+        assert where == ("d", answer_["replica"]), answer_
+
+
+def test_a_request_naming_a_stored_response_goes_to_its_replica():
+    previous = response_ids.mint("d", "r1")
+    answers = served([EchoReplica("r0"), EchoReplica("r1"), EchoReplica("r2")],
+                     responses_request(previous_response_id=previous), times=20)
+    assert {a["replica"] for a in answers} == {"r1"}
+
+
+def test_a_response_whose_replica_is_gone_is_asked_of_any_replica_which_says_not_found():
+    previous = response_ids.mint("d", "r7")  # no such replica any more: vLLM answers 404 there
+    answers = served([EchoReplica("r0"), EchoReplica("r1")], responses_request(previous_response_id=previous), 40)
+    assert {a["replica"] for a in answers} == {"r0", "r1"}
+
+
+def test_a_callers_own_request_id_is_kept():
+    answers = served([EchoReplica("r0")], responses_request(request_id="resp_mine"))
+    assert answers[0]["request_id"] == "resp_mine"
+
+
+def test_only_ids_atomr_made_name_a_home():
+    assert response_ids.home(response_ids.mint("smollm2", "r12")) == ("smollm2", "r12")
+    for other in ("resp_0123456789abcdef", "resp_a.b", "resp_..x", "chatcmpl-1.r0.x", ""):
+        assert response_ids.home(other) is None, other
+
+
+def test_the_id_goes_first_into_the_body_and_the_rest_is_unchanged():
+    request = HttpRequest("POST", "/v1/responses", JSON, b' {"model": "d", "input": [{"role": "user"}]}')
+    body = json.loads(response_ids.with_request_id(request, "resp_d.r0.ab").body)
+    assert body == {"request_id": "resp_d.r0.ab", "model": "d", "input": [{"role": "user"}]}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_store_keeps_at_most_its_count_oldest_writes_first():
+    store = BoundedStore(3, 3600.0)
+    for i in range(5):
+        store[f"k{i}"] = i
+    assert sorted(store) == ["k2", "k3", "k4"] and "k0" not in store and store.get("k1") is None
+    store["k2"] = "again"  # a write makes it the newest
+    store["k5"] = 5
+    assert sorted(store) == ["k2", "k4", "k5"]
+
+
+def test_the_store_forgets_what_is_older_than_its_age_and_keeps_what_runs():
+    clock, running = Clock(), {"bg"}
+    store = BoundedStore(10, 60.0, keep=lambda key: key in running, clock=clock)
+    store["old"], store["bg"] = 1, 2
+    clock.now = 30.0
+    store["new"] = 3
+    clock.now = 61.0
+    assert "old" not in store and store.get("new") == 3 and store["bg"] == 2  # bg still runs
+    running.clear()
+    assert "bg" not in store and store.pop("new") == 3 and len(store) == 0
