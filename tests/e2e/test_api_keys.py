@@ -26,7 +26,7 @@ from tests.e2e.conftest import REPLICA_WAIT_S
 pytestmark = pytest.mark.e2e
 ATOMR = Path(sys.executable).parent / "atomr"
 ALICE, BOB, CAROL, DAVE = "sk-alice-0123456789", "sk-bob-0123456789", "sk-carol-0123456789", "sk-dave-0123456789"
-ERIN, FRANK = "sk-erin-0123456789", "sk-frank-0123456789"
+ERIN, FRANK, GRACE, HEIDI = "sk-erin-0123456789", "sk-frank-0123456789", "sk-grace-0123456789", "sk-heidi-0123456789"
 KEYS = f"""
 keys:
   - name: alice
@@ -42,6 +42,12 @@ keys:
     tokens_per_minute: 30
   - name: frank
     key: {FRANK}
+    tokens_per_minute: 30
+  - name: grace
+    key: {GRACE}
+    tokens_per_minute: 30
+  - name: heidi
+    key: {HEIDI}
     tokens_per_minute: 30
 """
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
@@ -226,13 +232,13 @@ def test_a_body_over_the_configured_size_is_413_before_routing(keyed):
     assert resp.status_code == 413 and str(MAX_BODY) in resp.json()["error"]["message"], resp.text
 
 
-def _until_refused(url: str, key: str, body: dict, tries: int = 4) -> list[httpx.Response]:
+def _until_refused(url: str, key: str, body: dict, tries: int = 4, path: str = "/v1/chat/completions",
+                   ) -> list[httpx.Response]:
     """Requests until one is refused (the charge of the one before may reach the shared
     limiter a moment after the client has its answer)."""
     answers = []
     for _ in range(tries):
-        answers.append(httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
-                                  timeout=60))
+        answers.append(httpx.post(f"{url}{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60))
         if answers[-1].status_code == 429:
             break
     return answers
@@ -292,3 +298,20 @@ def test_a_stored_response_is_found_through_every_ingress_replica(keyed):
         assert found.status_code == 200 and found.json()["id"] == stored.id, found.text
     nobody = httpx.get(f"{url}/v1/responses/{stored.id}", headers={"x-api-key": "sk-nobody-01234"}, timeout=60)
     assert nobody.status_code == 401  # a stored response is behind the keys, as every routed route
+
+
+@pytest.mark.parametrize("key, path, stream", [(GRACE, "/v1/messages", True), (HEIDI, "/v1/responses", False)])
+def test_messages_and_responses_are_charged_their_usage(keyed, key, path, stream):
+    """A Messages stream and a Responses answer report their usage in their own shapes: both are
+    charged, and the next request over the key's 30 tokens a minute is refused (in Anthropic's
+    error shape on /v1/messages)."""
+    url, _ = keyed
+    body = {"model": "smollm2", "max_tokens": 8, "messages": ASK, "stream": stream} if path == "/v1/messages" else {
+        "model": "smollm2", "max_output_tokens": 8, "input": ASK[0]["content"]}
+    answers = _until_refused(url, key, body, path=path)
+    assert answers[0].status_code == 200 and answers[-1].status_code == 429, [a.status_code for a in answers]
+    refused = answers[-1].json()
+    if path == "/v1/messages":
+        assert refused["type"] == "error" and refused["error"]["type"] == "rate_limit_error", refused
+    else:
+        assert refused["error"]["code"] == "rate_limit_exceeded", refused

@@ -197,6 +197,13 @@ def test_status_shows_the_deployment_ready(cli, smollm2):
     assert replica["dashboard_url"].endswith(f"/#/actors/{replica['actor_id']}")
 
 
+def test_reset_cache_resets_every_replica_and_names_a_missing_deployment(cli, smollm2):
+    proc = cli.run("reset-cache", "smollm2")
+    assert proc.returncode == 0 and proc.stdout.splitlines() == ["smollm2/r0: reset"], (proc.stdout, proc.stderr)
+    missing = cli.run("reset-cache", "nope")
+    assert missing.returncode == 1 and "nope" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+
 def test_chat_answers_paris(cli, smollm2):
     proc = cli.run("chat", "smollm2", QUESTION, "--max-tokens", "32")
     assert proc.returncode == 0, proc.stderr

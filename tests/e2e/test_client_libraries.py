@@ -98,3 +98,46 @@ def test_anthropic_errors_come_in_anthropics_shape(claude):
         claude.messages.create(model="no-such-deployment", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "not_found_error"
     assert "no-such-deployment" in info.value.body["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def two_replicas(manager, ray_cluster, openai_server) -> str:
+    """A deployment of two engine replicas that store responses."""
+    from tests.conftest import smollm2_spec
+
+    spec = smollm2_spec(name="stored", replicas=2)
+    ray_cluster.get(manager.apply.remote(spec))
+    status = ray_cluster.get(manager.wait_ready.remote(spec.name, 600))
+    assert status is not None and status.replicas_ready == 2, status
+    yield spec.name
+    ray_cluster.get(manager.remove.remote(spec.name))
+
+
+def test_stored_responses_live_on_their_replica_and_are_gone_with_it(oai, two_replicas, manager, ray_cluster):
+    from atomr_infer.routing.response_ids import home
+    from tests.conftest import smollm2_spec
+
+    made = [oai.responses.create(model=two_replicas, input=f"Count to {i}.", max_output_tokens=8, store=True)
+            for i in range(8)]
+    by_replica: dict[str, list[str]] = {}
+    for reply in made:
+        by_replica.setdefault(home(reply.id).replica_id, []).append(reply.id)
+    assert sorted(by_replica) == ["r0", "r1"], by_replica  # power of two over two idle replicas: both
+    for response_id in [i for ids in by_replica.values() for i in ids]:  # each found on its replica
+        assert oai.responses.retrieve(response_id).id == response_id
+    chained = oai.responses.create(model=two_replicas, input="Go on.", previous_response_id=by_replica["r1"][0],
+                                   max_output_tokens=8, store=True)
+    assert home(chained.id).replica_id == "r1"  # made where its previous response lives
+
+    ray_cluster.get(manager.apply.remote(smollm2_spec(name=two_replicas, replicas=1)))  # one of them goes
+    deadline = time.monotonic() + 120
+    while len(serving := [r for r in ray_cluster.get(manager.status.remote(two_replicas)).replicas
+                          if r.state != "stopped"]) > 1:  # a stopped one stays listed a while
+        assert time.monotonic() < deadline, serving
+        time.sleep(0.5)
+    kept = serving[0].replica_id
+    gone = next(r for r in by_replica if r != kept)
+    for response_id in by_replica[gone]:  # vLLM's own answer, from the replica that is left
+        with pytest.raises(openai.NotFoundError, match=f"Response with id '{response_id}' not found"):
+            oai.responses.retrieve(response_id)
+    assert oai.responses.retrieve(by_replica[kept][0]).id == by_replica[kept][0]

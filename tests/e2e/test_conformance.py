@@ -298,3 +298,13 @@ def test_pooling_endpoints_match(embed_servers, case):
     ours, theirs = _answer(ours_url, path, body), _answer(theirs_url, path, body)
     assert ours[0] == (404 if case in ("classify", "chat") else 200), ours
     assert ours == theirs
+
+
+def test_a_models_card_says_which_endpoints_it_serves(embed_servers, atomr):
+    ours_url, _ = embed_servers
+    embed = httpx.get(f"{ours_url}/v1/models/smollm2-embed", timeout=30).json()
+    assert {"/v1/embeddings", "/pooling", "/v1/score", "/v1/rerank"} <= set(embed["endpoints"]), embed
+    assert "/v1/chat/completions" not in embed["endpoints"]
+    chat_card = httpx.get(f"{atomr}/v1/models/{NAME}", timeout=30).json()
+    assert {"/v1/chat/completions", "/v1/responses", "/v1/messages"} <= set(chat_card["endpoints"]), chat_card
+    assert "/v1/embeddings" not in chat_card["endpoints"]
