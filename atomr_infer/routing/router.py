@@ -1,5 +1,8 @@
 """Route a request to a ready replica of the named deployment and stream its answer back.
 
+A request that names a stored Responses-API response goes to the replica holding it, and a new
+one is named after the replica it goes to (routing/response_ids.py).
+
 A ``Router`` caches the manager's routing table (refreshing it at most once per
 ``refresh_s`` and whenever a replica turns out dead) and picks, from the request's
 ``RoutingFacts`` (wire.py: read once at the edge), by power-of-two choices on each
