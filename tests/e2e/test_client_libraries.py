@@ -141,3 +141,15 @@ def test_stored_responses_live_on_their_replica_and_are_gone_with_it(oai, two_re
         with pytest.raises(openai.NotFoundError, match=f"Response with id '{response_id}' not found"):
             oai.responses.retrieve(response_id)
     assert oai.responses.retrieve(by_replica[kept][0]).id == by_replica[kept][0]
+
+
+def test_a_background_response_is_cancelled_on_its_replica(oai, smollm2_replica, ray_cluster):
+    started = oai.responses.create(model=MODEL, input="Write a long story about a cat.", max_output_tokens=1500,
+                                   background=True, store=True, extra_body={"ignore_eos": True})
+    cancelled = oai.responses.cancel(started.id)
+    assert cancelled.status == "cancelled", cancelled.status
+    assert oai.responses.retrieve(started.id).status == "cancelled"
+    deadline = time.monotonic() + 10  # and the engine stopped generating it
+    while ray_cluster.get(smollm2_replica.stats.remote()).engine_unfinished:
+        assert time.monotonic() < deadline, "the cancelled response still runs in the engine"
+        time.sleep(0.1)

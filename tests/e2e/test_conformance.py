@@ -246,17 +246,20 @@ def test_audio_routes_answer_as_vllm_serve_does_for_a_model_without_speech(vllm_
     assert answers[0] == answers[1] == [(404, {"detail": "Not Found"})] * 2
 
 
-def embed_spec():
+def spec_file(name: str):
     from atomr_infer.spec import load_deployments
     from tests.conftest import REPO
 
-    return load_deployments(os.path.join(REPO, "deployments", "smollm2-embed.yaml"))[0]
+    return load_deployments(os.path.join(REPO, "deployments", name))[0]
 
 
 @pytest.fixture(scope="module")
 def embed_servers(bundled_model_dir, manager, ray_cluster, openai_server) -> Iterator[tuple[str, str]]:
     """deployments/smollm2-embed.yaml on atomr, and `vllm serve` with the same flags."""
-    spec = embed_spec()
+    yield from pooling_servers(spec_file("smollm2-embed.yaml"), bundled_model_dir, manager, ray_cluster, openai_server)
+
+
+def pooling_servers(spec, bundled_model_dir, manager, ray_cluster, openai_server) -> Iterator[tuple[str, str]]:
     ray_cluster.get(manager.apply.remote(spec))
     try:
         status = ray_cluster.get(manager.wait_ready.remote(spec.name, 600))
@@ -300,11 +303,27 @@ def test_pooling_endpoints_match(embed_servers, case):
     assert ours == theirs
 
 
-def test_a_models_card_says_which_endpoints_it_serves(embed_servers, atomr):
-    ours_url, _ = embed_servers
-    embed = httpx.get(f"{ours_url}/v1/models/smollm2-embed", timeout=30).json()
-    assert {"/v1/embeddings", "/pooling", "/v1/score", "/v1/rerank"} <= set(embed["endpoints"]), embed
-    assert "/v1/chat/completions" not in embed["endpoints"]
-    chat_card = httpx.get(f"{atomr}/v1/models/{NAME}", timeout=30).json()
-    assert {"/v1/chat/completions", "/v1/responses", "/v1/messages"} <= set(chat_card["endpoints"]), chat_card
-    assert "/v1/embeddings" not in chat_card["endpoints"]
+@pytest.fixture(scope="module")
+def classify_servers(bundled_model_dir, manager, ray_cluster, openai_server) -> Iterator[tuple[str, str]]:
+    """deployments/smollm2-classify.yaml on atomr, and `vllm serve` with the same flags."""
+    spec = spec_file("smollm2-classify.yaml")
+    yield from pooling_servers(spec, bundled_model_dir, manager, ray_cluster, openai_server)
+
+
+CLASSIFY_CASES = {
+    "classify": ("/classify", {"input": ["Paris is lovely.", "I hate rain."]}),
+    "pooling": ("/pooling", {"input": "Paris is lovely."}),
+    "score": ("/score", {"text_1": "What is the capital of France?",
+                         "text_2": ["Paris is the capital of France.", "Bananas are yellow."]}),
+    "rerank": ("/v1/rerank", {"query": "capital of France", "documents": ["Bananas are yellow.", "Paris."]}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLASSIFY_CASES))
+def test_classification_endpoints_match(classify_servers, case):
+    ours_url, theirs_url = classify_servers
+    path, body = CLASSIFY_CASES[case]
+    body = {"model": "smollm2-classify", **body}
+    ours, theirs = _answer(ours_url, path, body), _answer(theirs_url, path, body)
+    assert ours[0] == 200, ours
+    assert ours == theirs
