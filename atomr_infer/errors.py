@@ -161,6 +161,18 @@ class DeploymentNotFound(RoutingError):
         return f"no deployment named {self.name!r} (deployments: {known})"
 
 
+class AdapterNotFound(DeploymentNotFound):
+    """A ``"<deployment>:<adapter>"`` whose deployment has no such LoRA adapter (404, as a model)."""
+
+    def __init__(self, deployment: str, adapter: str, known: list[str] | tuple[str, ...] = ()) -> None:
+        super().__init__(f"{deployment}:{adapter}", known)
+        self.deployment, self.adapter = deployment, adapter
+
+    def __str__(self) -> str:
+        known = ", ".join(self.known) if self.known else "none"
+        return f"deployment {self.deployment!r} has no adapter {self.adapter!r} (its adapters: {known})"
+
+
 class NoReadyReplica(RoutingError):
     retryable = True
 

@@ -89,8 +89,8 @@ class ReplicaCalls:
     def ready(self, timeout_s: float | None = None) -> Any:
         return self.actor.ready.remote(timeout_s)
 
-    def health(self) -> Any:
-        return self.actor.health.remote()
+    def health(self, adapters: dict[str, str] | None = None) -> Any:
+        return self.actor.health.remote(adapters)
 
     def stats(self) -> Any:
         return self.actor.stats.remote()

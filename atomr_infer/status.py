@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -61,6 +61,7 @@ class ReplicaStatus:
     kv_cache_bytes: int | None = None
     kv_cache_tokens: int | None = None
     routes: tuple[str, ...] = ()  # its server's routes for its model, "METHOD /path"
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> loading | loaded | failed: why
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,7 @@ def replica_rows(
                     "uptime_s": round(now - r.started_at, 1) if r.started_at else None,
                     "actor_id": r.actor_id,
                     "dashboard_url": actor_url(dashboard, r.actor_id),
+                    "adapters": dict(r.adapters),
                 }
             )
     return rows
@@ -154,6 +155,14 @@ def replicas_lines(rows: Sequence[dict[str, Any]]) -> list[Text]:
         )
     headers = ["REPLICA", "STATE", "NODE", "DEVICE", "KV CACHE", "GPU IDS", "IN-FLIGHT", "TOKENS", "TOK/S", "UPTIME"]
     return columns(headers, cells)
+
+
+def adapter_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Each replica's LoRA adapters and their states: ``smollm2/r0 adapters: pirate loaded, …``."""
+    return [
+        f"{r['deployment']}/{r['replica']} adapters: " + ", ".join(f"{a} {s}" for a, s in sorted(r["adapters"].items()))
+        for r in rows if r.get("adapters")
+    ]
 
 
 def scaling_line(status: DeploymentStatus) -> str:

@@ -53,8 +53,8 @@ def serve_command(
         )
     except Exception as exc:  # noqa: BLE001 - one line, the CLI's exit codes
         fail(exc)
-    routes = "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /tokenize, /detokenize"
-    out.print(f"OpenAI-compatible API at {server.url} (routes {routes})")
+    routes = "chat, completions, Responses, Anthropic Messages, embeddings, pooling, score, rerank, audio"
+    out.print(f"OpenAI-compatible API at {server.url} ({routes}: docs/http-api.md)", markup=False)
     key_hint = '"<a key from the file>"' if api_keys else '"unused"'
     out.print(f'openai client: OpenAI(base_url="{server.base_url}", api_key={key_hint})')
     out.print("Ctrl-C to stop.")

@@ -70,6 +70,11 @@ def status_command(
         out.print()
         for line in render.replicas_lines(rows):
             out.print(line, soft_wrap=True)
+        adapters = render.adapter_lines(rows)
+        if adapters:
+            out.print()
+        for text in adapters:
+            out.print(text, markup=False, soft_wrap=True)
     for s in statuses:
         if s.autoscaling:
             out.print(Text("\n" + render.scaling_line(s), style="dim"), soft_wrap=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from atomr_infer.control.autoscale import Autoscaler, BudgetCap, ScaleDecision
 from atomr_infer.control.reconcile import DeploymentReconciler
-from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
+from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord, loaded_adapters
 from atomr_infer.control.store import DeploymentRecord
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
 from atomr_infer.spec import Deployment, normalized, parse_deployment, runtime_fields
@@ -109,7 +109,11 @@ class ManagedDeployment:
     def route(self) -> DeploymentRoute:
         """Its entry in the routing table: the ready replicas and the serving limits."""
         ready = tuple(
-            ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor()) for r in self.reconciler.ready_replicas()
+            ReplicaRoute(
+                r.replica_id, r.handle.actor_name, r.handle.actor(),
+                loaded_adapters(r.handle),
+            )
+            for r in self.reconciler.ready_replicas()
         )
         s = self.spec.serving
         aliases = tuple(s.openai.served_model_name)
@@ -120,4 +124,5 @@ class ManagedDeployment:
             self.spec.name, s.max_concurrent, s.on_capacity_exhausted, ready, aliases,
             limits.requests_per_minute, limits.tokens_per_minute, cold_start,
             self.spec.routing.policy, self.spec.routing.load_bound,
+            tuple(self.spec.lora.adapters) if self.spec.lora is not None else (),
         )

@@ -57,6 +57,7 @@ class RayReplicaHandle:
         self._drain: Future[Any] | None = None
         self._info: dict[str, Any] = {}
         self._in_flight = 0
+        self._adapters: dict[str, str] = {}  # LoRA adapter -> its state, as of the last health check
         self.adopted = adopted
 
     def actor(self) -> Any:
@@ -80,16 +81,20 @@ class RayReplicaHandle:
             self._info = info or {}
         return poll
 
-    def poll_health(self) -> Poll:
+    def poll_health(self, adapters: dict[str, str] | None = None) -> Poll:
         if self._health is None:
-            self._health = self._calls.health().future()
+            self._health = self._calls.health(adapters).future()
             return Poll.pending()
         poll, info = _poll(self._health)
         if poll.done:
             self._health = None
             if poll.ok and info is not None:  # a ReplicaHealth (replica/lifecycle.py)
                 self._in_flight = info.in_flight
+                self._adapters = dict(info.adapters)
         return poll
+
+    def adapters(self) -> dict[str, str]:
+        return self._adapters
 
     def in_flight(self) -> int:
         return self._in_flight

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
+from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord, loaded_adapters
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
 from atomr_infer.status import DeploymentStatus, ReplicaState, ReplicaStatus
@@ -128,7 +128,7 @@ class DeploymentReconciler:
 
     def update(self) -> bool:
         """One reconcile pass. Returns True if the set of ready replicas changed."""
-        before = {r.replica_id for r in self.ready_replicas()}
+        before = self._routes()
         now = self._clock()
         self._poll(now)
         if self.spec is None:
@@ -140,7 +140,18 @@ class DeploymentReconciler:
         self._forget_old_records(now)
         if self._converged():
             self.observed_generation = self.generation
-        return before != {r.replica_id for r in self.ready_replicas()}
+        return before != self._routes()
+
+    def _routes(self) -> frozenset[tuple[str, frozenset[str]]]:
+        """What routers see of the ready replicas: their ids and the adapters loaded on them."""
+        return frozenset(
+            (r.replica_id, loaded_adapters(r.handle))
+            for r in self.ready_replicas()
+        )
+
+    def _wanted_adapters(self) -> dict[str, str] | None:
+        lora = self.spec.lora if self.spec is not None else None
+        return dict(lora.adapters) if lora is not None else None
 
     def _poll(self, now: float) -> None:
         for r in self.replicas:
@@ -153,7 +164,7 @@ class DeploymentReconciler:
                 elif poll.done:
                     self._fail(r, f"failed to start: {poll.reason}", now, poll.recurring)
             elif r.state == ReplicaState.READY and now - r.last_health_at >= self._cfg.health_period_s:
-                poll = r.handle.poll_health()
+                poll = r.handle.poll_health(self._wanted_adapters())
                 if poll.done:
                     r.last_health_at = now
                     if not poll.ok:
@@ -285,6 +296,7 @@ class DeploymentReconciler:
                 reason=r.reason or None,
                 in_flight=r.handle.in_flight(),
                 started_at=r.started_at,
+                adapters=dict(r.handle.adapters()),
                 **{k: tuple(v) if k == "gpu_ids" else v for k, v in r.handle.placement().items()},
             )
             for r in sorted(self.replicas, key=lambda r: int(r.replica_id.lstrip("r") or 0))

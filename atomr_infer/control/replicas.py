@@ -48,8 +48,13 @@ class ReplicaHandle(Protocol):
 
     def poll_ready(self) -> Poll: ...
 
-    def poll_health(self) -> Poll:
-        """Start a health check if none is running; report the last finished one."""
+    def poll_health(self, adapters: dict[str, str] | None = None) -> Poll:
+        """Start a health check if none is running (telling the replica the LoRA ``adapters``
+        it should serve); report the last finished one."""
+
+    def adapters(self) -> dict[str, str]:
+        """Each LoRA adapter's state on the replica (loading, loaded, failed: why), as of the
+        last health check."""
 
     def in_flight(self) -> int:
         """Last known number of requests in flight (refreshed with health checks)."""
@@ -92,3 +97,8 @@ class ReplicaRecord:
     def live(self) -> bool:
         """Counts toward the replica set (not on its way out)."""
         return self.state.live
+
+
+def loaded_adapters(handle: ReplicaHandle) -> frozenset[str]:
+    """The LoRA adapters loaded on the replica (requests for one are routed only where it is)."""
+    return frozenset(name for name, state in handle.adapters().items() if state == "loaded")

@@ -31,6 +31,7 @@ from atomr_infer.errors import AtomrError, EngineError, EngineStartFailed, Repli
 from atomr_infer.log import get_logger
 from atomr_infer.merging import MergingBuffer, join_bytes
 from atomr_infer.metrics import GAUGE_PERIOD_S, ReplicaMetrics
+from atomr_infer.replica.adapters import AdapterSet
 from atomr_infer.replica.channel import ChannelHub
 from atomr_infer.replica.lifecycle import Lifecycle, ReplicaHealth
 from atomr_infer.replica.periodic import run_every
@@ -76,6 +77,7 @@ class VllmReplica:
             self._log,
         )
         self._backend: Any = (backend or backend_class(self._deployment))(context)
+        self._adapters = AdapterSet(self._deployment.name, self._backend.load_adapter, self._backend.unload_adapter)
         self._log.info("replica_starting", device=self._device, model=self._deployment.model)
         self._backend.start(on_failure=self._engine_failed)
 
@@ -146,6 +148,8 @@ class VllmReplica:
             if isinstance(exc, EngineStartFailed) and self._life.to(ReplicaState.UNHEALTHY, "failed to start", exc):
                 self._log.error("replica_start_failed", error=str(exc))
             raise
+        if self._deployment.lora is not None:  # the spec's adapters, before it serves
+            await asyncio.gather(*self._adapters.sync(self._deployment.lora.adapters))
         if self._life.to(ReplicaState.READY):
             self._facts = dataclasses.asdict(facts)
             self._log.info("replica_ready", max_model_len=facts.max_model_len, start_s=round(self._uptime(), 1))
@@ -168,13 +172,18 @@ class VllmReplica:
         await self._wait_ready(timeout)
         return {"replica_id": self._replica_id, "device": self._device, **self._facts, **_placement()}
 
-    async def health(self) -> ReplicaHealth:
-        """The replica's health report; raises ``EngineError`` once it is unhealthy."""
+    async def health(self, adapters: dict[str, str] | None = None) -> ReplicaHealth:
+        """The replica's health report; raises ``EngineError`` once it is unhealthy.
+
+        ``adapters``: the LoRA adapters the deployment has now (name -> directory); the replica
+        loads and unloads to match, while it serves, and reports each one's state."""
         self._check()
         if self._life.state is ReplicaState.UNHEALTHY:
             raise EngineError(f"{self!r} is unhealthy: {self._life.error}")
+        if adapters is not None and self._life.state is ReplicaState.READY:
+            self._adapters.sync(adapters)
         in_flight, waiting = self._backend.open_requests()
-        return self._life.report(in_flight, waiting)
+        return dataclasses.replace(self._life.report(in_flight, waiting), adapters=dict(self._adapters.states))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Drop the engine's cached prefixes (the control plane does it for every replica of a

@@ -14,7 +14,7 @@ state (``progress``), not a state.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from atomr_infer.errors import AtomrError, EngineError, ReplicaUnavailable
 from atomr_infer.status import ReplicaState
@@ -39,6 +39,7 @@ class ReplicaHealth:
     waiting: int  # admitted, no output yet
     uptime_s: float
     error: str | None = None
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> loading | loaded | failed: why
 
 
 class Lifecycle:

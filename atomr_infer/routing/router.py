@@ -35,6 +35,7 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from atomr_infer.errors import (
+    AdapterNotFound,
     AtomrError,
     CapacityExhausted,
     DeploymentNotFound,
@@ -205,12 +206,14 @@ class Router:
             log.debug("route", deployment=dep.name, replica=choice.actor_name, reason=reason)
         return choice  # type: ignore[return-value]
 
-    async def _route(self, facts: RoutingFacts) -> tuple[DeploymentRoute, ReplicaRoute]:
+    async def _route(self, facts: RoutingFacts) -> tuple[DeploymentRoute, ReplicaRoute, str | None]:
+        """The deployment, the replica and the LoRA adapter for ``facts`` (waiting for a
+        replica if need be)."""
         name = facts.deployment
         started = appear_from = time.monotonic()  # the wait for a ready replica runs from appear_from
         queue_deadline = None if self._queue_timeout_s is None else started + self._queue_timeout_s
         table = await self.refresh()
-        if table.find(name) is None:
+        if table.find(name) is None or _missing_adapter(table, name):
             table = await self.refresh(force=True)
         waiting_for: str | None = None  # the deployment this request is counted waiting for
         keys: list[Any] = []  # the request's prefix key, read once however long it waits
@@ -222,16 +225,22 @@ class Router:
 
         try:
             while True:
-                dep = table.find(name)
+                dep, adapter = table.resolve(name)
                 if dep is None:
                     raise DeploymentNotFound(name, sorted(table.deployments))
-                usable = [r for r in dep.replicas if r.actor_name not in self._excluded]
+                if adapter is not None and adapter not in dep.adapters:
+                    raise AdapterNotFound(dep.name, adapter, dep.adapters)
+                # An adapter's requests go where it is loaded (a replica loading it waits its turn).
+                usable = [
+                    r for r in dep.replicas
+                    if r.actor_name not in self._excluded and (adapter is None or adapter in r.adapters)
+                ]
                 if facts.response_id is not None:
                     usable = _holding(usable, dep.name, facts.response_id)
                 if usable:
                     choice = self._pick(dep, usable, key)
                     if choice is not None:
-                        return dep, choice
+                        return dep, choice, adapter
                     if dep.on_capacity_exhausted == "reject":
                         raise CapacityExhausted(name, dep.max_concurrent)
                 now = time.monotonic()
@@ -263,11 +272,13 @@ class Router:
         name = facts.deployment
         attempt = 0
         while True:
-            dep, route = await self._route(facts)
+            dep, route, adapter = await self._route(facts)
             attempt += 1
             last_try = attempt >= MAX_ATTEMPTS
             self._in_flight[route.actor_name] += 1
             sent_request = request
+            if adapter is not None and name != f"{dep.name}:{adapter}":  # vLLM knows it by its full name
+                sent_request = with_model(sent_request, f"{dep.name}:{adapter}")
             if facts.names_response:
                 sent_request = response_ids.with_request_id(request, response_ids.mint(dep.name, route.replica_id))
             opening = OpenRequest("", sent_request, dep.max_concurrent, facts.adapter)
@@ -314,3 +325,21 @@ def _holding(usable: list[ReplicaRoute], deployment: str, response_id: str) -> l
         return usable
     held = [r for r in usable if r.replica_id == where.replica_id]
     return held or usable
+
+
+def _missing_adapter(table: RoutingTable, name: str) -> bool:
+    dep, adapter = table.resolve(name)
+    return dep is not None and adapter is not None and adapter not in dep.adapters
+
+
+def with_model(request: HttpRequest, model: str) -> HttpRequest:
+    """The request with its JSON body's ``model`` replaced (an adapter named by its bare name);
+    a body that is not JSON (a form) as it is."""
+    import json
+
+    try:
+        body = json.loads(request.body)
+    except ValueError:
+        return request
+    body["model"] = model
+    return HttpRequest(request.method, request.path, request.headers, json.dumps(body).encode())

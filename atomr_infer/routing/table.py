@@ -11,6 +11,7 @@ class ReplicaRoute:
     replica_id: str
     actor_name: str  # "atomr:<deployment>:<replica-id>", unique cluster-wide
     actor: Any  # Ray actor handle (picklable)
+    adapters: frozenset[str] = frozenset()  # the LoRA adapters loaded on it (only these route here)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class DeploymentRoute:
     cold_start_timeout_s: float | None = None
     policy: str = "power_of_two"  # routing.policy
     load_bound: float = 1.25  # routing.load_bound (prefix_affinity)
+    adapters: tuple[str, ...] = ()  # lora.adapters: requested as "<name>:<adapter>"
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,25 @@ class RoutingTable:
     deployments: dict[str, DeploymentRoute] = field(default_factory=dict)
 
     def find(self, name: str) -> DeploymentRoute | None:
-        """The deployment called ``name``, or answering to it as an alias."""
+        """The deployment called ``name`` (or answering to it as an alias), also as the part of
+        ``"<deployment>:<adapter>"`` before the colon, or the one deployment with an adapter of
+        that bare name."""
+        return self.resolve(name)[0]
+
+    def resolve(self, name: str) -> tuple[DeploymentRoute | None, str | None]:
+        """The deployment and the LoRA adapter (None: the base model) a request's ``model`` names:
+        a deployment or alias; ``"<deployment>:<adapter>"``; or an adapter's bare name where one
+        deployment alone has it (as vLLM names adapters). The adapter may not exist: routing says so."""
+        found = self._named(name)
+        if found is not None:
+            return found, None
+        base, colon, adapter = name.partition(":")
+        if colon and (found := self._named(base)) is not None:
+            return found, adapter
+        having = [d for d in self.deployments.values() if name in d.adapters]
+        return (having[0], name) if len(having) == 1 else (None, None)
+
+    def _named(self, name: str) -> DeploymentRoute | None:
         found = self.deployments.get(name)
         if found is None:
             found = next((d for d in self.deployments.values() if name in d.aliases), None)

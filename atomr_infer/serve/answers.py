@@ -91,6 +91,14 @@ def model_card(status: DeploymentStatus) -> dict[str, Any]:
     return card
 
 
+def adapter_cards(status: DeploymentStatus) -> list[dict[str, Any]]:
+    """A card per LoRA adapter loaded on a ready replica of the deployment, with its parent (as
+    vLLM lists its adapters)."""
+    loaded = sorted({a for r in status.replicas for a, state in r.adapters.items() if state == "loaded"})
+    base = model_card(status)
+    return [{**base, "id": f"{status.name}:{a}", "parent": status.name, "root": status.model} for a in loaded]
+
+
 async def form_model(raw: bytes, content_type: str) -> Any:
     """The ``model`` field of a ``multipart/form-data`` (or urlencoded) body; ``InvalidRequest``
     naming ``body`` if it is not a form."""

@@ -84,7 +84,12 @@ class ApiKey:
     tokens_per_minute: int | None = None  # None: unlimited
 
     def may_use(self, deployment: str) -> bool:
-        return self.deployments is None or deployment in self.deployments
+        """Whether the key may use the deployment (or ``"<deployment>:<adapter>"``: a key that
+        lists the deployment may use its adapters; one that lists an adapter, that adapter)."""
+        if self.deployments is None or deployment in self.deployments:
+            return True
+        base, colon, _ = deployment.partition(":")
+        return bool(colon) and base in self.deployments
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from atomr_infer.routing.router import Router
 from atomr_infer.serve.access_log import AccessLog
 from atomr_infer.serve.answers import (
     SSEResponse,
+    adapter_cards,
     error_response,
     form_model,
     model_card,
@@ -180,7 +181,7 @@ class OpenAIIngress:
             key = self._authenticate(request)
             raw = await read_body(request.stream(), request.headers.get("content-length"), self._max_body_bytes)
             facts, data = await read_facts(raw, request)
-            model = facts.deployment
+            model = self._canonical(facts.deployment)
             self._authorize(key, model)
             limit_headers, token_budgets = await self._admit(key, model)
         except AtomrError as exc:
@@ -247,6 +248,12 @@ class OpenAIIngress:
             (route.requests_per_minute, route.tokens_per_minute) if route is not None else (None, None),
         )
 
+    def _canonical(self, model: str) -> str:
+        """``model`` as keys and logs name it: an adapter named by its bare name becomes
+        ``"<deployment>:<adapter>"``."""
+        dep, adapter = self._router.table.resolve(model)
+        return f"{dep.name}:{adapter}" if dep is not None and adapter is not None else model
+
     @staticmethod
     def _authorize(key: ApiKey | None, model: str) -> None:
         if key is not None and not key.may_use(model):
@@ -272,6 +279,7 @@ class OpenAIIngress:
             return error_response(exc)
         allowed = [d for d in deployments if key is None or key.may_use(d.name)]
         data = [model_card(d) for d in allowed if d.replicas_ready > 0]
+        data += [card for d in deployments for card in adapter_cards(d) if key is None or key.may_use(card["id"])]
         return JSONResponse({"object": "list", "data": data})
 
     @api.get("/v1/models/{name}")

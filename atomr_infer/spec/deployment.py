@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from atomr_infer.models.registry import BUNDLED_MODELS, LOCAL_PREFIXES, bundled_name
+from atomr_infer.spec.lora import Lora
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 # HF repo ids: "name" or "org/name"; letters, digits, "-", "_", "." (no "--" or ".." runs).
@@ -282,6 +283,7 @@ class Deployment(_Strict):
     )
     serving: Serving = Field(default_factory=Serving, description="Admission limits per replica.")
     routing: Routing = Field(default_factory=Routing, description="How requests pick a replica; changed in place.")
+    lora: Lora | None = Field(None, description="LoRA adapters of the model, served by every replica (spec/lora.py).")
     budget: Budget | None = Field(None, description="Spend limits; none means unlimited.")
     restart_on_apply: StrictBool = Field(
         False, description="Roll the replicas on every apply, even of an unchanged spec (default: only on change)."

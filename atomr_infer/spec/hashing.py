@@ -21,7 +21,9 @@ def normalized(spec: Deployment) -> dict[str, Any]:
 # What a running replica does not depend on: changed in place, or by starting/stopping
 # replicas. Everything else restarts it (rolling): the model, the engine config, and vLLM's
 # OpenAI server options under serving.openai, which the replica's server is built with.
-_NOT_RESTARTING = ("serving", "budget", "restart_on_apply", "replicas", "autoscaling", "placement", "routing")
+_NOT_RESTARTING = (
+    "serving", "budget", "restart_on_apply", "replicas", "autoscaling", "placement", "routing", "lora.adapters",
+)
 _RESTARTING_ANYWAY = ("serving.openai",)
 
 
@@ -37,6 +39,8 @@ def runtime_fields(spec: Deployment) -> dict[str, Any]:
     data = normalized(spec)
     kept = {k: v for k, v in data.items() if k not in _NOT_RESTARTING}
     kept["serving.openai"] = data["serving"]["openai"]
+    if kept.get("lora") is not None:  # LoRA on and vLLM's limits restart; the adapters do not
+        kept["lora"] = {k: v for k, v in kept["lora"].items() if k != "adapters"}
     return kept
 
 
@@ -64,7 +68,7 @@ def spec_changes(old: Deployment, new: Deployment) -> list[FieldChange]:
 
 
 # Free-form mappings are compared whole: their keys are not spec fields.
-_OPAQUE = ("extra_engine_args", "limit_mm_per_prompt", "override_generation_config")
+_OPAQUE = ("extra_engine_args", "limit_mm_per_prompt", "override_generation_config", "hf_overrides", "adapters")
 
 
 def _diff(a: Any, b: Any, prefix: str, out: list[FieldChange]) -> None:

@@ -70,8 +70,11 @@ class FakeHandle:
     def poll_ready(self):
         return self.ready
 
-    def poll_health(self):
+    def poll_health(self, adapters=None):
         return self.health
+
+    def adapters(self):
+        return {}
 
     def in_flight(self):
         return self.load

@@ -72,6 +72,7 @@ FULL: dict[str, Any] = {
         },
         "rate_limits": {"requests_per_minute": 600, "tokens_per_minute": 60000},
     },
+    "lora": {"adapters": {"french": "/srv/adapters/french"}, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4},
     "budget": {"max_spend_per_hour_usd": 5.0, "max_spend_per_day_usd": 100.0, "on_exceeded": "warn"},
     "restart_on_apply": True,
 }
@@ -178,7 +179,7 @@ def test_unknown_key_names_its_path_and_suggests_the_close_one(path: str, key: s
 
 @pytest.mark.parametrize(
     ("path", "model"),
-    [("colour", Deployment), ("runtime_config.zzzzzz", VllmConfig), ("serving.qqq", Serving), ("budget.xyzzy", Budget)],
+    [("xyzzy", Deployment), ("runtime_config.zzzzzz", VllmConfig), ("serving.qqq", Serving), ("budget.xyzzy", Budget)],
 )
 def test_unknown_key_with_no_close_match_lists_the_allowed_keys(path: str, model: type) -> None:
     problem = one_problem(with_field(path, 1))

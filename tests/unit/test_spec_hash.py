@@ -75,6 +75,7 @@ FULL: dict[str, Any] = {
         "rate_limits": {"requests_per_minute": 600, "tokens_per_minute": 60000},
     },
     "routing": {"policy": "power_of_two", "load_bound": 1.25},
+    "lora": {"adapters": {"french": "/srv/adapters/french"}, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4},
     "budget": {"max_spend_per_hour_usd": 5.0, "max_spend_per_day_usd": 100.0, "on_exceeded": "warn"},
     "restart_on_apply": True,
 }
@@ -85,6 +86,7 @@ _OTHER_VALUE: dict[str, Any] = {
     "serving.openai.served_model_name": ["gemma", "gemma-4"],
     "runtime_config.cpu_threads": 2,
     "routing.load_bound": 2.0,
+    "lora.adapters": {"french": "/srv/adapters/other"},
     "autoscaling": {
         "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 2.0, "upscale_delay_s": 30.0,
         "downscale_delay_s": 600.0, "cold_start_timeout_s": 300.0,

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from atomr_infer.engine.backend import BackendContext, EngineFacts, EngineHealth, EngineStats, Put, TokenSink
+from atomr_infer.engine.vllm import adapters
 from atomr_infer.engine.vllm.coalesce import coalesce_core_outputs
 from atomr_infer.engine.vllm.core_failure import CoreStartFailed
 from atomr_infer.engine.vllm.engine_info import engine_memory, engine_unfinished, kv_cache_usage, start_failure_recurs
@@ -164,10 +165,7 @@ class VllmBackend:
         self._loop.abort(request_ids)
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        if not self._started.is_set() or self._start_error is not None:
-            raise EngineError(f"{self._ctx.name} has no running engine")
-        done = self._loop.call(lambda engine: engine.reset_prefix_cache(reset_running_requests))
-        return bool(await asyncio.wait_for(asyncio.wrap_future(done), OPERATOR_CALL_TIMEOUT_S))
+        return bool(await self.engine_call(lambda engine: engine.reset_prefix_cache(reset_running_requests)))
 
     def health(self) -> EngineHealth:
         error = self._start_error or self._loop.error
@@ -188,10 +186,18 @@ class VllmBackend:
         self._streams.fail_all(error)
 
     async def load_adapter(self, name: str, path: str) -> None:
-        raise NotImplementedError("LoRA adapters are not served by atomr replicas yet (issue 33)")
+        app = self._app or await self._openai_app()
+        await adapters.load(app.models, name, path)
 
     async def unload_adapter(self, name: str) -> None:
-        raise NotImplementedError("LoRA adapters are not served by atomr replicas yet (issue 33)")
+        app = self._app or await self._openai_app()
+        await adapters.unload(app.models, name, lambda lora_id: self.engine_call(lambda e: e.remove_lora(lora_id)))
+
+    async def engine_call(self, fn: Callable[[Engine], Any]) -> Any:
+        """``fn(engine)`` run by the step loop between two steps (the engine is its thread's)."""
+        if not self._started.is_set() or self._start_error is not None:
+            raise EngineError(f"{self._ctx.name} has no running engine")
+        return await asyncio.wait_for(asyncio.wrap_future(self._loop.call(fn)), OPERATOR_CALL_TIMEOUT_S)
 
     async def shutdown(self, error: BaseException) -> None:
         self._streams.fail_all(error)

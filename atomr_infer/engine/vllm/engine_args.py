@@ -87,6 +87,11 @@ def engine_args(
             args[name] = value
     if cfg.hf_cache_dir is not None:
         args["download_dir"] = cfg.hf_cache_dir
+    if deployment.lora is not None:  # the adapters themselves are loaded while it serves
+        args["enable_lora"] = True
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            if (value := getattr(deployment.lora, name)) is not None:
+                args[name] = value
     if device == "cpu":
         args["dtype"] = cpu_dtype(cfg.dtype, has_native_bf16() if native_bf16 is None else native_bf16)
         if cfg.enforce_eager is None:

@@ -16,7 +16,7 @@ Cancellation (a client that left) aborts the request in the engine within one st
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from vllm.engine.protocol import EngineClient
@@ -35,6 +35,9 @@ class RequestGate(Protocol):
         """The consumer is done with ``stream`` (finished, failed or gone: abort if still running)."""
 
     def dead_error(self) -> BaseException | None: ...
+
+    async def engine_call(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(engine)`` run by the step loop between two steps."""
 
 
 class StepLoopEngineClient(EngineClient):
@@ -195,7 +198,7 @@ class StepLoopEngineClient(EngineClient):
         return False
 
     async def add_lora(self, lora_request: Any) -> bool:
-        raise NotImplementedError("LoRA adapters are not supported by atomr replicas yet")
+        return bool(await self._gate.engine_call(lambda engine: engine.add_lora(lora_request)))
 
     async def pause_generation(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("pausing is not available through an atomr replica")

@@ -61,6 +61,7 @@ class OpenAIApp:
     def __init__(self, app: Any) -> None:
         self._app = app
         # "METHOD /path" of each route the app has: which of vLLM's endpoints this model serves.
+        self.models = getattr(app.state, "openai_serving_models", None)  # names LoRA adapters for requests
         self.routes = tuple(sorted(
             f"{method} {route.path}" for route in app.routes for method in getattr(route, "methods", None) or ()
         ))

@@ -75,5 +75,10 @@ def check_spec(deployment: Deployment) -> None:
             check()
         except SpecError as exc:
             problems += exc.problems
+    if deployment.lora is not None:  # an adapter directory on this node that cannot be served
+        from atomr_infer.spec.lora import adapter_problems
+
+        found = adapter_problems(deployment.lora)
+        problems += [SpecProblem(deployment.name, field, problem) for field, problem in found]
     if problems:
         raise SpecError(problems)

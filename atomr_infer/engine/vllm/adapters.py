@@ -1,0 +1,38 @@
+"""LoRA adapters in vLLM's serving layer and engine, loaded while the replica serves.
+
+vLLM's ``OpenAIServingModels`` names an adapter for requests (a request whose ``model`` is its
+name runs with it) and, on load, has the engine load it (``EngineClient.add_lora``: the step
+loop runs it between two steps). Unloading forgets the name and frees the engine's copy."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from atomr_infer.errors import EngineError
+
+
+async def load(models: Any, name: str, path: str) -> None:
+    """Serve the adapter in ``path`` as ``name``; reloaded in place if ``name`` had another path."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    known = models.lora_requests.get(name)
+    if known is not None and known.lora_path == path:
+        return
+    result = await models.load_lora_adapter(
+        LoadLoRAAdapterRequest(lora_name=name, lora_path=path, load_inplace=known is not None)
+    )
+    if isinstance(result, ErrorResponse):
+        raise EngineError(f"adapter {name!r} from {path}: {result.error.message}")
+
+
+async def unload(models: Any, name: str, remove: Callable[[int], Awaitable[Any]]) -> None:
+    """Stop serving ``name`` and free the engine's copy (``remove(lora_int_id)``)."""
+    from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+
+    known = models.lora_requests.get(name)
+    if known is None:
+        return
+    await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+    await remove(known.lora_int_id)

@@ -1,0 +1,69 @@
+"""The LoRA adapters a replica serves, kept as the manager wants them.
+
+The manager sends the deployment's adapters (name -> directory) with every health check; the
+replica loads what is new or changed and unloads what is gone, in the background, and reports
+each adapter's state with its health: ``loading``, ``loaded``, or ``failed: <why>``. Routers
+send an adapter's requests only to replicas where it is loaded, so a replica that is still
+loading it (or started later, or failed to load it) serves none of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from atomr_infer.errors import one_line
+
+LOADING, LOADED = "loading", "loaded"
+# (the adapter's full name "<deployment>:<adapter>", its directory) -> loaded; or the name -> unloaded
+Load = Callable[[str, str], Awaitable[None]]
+Unload = Callable[[str], Awaitable[None]]
+
+
+class AdapterSet:
+    def __init__(self, deployment: str, load: Load, unload: Unload) -> None:
+        self._deployment, self._load, self._unload = deployment, load, unload
+        self._paths: dict[str, str] = {}  # adapter -> the directory it was (or is being) loaded from
+        self.states: dict[str, str] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def full_name(self, adapter: str) -> str:
+        return f"{self._deployment}:{adapter}"
+
+    def sync(self, wanted: dict[str, str]) -> list[asyncio.Task[None]]:
+        """Start loading what ``wanted`` adds or changes and unloading what it drops; the tasks."""
+        started = []
+        for name, path in wanted.items():
+            if self._paths.get(name) != path:  # a failed one is tried again when its directory changes
+                self._paths[name], self.states[name] = path, LOADING
+                started.append(self._run(name, self._load_one(name, path)))
+        for name in [n for n in self._paths if n not in wanted]:
+            del self._paths[name]
+            self.states.pop(name, None)
+            started.append(self._run(name, self._unload(self.full_name(name))))
+        return started
+
+    def _run(self, name: str, work: Awaitable[None]) -> asyncio.Task[None]:
+        previous = self._tasks.get(name)
+
+        async def after_previous() -> None:
+            if previous is not None:  # one change of an adapter at a time, in order
+                await asyncio.gather(previous, return_exceptions=True)
+            await work
+
+        task = self._tasks[name] = asyncio.get_running_loop().create_task(after_previous())
+        task.add_done_callback(lambda done: self._tasks.pop(name, None) if self._tasks.get(name) is done else None)
+        return task
+
+    async def _load_one(self, name: str, path: str) -> None:
+        try:
+            await self._load(self.full_name(name), path)
+        except Exception as exc:  # noqa: BLE001 - its state says why; the replica serves on
+            if self._paths.get(name) == path:
+                self.states[name] = f"failed: {one_line(exc)}"
+            return
+        if self._paths.get(name) == path:
+            self.states[name] = LOADED
+
+    def loaded(self) -> frozenset[str]:
+        return frozenset(name for name, state in self.states.items() if state == LOADED)

@@ -1,0 +1,115 @@
+"""LoRA adapters without an engine: the spec, what restarts, the engine arguments, how a
+request's ``model`` names an adapter, what a key may use, and a replica's adapter set."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from atomr_infer.control.plan import plan_apply
+from atomr_infer.engine.vllm.engine_args import engine_args
+from atomr_infer.replica.adapters import AdapterSet
+from atomr_infer.routing.table import DeploymentRoute, RoutingTable
+from atomr_infer.serve.api_keys import ApiKey
+from atomr_infer.spec import Deployment
+from atomr_infer.spec.lora import adapter_problems
+
+BASE = {"name": "tuned", "model": "bundled:smollm2-135m-instruct", "device": "cpu"}
+
+
+def spec(**lora) -> Deployment:
+    return Deployment.model_validate({**BASE, "lora": lora})
+
+
+def test_adapters_change_in_place_and_lora_settings_roll():
+    one = spec(adapters={"pirate": "/a/pirate"}, max_loras=2)
+    two = spec(adapters={"pirate": "/a/pirate", "robot": "/a/robot"}, max_loras=2)
+    assert [a.kind for a in plan_apply(one, two).actions] == ["update_in_place"]
+    assert [a.kind for a in plan_apply(one, spec(adapters={"pirate": "/a/pirate"}, max_loras=4)).actions] == ["roll"]
+    assert [a.kind for a in plan_apply(Deployment.model_validate(BASE), one).actions] == ["roll"]  # LoRA on
+
+
+def test_lora_sets_vllms_engine_arguments():
+    args = engine_args(spec(adapters={}, max_loras=2, max_lora_rank=8), "/m", "cpu", native_bf16=True)
+    assert (args["enable_lora"], args["max_loras"], args["max_lora_rank"]) == (True, 2, 8)
+    assert "max_cpu_loras" not in args
+    assert "enable_lora" not in engine_args(Deployment.model_validate(BASE), "/m", "cpu", native_bf16=True)
+
+
+@pytest.mark.parametrize("adapters, message", [
+    ({"Pirate": "/a"}, "'Pirate' is not a valid adapter name"),
+    ({"pirate": "adapters/pirate"}, "is not an absolute path"),
+])
+def test_a_bad_adapter_is_one_clear_error(adapters, message):
+    with pytest.raises(ValidationError, match=message):
+        spec(adapters=adapters)
+
+
+def test_a_local_adapter_is_checked_against_the_rank_vllm_allocates(tmp_path):
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "adapter_config.json").write_text(json.dumps({"r": 32}))
+    (tmp_path / "empty").mkdir()
+    lora = spec(adapters={"big": str(tmp_path / "big"), "empty": str(tmp_path / "empty"), "far": "/not/here"}).lora
+    assert dict(adapter_problems(lora)) == {
+        "lora.adapters.big": "rank 32 is over lora.max_lora_rank 16",
+        "lora.adapters.empty": f"{str(tmp_path / 'empty')!r} has no readable adapter_config.json (FileNotFoundError)",
+    }  # one not on this node is the replicas' to find
+
+
+def test_a_model_names_a_deployment_or_one_of_its_adapters():
+    table = RoutingTable(1, {
+        "tuned": DeploymentRoute("tuned", 8, "queue", (), ("t",), adapters=("pirate", "robot")),
+        "other": DeploymentRoute("other", 8, "queue", (), adapters=("robot",)),
+    })
+    resolved = {m: (d.name if d else None, a) for m in ("tuned", "t", "tuned:pirate", "t:robot", "pirate", "robot",
+                                                          "tuned:nope", "nope")
+                for d, a in [table.resolve(m)]}
+    assert resolved == {
+        "tuned": ("tuned", None), "t": ("tuned", None), "tuned:pirate": ("tuned", "pirate"),
+        "t:robot": ("tuned", "robot"), "pirate": ("tuned", "pirate"),
+        "robot": (None, None),  # two deployments have one: the bare name is ambiguous
+        "tuned:nope": ("tuned", "nope"), "nope": (None, None),  # the router says the adapter is missing
+    }
+
+
+def test_a_key_may_use_the_adapters_of_the_deployments_it_lists_or_the_adapters_it_lists():
+    whole, one = ApiKey("a", frozenset({"tuned"})), ApiKey("b", frozenset({"tuned:pirate"}))
+    assert whole.may_use("tuned:robot") and whole.may_use("tuned")
+    assert one.may_use("tuned:pirate") and not one.may_use("tuned:robot") and not one.may_use("tuned")
+
+
+def test_a_replica_loads_and_unloads_to_match_and_reports_each_adapter():
+    calls = []
+
+    async def load(name, path):
+        calls.append(("load", name, path))
+        if "broken" in path:
+            raise RuntimeError("no adapter_config.json")
+
+    async def unload(name):
+        calls.append(("unload", name))
+
+    async def main():
+        adapters = AdapterSet("tuned", load, unload)
+        await asyncio.gather(*adapters.sync({"pirate": "/a/p", "robot": "/a/broken"}))
+        first = dict(adapters.states)
+        assert adapters.sync({"pirate": "/a/p", "robot": "/a/broken"}) == []  # nothing to do, nothing retried
+        await asyncio.gather(*adapters.sync({"pirate": "/a/p2"}))
+        return first, dict(adapters.states)
+
+    first, then = asyncio.run(main())
+    assert first == {"pirate": "loaded", "robot": "failed: no adapter_config.json"}
+    assert then == {"pirate": "loaded"}
+    assert calls == [("load", "tuned:pirate", "/a/p"), ("load", "tuned:robot", "/a/broken"),
+                     ("load", "tuned:pirate", "/a/p2"), ("unload", "tuned:robot")]
+
+
+def test_atomr_status_lists_each_replicas_adapters():
+    from atomr_infer.cli.render import adapter_lines
+
+    rows = [{"deployment": "tuned", "replica": "r0", "adapters": {"robot": "loading", "pirate": "loaded"}},
+            {"deployment": "tuned", "replica": "r1", "adapters": {}}]
+    assert adapter_lines(rows) == ["tuned/r0 adapters: pirate loaded, robot loading"]
