@@ -16,8 +16,8 @@ heard from for ``LEASE_S`` and cancels its requests (a router that died says not
 
 Fields the next features fill are here already, so none of them reopens the wire:
 ``OpenRequest.want_token_ids`` and ``Batch.token_ids`` (a request resumed on another replica
-needs what was generated), ``RoutingFacts.adapter``
-(LoRA residency) and ``Batch.kv_events`` (routing by cached blocks).
+needs what was generated) and ``Batch.kv_events`` (routing by cached blocks). The LoRA adapter a
+request names is resolved by the router from the routing table (``RoutingTable.resolve``).
 """
 
 from __future__ import annotations
@@ -89,7 +89,6 @@ class RoutingFacts:
     kind: RequestKind
     stream: bool = False
     usage_wanted: bool = True  # a stream that did not ask for usage says False
-    adapter: str | None = None  # a LoRA adapter of the deployment (issue 33 addresses them)
     # A stored response the request names (previous_response_id, or the path's id for a
     # retrieve or cancel): routed to the replica that holds it (routing/response_ids.py).
     response_id: str | None = None
@@ -152,7 +151,7 @@ class OpenRequest:
     request_id: str  # the router's id for it on this channel
     http: HttpRequest
     limit: int | None = None  # the routing table's max_concurrent (changes in place); None: the spec's
-    adapter: str | None = None
+    adapter: str | None = None  # the LoRA adapter it runs with (None: the base model)
     want_token_ids: bool = False  # batches carry the token ids this request generates
 
 

@@ -280,8 +280,8 @@ class Router:
             if adapter is not None and name != f"{dep.name}:{adapter}":  # vLLM knows it by its full name
                 sent_request = with_model(sent_request, f"{dep.name}:{adapter}")
             if facts.names_response:
-                sent_request = response_ids.with_request_id(request, response_ids.mint(dep.name, route.replica_id))
-            opening = OpenRequest("", sent_request, dep.max_concurrent, facts.adapter)
+                sent_request = response_ids.with_request_id(sent_request, response_ids.mint(dep.name, route.replica_id))
+            opening = OpenRequest("", sent_request, dep.max_concurrent, adapter)
             items = self._channel(route).request(opening)
             sent = finished = False
             try:

@@ -113,3 +113,39 @@ def test_atomr_status_lists_each_replicas_adapters():
     rows = [{"deployment": "tuned", "replica": "r0", "adapters": {"robot": "loading", "pirate": "loaded"}},
             {"deployment": "tuned", "replica": "r1", "adapters": {}}]
     assert adapter_lines(rows) == ["tuned/r0 adapters: pirate loaded, robot loading"]
+
+
+def test_an_adapters_requests_go_only_where_it_is_loaded_under_its_full_name():
+    from atomr_infer.errors import AdapterNotFound
+    from atomr_infer.routing.router import Router
+    from atomr_infer.routing.table import ReplicaRoute
+    from atomr_infer.wire import HttpHead, HttpRequest, RoutingFacts
+
+    from .fakes import JSON, FakeReplica, answer
+
+    class ModelEcho(FakeReplica):
+        async def _serve(self, request, put, tokens):
+            put(HttpHead(200, JSON))
+            put(json.dumps([self.name, json.loads(request.body)["model"]]).encode())
+
+    r0, r1 = ModelEcho("r0"), ModelEcho("r1")
+    routes = (ReplicaRoute("r0", "atomr:d:r0", r0, frozenset({"pirate"})), ReplicaRoute("r1", "atomr:d:r1", r1))
+    table = RoutingTable(1, {"d": DeploymentRoute("d", 8, "queue", routes, adapters=("pirate", "robot"))})
+
+    async def source(version):
+        return table if version != table.version else None
+
+    def request(model):
+        data = {"model": model, "prompt": "hi"}
+        return RoutingFacts.of("/v1/completions", data), HttpRequest("POST", "/v1/completions", JSON,
+                                                                      json.dumps(data).encode())
+
+    async def main():
+        router = Router(source, refresh_s=0.0, wait_for_replica_s=0.3)
+        served = [json.loads((await answer(router.stream(*request(m))))[1]) for m in ["d:pirate", "pirate"] * 5]
+        with pytest.raises(AdapterNotFound, match="deployment 'd' has no adapter 'nope'"):
+            await answer(router.stream(*request("d:nope")))
+        return served
+
+    served = asyncio.run(main())
+    assert {tuple(s) for s in served} == {("r0", "d:pirate")}  # only r0 has it; vLLM gets its full name
