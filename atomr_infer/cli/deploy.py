@@ -150,6 +150,10 @@ def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
             _say(f"{d.name}: {'; '.join(plan.actions)}")
             if plan.scaling:
                 _say(f"  scaling: {plan.scaling}")
+            if d.lora is not None:
+                from atomr_infer.control.budget import lora_summary
+
+                _say(f"  lora: {lora_summary(d)}")
             if plan.budget_ok:
                 _say(f"  budget: {plan.budget or 'ok'}")
             else:

@@ -201,10 +201,45 @@ def size_estimates(spec: Deployment, on_cpu: bool) -> tuple[int | None, int | No
         max_len = spec.runtime_config.max_model_len or (model_max_len(config) if config else None)
         if on_cpu and config is not None:
             kv = kv_bytes_per_token(spec, config)
+        if weights is not None and spec.lora is not None and config is not None:
+            weights += lora_bytes(spec, config, on_cpu)  # the adapters' slots, beside the weights
         return weights, kv, max_len
     except Exception as exc:  # noqa: BLE001 - unknown size skips the memory check
         log.warning("size_estimate_failed", model=spec.model, error=repr(exc))
         return None, None, None
+
+
+def lora_bytes(spec: Deployment, config: dict[str, Any], on_cpu: bool) -> int:
+    """What LoRA takes beside the weights, per replica: ``max_loras`` slots of ``max_lora_rank``
+    on the device (vLLM's defaults 1 and 16); on CPU also the ``max_cpu_loras`` adapters it caches
+    in host memory."""
+    from atomr_infer.models.estimate import lora_slot_bytes
+    from atomr_infer.spec.lora import VLLM_MAX_LORA_RANK
+
+    lora = spec.lora
+    if lora is None:
+        return 0
+    slots = lora.max_loras or 1
+    if on_cpu:
+        slots += lora.max_cpu_loras or slots
+    return slots * lora_slot_bytes(config, lora.max_lora_rank or VLLM_MAX_LORA_RANK)
+
+
+def lora_summary(spec: Deployment) -> str | None:
+    """For ``--dry-run``: the adapters and the memory their slots take, counted in the memory check."""
+    lora = spec.lora
+    if lora is None:
+        return None
+    try:
+        from atomr_infer.models.estimate import local_model_config
+
+        config = local_model_config(spec.model, spec.runtime_config.hf_cache_dir)
+        on_cpu = spec.device != "cuda"
+        size = f"{lora_bytes(spec, config, on_cpu) / 2**20:.0f} MiB per replica" if config else "size unknown"
+    except Exception as exc:  # noqa: BLE001 - a summary only
+        size = f"size unknown ({type(exc).__name__})"
+    return (f"{len(lora.adapters)} LoRA adapters, {lora.max_loras or 1} slots of rank {lora.max_lora_rank or 16}: "
+            f"{size} (in the memory check)")
 
 
 def prices_from_env(environ: dict[str, str] | None = None) -> dict[str, float]:

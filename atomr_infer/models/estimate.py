@@ -121,6 +121,23 @@ def kv_cache_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> in
     return 2 * int(layers) * int(kv_heads) * int(head_dim) * dtype_bytes
 
 
+def lora_slot_bytes(config: dict[str, Any], rank: int, dtype_bytes: int = 2) -> int:
+    """Bytes one LoRA slot of ``rank`` takes: vLLM allocates A (in x rank) and B (rank x out) for
+    every attention and MLP projection of every layer (q, k, v, o, gate, up, down), whatever the
+    adapter targets. ``ValueError`` if the config lacks the shapes."""
+    text = _text_config(config)
+    layers = _first(text, "num_hidden_layers", "n_layer", "num_layers")
+    hidden = _first(text, "hidden_size", "n_embd", "d_model")
+    heads = _first(text, "num_attention_heads", "n_head")
+    kv = (_first(text, "num_key_value_heads", "num_kv_heads") or heads or 0) * (_head_dim(text, heads) or 0)
+    inter = _first(text, "intermediate_size", "n_inner") or 4 * (hidden or 0)
+    if not layers or not hidden or not kv:
+        raise ValueError(f"config lacks the fields for a LoRA estimate: layers={layers}, hidden_size={hidden}")
+    # sum of (in + out) over q, k, v, o, gate, up, down
+    per_rank = 2 * hidden + (hidden + kv) * 2 + 2 * hidden + 2 * (hidden + inter) + (inter + hidden)
+    return int(layers) * rank * per_rank * dtype_bytes
+
+
 def config_dtype_bytes(config: dict[str, Any], default: int = 2) -> int:
     """Bytes per parameter from ``torch_dtype``/``dtype`` (top level, then ``text_config``)."""
     for cfg in (config, config.get("text_config") or {}):

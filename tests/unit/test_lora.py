@@ -149,3 +149,17 @@ def test_an_adapters_requests_go_only_where_it_is_loaded_under_its_full_name():
 
     served = asyncio.run(main())
     assert {tuple(s) for s in served} == {("r0", "d:pirate")}  # only r0 has it; vLLM gets its full name
+
+
+def test_the_adapters_slots_count_in_the_memory_check():
+    from atomr_infer.control.budget import lora_bytes
+    from atomr_infer.models.estimate import lora_slot_bytes
+
+    # SmolLM2-135M's shapes: 30 layers, hidden 576, 3 KV heads of 64, MLP 1536.
+    config = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+              "head_dim": 64, "intermediate_size": 1536}
+    per_rank = 2 * 576 + 2 * (576 + 192) + 2 * 576 + 2 * (576 + 1536) + (1536 + 576)  # q, k, v, o, gate, up, down
+    assert lora_slot_bytes(config, 8) == 30 * 8 * per_rank * 2
+    tuned = spec(adapters={}, max_loras=2, max_lora_rank=8)
+    assert lora_bytes(tuned, config, on_cpu=False) == 2 * lora_slot_bytes(config, 8)
+    assert lora_bytes(tuned, config, on_cpu=True) == 4 * lora_slot_bytes(config, 8)  # + its host cache
