@@ -46,6 +46,7 @@ from atomr_infer.log import get_logger
 from atomr_infer.metrics import RouterMetrics
 from atomr_infer.replica_calls import Failure, replica_failure
 from atomr_infer.routing import response_ids
+from atomr_infer.routing.adapters import pick_adapter_home
 from atomr_infer.routing.channel import ReplicaChannel
 from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.prefix import PrefixIndex, pick_prefix_affinity, prompt_key
@@ -191,13 +192,18 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - the manager is away: routing goes on
             log.warning("demand_report_failed", deployment=name, error=f"{type(exc).__name__}: {exc}")
 
-    def _pick(self, dep: DeploymentRoute, usable: list[ReplicaRoute], key: Callable[[], Any]) -> ReplicaRoute | None:
+    def _pick(
+        self, dep: DeploymentRoute, usable: list[ReplicaRoute], key: Callable[[], Any], adapter: str | None = None,
+    ) -> ReplicaRoute | None:
         loads = {r.actor_name: self.load(r.actor_name) for r in usable}
-        if dep.policy != "prefix_affinity":
+        if adapter is not None:  # the adapter's home first: fewer adapters per replica, fewer swaps
+            choice, reason = pick_adapter_home(usable, loads, dep.max_concurrent, adapter, dep.load_bound)
+        elif dep.policy != "prefix_affinity":
             return pick_replica(usable, loads, dep.max_concurrent)
-        choice, reason = pick_prefix_affinity(
-            usable, loads, dep.max_concurrent, key(), self._prefixes[dep.name], dep.load_bound
-        )
+        else:
+            choice, reason = pick_prefix_affinity(
+                usable, loads, dep.max_concurrent, key(), self._prefixes[dep.name], dep.load_bound
+            )
         if choice is not None:
             self.route_reasons[dep.name, reason] += 1
             if self._metrics is None:
@@ -238,7 +244,7 @@ class Router:
                 if facts.response_id is not None:
                     usable = _holding(usable, dep.name, facts.response_id)
                 if usable:
-                    choice = self._pick(dep, usable, key)
+                    choice = self._pick(dep, usable, key, adapter)
                     if choice is not None:
                         return dep, choice, adapter
                     if dep.on_capacity_exhausted == "reject":

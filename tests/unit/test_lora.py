@@ -163,3 +163,19 @@ def test_the_adapters_slots_count_in_the_memory_check():
     tuned = spec(adapters={}, max_loras=2, max_lora_rank=8)
     assert lora_bytes(tuned, config, on_cpu=False) == 2 * lora_slot_bytes(config, 8)
     assert lora_bytes(tuned, config, on_cpu=True) == 4 * lora_slot_bytes(config, 8)  # + its host cache
+
+
+def test_each_adapter_has_a_home_replica_within_the_load_bound():
+    from atomr_infer.routing.adapters import pick_adapter_home
+    from atomr_infer.routing.table import ReplicaRoute
+
+    replicas = [ReplicaRoute(f"r{i}", f"atomr:d:r{i}", None) for i in range(4)]
+    homes = {a: pick_adapter_home(replicas, {}, 8, a)[0].replica_id for a in (f"a{i}" for i in range(16))}
+    assert len(set(homes.values())) > 1  # adapters spread over the replicas...
+    for adapter, home in homes.items():  # ...each to its own, whichever router asks
+        assert pick_adapter_home(list(reversed(replicas)), {}, 8, adapter) == (replicas[int(home[1:])], "adapter_home")
+    busy = {f"atomr:d:{homes['a0']}": 6}  # its home far above the mean: the next under the bound
+    choice, reason = pick_adapter_home(replicas, busy, 8, "a0")
+    assert reason == "adapter_overflow" and choice.replica_id != homes["a0"]
+    full = {r.actor_name: 8 for r in replicas}
+    assert pick_adapter_home(replicas, full, 8, "a0") == (None, "full")

@@ -1,0 +1,36 @@
+"""Adapter affinity: a LoRA adapter's requests go to the same few replicas, within the load bound.
+
+vLLM keeps at most ``max_loras`` adapters in a batch (and ``max_cpu_loras`` in host memory); a
+request for one that is not resident waits for a slot and a swap. Spread by load alone, every
+replica serves every adapter and swaps often; placed by the adapter's rendezvous hash over the
+replicas where it is loaded, each adapter has a home that every router agrees on, with no state
+shared, and a replica serves few adapters. Bounded as prefix affinity is (routing/prefix.py
+``load_cap``): a home above ``load_bound`` x the mean load passes the request to the next
+replica in the adapter's order that is under it (the adapter's second home), else the least
+loaded. Reasons: ``adapter_home``, ``adapter_overflow``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from atomr_infer.routing.prefix import load_cap, rendezvous_order
+from atomr_infer.routing.table import ReplicaRoute
+
+
+def pick_adapter_home(
+    replicas: Sequence[ReplicaRoute], loads: Mapping[str, int], max_concurrent: int, adapter: str,
+    load_bound: float = 1.25,
+) -> tuple[ReplicaRoute | None, str]:
+    """(replica, reason) for a request for ``adapter`` among ``replicas`` (those where it is
+    loaded); None when every one is at ``max_concurrent``."""
+    free = {r.actor_name: r for r in replicas if loads.get(r.actor_name, 0) < max_concurrent}
+    if not free:
+        return None, "full"
+    _, cap = load_cap(sum(loads.get(r.actor_name, 0) for r in replicas), len(replicas), load_bound)
+    order = [n for n in rendezvous_order(adapter.encode(), tuple(r.actor_name for r in replicas)) if n in free]
+    if loads.get(order[0], 0) + 1 <= cap:
+        return free[order[0]], "adapter_home"
+    under = [n for n in order[1:] if loads.get(n, 0) + 1 <= cap]
+    name = under[0] if under else min(free, key=lambda n: (loads.get(n, 0), n))
+    return free[name], "adapter_overflow"
