@@ -142,7 +142,7 @@ class OpenAIIngress:
     async def stored_response(self, response_id: str, request: Request) -> Response:
         """Retrieve or cancel a stored response, on the replica that holds it."""
         where = response_ids.home(response_id)
-        if where is None:  # not an id atomr made: no replica holds it
+        if where is None or not await self._deployed(where.deployment):  # no replica can hold it
             return response_not_found(response_id)
 
         async def facts(raw: bytes, request: Request) -> tuple[RoutingFacts, Any]:
@@ -158,6 +158,15 @@ class OpenAIIngress:
     api.get("/v1/responses/{response_id}")(stored_response)
     api.post("/v1/responses/{response_id}/cancel")(stored_response)
     del _path
+
+    async def _deployed(self, name: str) -> bool:
+        """Whether ``name`` is deployed, as far as the routing table (refreshed) says; True when
+        the table cannot be had (routing then says why)."""
+        try:
+            table = await self._router.refresh(force=self._router.table.find(name) is None)
+        except Exception:  # noqa: BLE001 - no table: let the routing that follows report it
+            return True
+        return table.find(name) is not None
 
     @staticmethod
     async def _body_facts(raw: bytes, request: Request) -> tuple[RoutingFacts, Any]:

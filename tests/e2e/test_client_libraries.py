@@ -47,6 +47,8 @@ def test_stored_responses_chain_and_are_retrieved(oai):
     assert oai.responses.retrieve(first.id).output_text == first.output_text
     with pytest.raises(openai.NotFoundError, match="not found"):
         oai.responses.retrieve(f"resp_{MODEL}.r0.0123456789abcdef")
+    with pytest.raises(openai.NotFoundError, match="Response with id 'resp_gone.r0.0123' not found"):
+        oai.responses.retrieve("resp_gone.r0.0123")  # its deployment is gone too: vLLM's answer all the same
     with pytest.raises(openai.NotFoundError, match="not found"):
         oai.responses.create(model=MODEL, input="hi", previous_response_id="resp_nope", max_output_tokens=4)
 
