@@ -10,7 +10,6 @@ native bf16 that can change a greedy token. Requests go one at a time, so batche
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -244,86 +243,3 @@ def test_audio_routes_answer_as_vllm_serve_does_for_a_model_without_speech(vllm_
         for base in (atomr, vllm_serve)
     ]
     assert answers[0] == answers[1] == [(404, {"detail": "Not Found"})] * 2
-
-
-def spec_file(name: str):
-    from atomr_infer.spec import load_deployments
-    from tests.conftest import REPO
-
-    return load_deployments(os.path.join(REPO, "deployments", name))[0]
-
-
-@pytest.fixture(scope="module")
-def embed_servers(bundled_model_dir, manager, ray_cluster, openai_server) -> Iterator[tuple[str, str]]:
-    """deployments/smollm2-embed.yaml on atomr, and `vllm serve` with the same flags."""
-    yield from pooling_servers(spec_file("smollm2-embed.yaml"), bundled_model_dir, manager, ray_cluster, openai_server)
-
-
-def pooling_servers(spec, bundled_model_dir, manager, ray_cluster, openai_server) -> Iterator[tuple[str, str]]:
-    ray_cluster.get(manager.apply.remote(spec))
-    try:
-        status = ray_cluster.get(manager.wait_ready.remote(spec.name, 600))
-        assert status is not None and status.replicas_ready == 1, status
-        with vllm_server(spec, bundled_model_dir) as theirs:
-            yield openai_server.url, theirs
-    finally:
-        ray_cluster.get(manager.remove.remote(spec.name))
-
-
-def test_embeddings_are_the_same_vectors(embed_servers):
-    ours_url, theirs_url = embed_servers
-    for body in ({"model": "smollm2-embed", "input": "Paris is the capital of France."},
-                 {"model": "smollm2-embed", "input": ["one", "two words", "three more words"]}):
-        ours, theirs = _answer(ours_url, "/v1/embeddings", body), _answer(theirs_url, "/v1/embeddings", body)
-        assert ours[0] == 200 and len(ours[1]["data"][0]["embedding"]) > 100, ours
-        assert ours == theirs
-
-
-POOLING_CASES = {
-    "score": ("/score", {"text_1": "What is the capital of France?",
-                         "text_2": ["Paris is the capital of France.", "Bananas are yellow."]}),
-    "v1_score": ("/v1/score", {"text_1": "capital of France", "text_2": "Paris"}),
-    "rerank": ("/rerank", {"query": "capital of France", "documents": ["Bananas are yellow.", "Paris is in France."]}),
-    "v1_rerank": ("/v1/rerank", {"query": "capital of France", "documents": ["Paris", "Rome"], "top_n": 1}),
-    "v2_rerank": ("/v2/rerank", {"query": "capital of France", "documents": ["Paris", "Rome"]}),
-    "pooling": ("/pooling", {"input": "Paris is the capital of France."}),
-    "v2_embed": ("/v2/embed", {"texts": ["Paris"], "embedding_types": ["float"]}),
-    "classify": ("/classify", {"input": "Paris"}),  # not an embedding model's: vLLM's error, both sides
-    "chat": ("/v1/chat/completions", {"messages": CHAT}),  # an embedding model has no chat route
-}
-
-
-@pytest.mark.parametrize("case", sorted(POOLING_CASES))
-def test_pooling_endpoints_match(embed_servers, case):
-    ours_url, theirs_url = embed_servers
-    path, body = POOLING_CASES[case]
-    body = {"model": "smollm2-embed", **body}
-    ours, theirs = _answer(ours_url, path, body), _answer(theirs_url, path, body)
-    assert ours[0] == (404 if case in ("classify", "chat") else 200), ours
-    assert ours == theirs
-
-
-@pytest.fixture(scope="module")
-def classify_servers(bundled_model_dir, manager, ray_cluster, openai_server) -> Iterator[tuple[str, str]]:
-    """deployments/smollm2-classify.yaml on atomr, and `vllm serve` with the same flags."""
-    spec = spec_file("smollm2-classify.yaml")
-    yield from pooling_servers(spec, bundled_model_dir, manager, ray_cluster, openai_server)
-
-
-CLASSIFY_CASES = {
-    "classify": ("/classify", {"input": ["Paris is lovely.", "I hate rain."]}),
-    "pooling": ("/pooling", {"input": "Paris is lovely."}),
-    "score": ("/score", {"text_1": "What is the capital of France?",
-                         "text_2": ["Paris is the capital of France.", "Bananas are yellow."]}),
-    "rerank": ("/v1/rerank", {"query": "capital of France", "documents": ["Bananas are yellow.", "Paris."]}),
-}
-
-
-@pytest.mark.parametrize("case", sorted(CLASSIFY_CASES))
-def test_classification_endpoints_match(classify_servers, case):
-    ours_url, theirs_url = classify_servers
-    path, body = CLASSIFY_CASES[case]
-    body = {"model": "smollm2-classify", **body}
-    ours, theirs = _answer(ours_url, path, body), _answer(theirs_url, path, body)
-    assert ours[0] == 200, ours
-    assert ours == theirs

@@ -1,0 +1,33 @@
+"""What the pooling conformance modules share: a deployment file on atomr beside `vllm serve`
+with the same flags, and the comparison of conformance (tests/e2e/test_conformance.py)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+from tests.e2e.test_conformance import CHAT, _answer
+from tests.vllm_serve import vllm_server
+
+answer = _answer
+__all__ = ["CHAT", "answer", "pooling_servers", "spec_file"]
+
+
+def spec_file(name: str):  # noqa: ANN201 - a Deployment
+    from atomr_infer.spec import load_deployments
+    from tests.conftest import REPO
+
+    return load_deployments(os.path.join(REPO, "deployments", name))[0]
+
+
+def pooling_servers(spec, bundled_model_dir, manager, ray_cluster) -> Iterator[str]:  # noqa: ANN001
+    """``spec`` applied on atomr and `vllm serve` with the same flags: the latter's URL, while
+    the caller holds it; then both stopped."""
+    ray_cluster.get(manager.apply.remote(spec))
+    try:
+        status = ray_cluster.get(manager.wait_ready.remote(spec.name, 600))
+        assert status is not None and status.replicas_ready == 1, status
+        with vllm_server(spec, bundled_model_dir) as theirs:
+            yield theirs
+    finally:
+        ray_cluster.get(manager.remove.remote(spec.name))
