@@ -127,7 +127,8 @@ class DeploymentReconciler:
     # -- the pass --------------------------------------------------------------------------
 
     def update(self) -> bool:
-        """One reconcile pass. Returns True if the set of ready replicas changed."""
+        """One reconcile pass. Returns True if what routers see changed: the ready replicas, or
+        the LoRA adapters loaded on them."""
         before = self._routes()
         now = self._clock()
         self._poll(now)
