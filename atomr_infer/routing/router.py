@@ -219,7 +219,7 @@ class Router:
         started = appear_from = time.monotonic()  # the wait for a ready replica runs from appear_from
         queue_deadline = None if self._queue_timeout_s is None else started + self._queue_timeout_s
         table = await self.refresh()
-        if table.find(name) is None or _missing_adapter(table, name):
+        if not _known(table, name):
             table = await self.refresh(force=True)
         waiting_for: str | None = None  # the deployment this request is counted waiting for
         keys: list[Any] = []  # the request's prefix key, read once however long it waits
@@ -333,9 +333,10 @@ def _holding(usable: list[ReplicaRoute], deployment: str, response_id: str) -> l
     return held or usable
 
 
-def _missing_adapter(table: RoutingTable, name: str) -> bool:
+def _known(table: RoutingTable, name: str) -> bool:
+    """Whether ``table`` has the deployment (and the adapter) ``name`` names: else a newer one may."""
     dep, adapter = table.resolve(name)
-    return dep is not None and adapter is not None and adapter not in dep.adapters
+    return dep is not None and (adapter is None or adapter in dep.adapters)
 
 
 def with_model(request: HttpRequest, model: str) -> HttpRequest:

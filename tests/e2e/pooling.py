@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
+
+import pytest
 
 from tests.e2e.test_conformance import CHAT, _answer
 from tests.vllm_serve import vllm_server
 
 answer = _answer
-__all__ = ["CHAT", "answer", "pooling_servers", "spec_file"]
+__all__ = ["CHAT", "answer", "servers_of", "spec_file"]
 
 
 def spec_file(name: str):  # noqa: ANN201 - a Deployment
@@ -20,14 +23,20 @@ def spec_file(name: str):  # noqa: ANN201 - a Deployment
     return load_deployments(os.path.join(REPO, "deployments", name))[0]
 
 
-def pooling_servers(spec, bundled_model_dir, manager, ray_cluster) -> Iterator[str]:  # noqa: ANN001
-    """``spec`` applied on atomr and `vllm serve` with the same flags: the latter's URL, while
-    the caller holds it; then both stopped."""
-    ray_cluster.get(manager.apply.remote(spec))
-    try:
-        status = ray_cluster.get(manager.wait_ready.remote(spec.name, 600))
-        assert status is not None and status.replicas_ready == 1, status
-        with vllm_server(spec, bundled_model_dir) as theirs:
-            yield theirs
-    finally:
-        ray_cluster.get(manager.remove.remote(spec.name))
+def servers_of(file: str) -> Any:
+    """A module fixture: deployments/``file`` applied on atomr and `vllm serve` with the same
+    flags, as (atomr's URL, vllm serve's URL) while the module runs; then both stopped."""
+
+    @pytest.fixture(scope="module")
+    def servers(bundled_model_dir, manager, ray_cluster, openai_server) -> Iterator[tuple[str, str]]:  # noqa: ANN001
+        spec = spec_file(file)
+        ray_cluster.get(manager.apply.remote(spec))
+        try:
+            status = ray_cluster.get(manager.wait_ready.remote(spec.name, 600))
+            assert status is not None and status.replicas_ready == 1, status
+            with vllm_server(spec, bundled_model_dir) as theirs:
+                yield openai_server.url, theirs
+        finally:
+            ray_cluster.get(manager.remove.remote(spec.name))
+
+    return servers

@@ -4,20 +4,13 @@ of its own: its two engines live only while it runs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from tests.e2e.pooling import answer, pooling_servers, spec_file
+from tests.e2e.pooling import answer, servers_of
 
 pytestmark = pytest.mark.e2e
 NAME = "smollm2-classify"
-
-
-@pytest.fixture(scope="module")
-def servers(bundled_model_dir, manager, ray_cluster, openai_server) -> Iterator[tuple[str, str]]:
-    for theirs in pooling_servers(spec_file("smollm2-classify.yaml"), bundled_model_dir, manager, ray_cluster):
-        yield openai_server.url, theirs
+servers = servers_of("smollm2-classify.yaml")
 
 
 CASES = {

@@ -4,21 +4,14 @@ A module of its own: its two engines live only while it runs (the machine has ro
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import pytest
 
-from tests.e2e.pooling import CHAT, answer, pooling_servers, spec_file
+from tests.e2e.pooling import CHAT, answer, servers_of
 
 pytestmark = pytest.mark.e2e
 NAME = "smollm2-embed"
-
-
-@pytest.fixture(scope="module")
-def servers(bundled_model_dir, manager, ray_cluster, openai_server) -> Iterator[tuple[str, str]]:
-    for theirs in pooling_servers(spec_file("smollm2-embed.yaml"), bundled_model_dir, manager, ray_cluster):
-        yield openai_server.url, theirs
+servers = servers_of("smollm2-embed.yaml")
 
 
 def test_embeddings_are_the_same_vectors(servers):
