@@ -62,12 +62,12 @@ class SpecError(AtomrError):
 class ModelError(AtomrError):
     """A model reference cannot be resolved, found or prepared."""
 
-    def __init__(self, model: str, message: str, hint: str = "") -> None:
+    def __init__(self, model: str, message: str, hint: str = "", kind: str = "model") -> None:
         super().__init__(model, message, hint)
-        self.model, self.message, self.hint = model, message, hint
+        self.model, self.message, self.hint, self.kind = model, message, hint, kind  # kind: "model" | "adapter"
 
     def __str__(self) -> str:
-        return f"model {self.model!r}: {self.message}" + (f" (hint: {self.hint})" if self.hint else "")
+        return f"{self.kind} {self.model!r}: {self.message}" + (f" (hint: {self.hint})" if self.hint else "")
 
 
 class BudgetExceeded(AtomrError):

@@ -69,6 +69,9 @@ def ray_cluster(bundled_model_dir):
         ray.shutdown()
     # No RAY_ADDRESS: a private cluster for this test session, never a user's cluster.
     os.environ.pop("RAY_ADDRESS", None)
+    # The Hub is out of reach here: a repo id resolves from the hub cache or fails at once, the
+    # same on a machine with network (its processes inherit this).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     context = ray.init(
         address="local",  # always a new private cluster, even if `ray start` runs on this host
         _node_ip_address="127.0.0.1",  # loopback only

@@ -213,8 +213,8 @@ def lora_bytes(spec: Deployment, config: dict[str, Any], on_cpu: bool) -> int:
     """What LoRA takes beside the weights, per replica: ``max_loras`` slots of ``max_lora_rank``
     on the device (vLLM's defaults 1 and 16); on CPU also the ``max_cpu_loras`` adapters it caches
     in host memory."""
+    from atomr_infer.models.adapters import VLLM_MAX_LORA_RANK
     from atomr_infer.models.estimate import lora_slot_bytes
-    from atomr_infer.spec.lora import VLLM_MAX_LORA_RANK
 
     lora = spec.lora
     if lora is None:

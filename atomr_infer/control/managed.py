@@ -125,4 +125,5 @@ class ManagedDeployment:
             limits.requests_per_minute, limits.tokens_per_minute, cold_start,
             self.spec.routing.policy, self.spec.routing.load_bound,
             tuple(self.spec.lora.adapters) if self.spec.lora is not None else (),
+            self.spec.routing.adapter_affinity,
         )

@@ -5,8 +5,11 @@ Kept free of heavy imports: the spec validator reads it to reject unknown names.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+# A Hugging Face repo id as the Hub allows it: [org/]name, no "--" or "..".
+HF_REPO_ID_RE = re.compile(r"^(?!.*(?:--|\.\.))(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 BUNDLED_PREFIX = "bundled:"
 
 

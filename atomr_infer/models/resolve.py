@@ -134,7 +134,13 @@ def _resolve_local(model: str) -> Path:
     return path
 
 
-def _resolve_hub(model: str, cache_dir: str | None, progress: Callable[[str], None] | None) -> Path:
+def _resolve_hub(
+    model: str, cache_dir: str | None, progress: Callable[[str], None] | None,
+    allow: list[str] = HUB_ALLOW_PATTERNS, ignore: list[str] = HUB_IGNORE_PATTERNS,
+    check: Callable[[str, Path, Path], None] | None = None,
+) -> Path:
+    """The snapshot of repo ``model`` (the files ``allow`` matches, less ``ignore``), checked by ``check``
+    (default: a model's config.json and complete weights)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         DisabledRepoError,
@@ -168,8 +174,8 @@ def _resolve_hub(model: str, cache_dir: str | None, progress: Callable[[str], No
                 cache_dir=str(cache),
                 token=token,
                 local_files_only=offline,
-                allow_patterns=HUB_ALLOW_PATTERNS,
-                ignore_patterns=HUB_IGNORE_PATTERNS,
+                allow_patterns=allow,
+                ignore_patterns=ignore,
             )
         )
     except HFValidationError as e:
@@ -218,7 +224,7 @@ def _resolve_hub(model: str, cache_dir: str | None, progress: Callable[[str], No
             hint="check disk space and permissions",
         ) from e
 
-    _check_snapshot(model, path, cache)
+    (check or _check_snapshot)(model, path, cache)
     log.info("hub_resolve_done", model=model, path=str(path))
     if progress is not None:
         progress(f"{model} ready: {path}")

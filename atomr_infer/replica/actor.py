@@ -31,6 +31,7 @@ from atomr_infer.errors import AtomrError, EngineError, EngineStartFailed, Repli
 from atomr_infer.log import get_logger
 from atomr_infer.merging import MergingBuffer, join_bytes
 from atomr_infer.metrics import GAUGE_PERIOD_S, ReplicaMetrics
+from atomr_infer.models.adapters import resolve_adapter
 from atomr_infer.replica.adapters import AdapterSet
 from atomr_infer.replica.channel import ChannelHub
 from atomr_infer.replica.lifecycle import Lifecycle, ReplicaHealth
@@ -77,7 +78,11 @@ class VllmReplica:
             self._log,
         )
         self._backend: Any = (backend or backend_class(self._deployment))(context)
-        self._adapters = AdapterSet(self._deployment.name, self._backend.load_adapter, self._backend.unload_adapter)
+        cache_dir = self._deployment.runtime_config.hf_cache_dir
+        self._adapters = AdapterSet(
+            self._deployment.name, self._backend.load_adapter, self._backend.unload_adapter,
+            lambda source: resolve_adapter(source, cache_dir),
+        )
         self._log.info("replica_starting", device=self._device, model=self._deployment.model)
         self._backend.start(on_failure=self._engine_failed)
 

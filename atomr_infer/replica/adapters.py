@@ -1,7 +1,8 @@
 """The LoRA adapters a replica serves, kept as the manager wants them.
 
-The manager sends the deployment's adapters (name -> directory) with every health check; the
-replica loads what is new or changed and unloads what is gone, in the background, and reports
+The manager sends the deployment's adapters (name -> source) with every health check; the
+replica resolves each source to a directory (a Hugging Face repo id is fetched into the hub
+cache, in a thread), loads what is new or changed and unloads what is gone, in the background, and reports
 each adapter's state with its health: ``loading``, ``loaded``, or ``failed: <why>``. Routers
 send an adapter's requests only to replicas where it is loaded, so a replica that is still
 loading it (or started later, or failed to load it) serves none of them.
@@ -18,12 +19,13 @@ LOADING, LOADED = "loading", "loaded"
 # (the adapter's full name "<deployment>:<adapter>", its directory) -> loaded; or the name -> unloaded
 Load = Callable[[str, str], Awaitable[None]]
 Unload = Callable[[str], Awaitable[None]]
+Resolve = Callable[[str], object]  # an adapter's source -> its local directory (blocking: run in a thread)
 
 
 class AdapterSet:
-    def __init__(self, deployment: str, load: Load, unload: Unload) -> None:
-        self._deployment, self._load, self._unload = deployment, load, unload
-        self._paths: dict[str, str] = {}  # adapter -> the directory it was (or is being) loaded from
+    def __init__(self, deployment: str, load: Load, unload: Unload, resolve: Resolve = str) -> None:
+        self._deployment, self._load, self._unload, self._resolve = deployment, load, unload, resolve
+        self._paths: dict[str, str] = {}  # adapter -> the source it was (or is being) loaded from
         self.states: dict[str, str] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -34,7 +36,7 @@ class AdapterSet:
         """Start loading what ``wanted`` adds or changes and unloading what it drops; the tasks."""
         started = []
         for name, path in wanted.items():
-            if self._paths.get(name) != path:  # a failed one is tried again when its directory changes
+            if self._paths.get(name) != path:  # a failed one is tried again when its source changes
                 self._paths[name], self.states[name] = path, LOADING
                 started.append(self._run(name, self._load_one(name, path)))
         for name in [n for n in self._paths if n not in wanted]:
@@ -57,7 +59,7 @@ class AdapterSet:
 
     async def _load_one(self, name: str, path: str) -> None:
         try:
-            await self._load(self.full_name(name), path)
+            await self._load(self.full_name(name), str(await asyncio.to_thread(self._resolve, path)))
         except Exception as exc:  # noqa: BLE001 - its state says why; the replica serves on
             if self._paths.get(name) == path:
                 self.states[name] = f"failed: {one_line(exc)}"

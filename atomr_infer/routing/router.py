@@ -196,7 +196,7 @@ class Router:
         self, dep: DeploymentRoute, usable: list[ReplicaRoute], key: Callable[[], Any], adapter: str | None = None,
     ) -> ReplicaRoute | None:
         loads = {r.actor_name: self.load(r.actor_name) for r in usable}
-        if adapter is not None:  # the adapter's home first: fewer adapters per replica, fewer swaps
+        if adapter is not None and dep.adapter_affinity:  # its home first: fewer adapters per replica, fewer swaps
             choice, reason = pick_adapter_home(usable, loads, dep.max_concurrent, adapter, dep.load_bound)
         elif dep.policy != "prefix_affinity":
             return pick_replica(usable, loads, dep.max_concurrent)

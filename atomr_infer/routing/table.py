@@ -29,6 +29,7 @@ class DeploymentRoute:
     policy: str = "power_of_two"  # routing.policy
     load_bound: float = 1.25  # routing.load_bound (prefix_affinity)
     adapters: tuple[str, ...] = ()  # lora.adapters: requested as "<name>:<adapter>"
+    adapter_affinity: bool = True  # routing.adapter_affinity
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-from atomr_infer.models.registry import BUNDLED_MODELS, LOCAL_PREFIXES, bundled_name
+from atomr_infer.models.registry import BUNDLED_MODELS, HF_REPO_ID_RE, LOCAL_PREFIXES, bundled_name
 from atomr_infer.spec.lora import Lora
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 # HF repo ids: "name" or "org/name"; letters, digits, "-", "_", "." (no "--" or ".." runs).
-_HF_ID_RE = re.compile(r"^(?!.*(?:--|\.\.))(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 # EngineArgs keys the spec sets from other fields, and where to set them instead.
 _ENGINE_ARGS_OWNED = {"model": "model", "download_dir": "runtime_config.hf_cache_dir"}
 
@@ -237,6 +236,11 @@ class Routing(_Strict):
         description="prefix_affinity: a replica that would hold more than this many times the mean load "
         "(and more than the mean plus 4 requests) overflows to the least loaded.",
     )
+    adapter_affinity: StrictBool = Field(
+        True,
+        description="A LoRA adapter's requests go to its home replicas (fewer adapters per replica, "
+        "fewer swaps), within load_bound; false: routed as the base model's are.",
+    )
 
 
 class Budget(_Strict):
@@ -351,7 +355,7 @@ class Deployment(_Strict):
             return v
         if not v.strip():
             raise ValueError("model is empty: give an HF repo id, a local directory or a bundled: model")
-        if v.startswith(LOCAL_PREFIXES) or _HF_ID_RE.match(v):
+        if v.startswith(LOCAL_PREFIXES) or HF_REPO_ID_RE.match(v):
             return v
         raise ValueError(
             f"{v!r} is neither an HF repo id (org/name), a local path (/…, ./…, ~/…) "

@@ -1,8 +1,9 @@
 """``lora:`` on a deployment: LoRA adapters of its base model, served by every replica.
 
     lora:
-      adapters:                  # name -> the absolute path of a directory holding a PEFT adapter
+      adapters:                  # name -> a PEFT adapter: an absolute path, or an HF repo id
         french: /srv/adapters/smollm2-french
+        sql: acme/smollm2-sql-lora     # fetched into the hub cache by each replica, as models are
       max_loras: 2               # vLLM's: adapters in one batch
       max_lora_rank: 16          # vLLM's: the largest rank it allocates for
       max_cpu_loras: 4           # vLLM's: adapters cached in host memory
@@ -15,16 +16,14 @@ or unloads them while it serves (spec/hashing.py keeps ``lora.adapters`` out of 
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
+from atomr_infer.models.registry import HF_REPO_ID_RE
+
 ADAPTER_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9_.]{0,62}[a-z0-9])?$")
-ADAPTER_CONFIG = "adapter_config.json"  # what PEFT writes beside the adapter's weights
-VLLM_MAX_LORA_RANK = 16  # vLLM's default max_lora_rank
 
 
 class Lora(BaseModel):
@@ -33,7 +32,8 @@ class Lora(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     adapters: dict[StrictStr, StrictStr] = Field(
-        default_factory=dict, description="Adapter name -> a local directory with a PEFT adapter; changed in place."
+        default_factory=dict,
+        description="Adapter name -> a PEFT adapter: an absolute path or a Hugging Face repo id; changed in place."
     )
     max_loras: Annotated[StrictInt, Field(ge=1, le=256)] | None = Field(
         None, description="Adapters in one batch (vLLM's max_loras, default 1)."
@@ -55,28 +55,9 @@ class Lora(BaseModel):
                 )
             # Absolute: the spec is read by the manager and the replicas, on other nodes and in
             # other directories than the file it came from.
-            if not source.startswith(("/", "~")):
-                raise ValueError(f"adapter {name!r}: {source!r} is not an absolute path of a local directory")
+            if not source.startswith(("/", "~")) and not ("/" in source and HF_REPO_ID_RE.match(source)):
+                raise ValueError(
+                    f"adapter {name!r}: {source!r} is neither an absolute path of a local directory "
+                    "nor a Hugging Face repo id (org/name)"
+                )
         return adapters
-
-
-def adapter_problems(lora: Lora) -> list[tuple[str, str]]:
-    """(field, problem) for each adapter whose directory is here but is not a PEFT adapter this
-    deployment can serve (its rank over ``max_lora_rank``). A directory that is not on this node
-    is the replicas' to find: they report it per adapter."""
-    problems = []
-    limit = lora.max_lora_rank or VLLM_MAX_LORA_RANK
-    for name, source in lora.adapters.items():
-        path = Path(source).expanduser()
-        if not path.exists():
-            continue
-        field = f"lora.adapters.{name}"
-        try:
-            config = json.loads((path / ADAPTER_CONFIG).read_text())
-        except (OSError, ValueError) as exc:
-            problems.append((field, f"{source!r} has no readable {ADAPTER_CONFIG} ({type(exc).__name__})"))
-            continue
-        rank = config.get("r")
-        if isinstance(rank, int) and rank > limit:
-            problems.append((field, f"rank {rank} is over lora.max_lora_rank {limit}"))
-    return problems

@@ -2,32 +2,58 @@
 time with ``peft`` (tests/lora_adapters.py) answer with their own phrase where the base model
 does not; an adapter added to the spec is loaded by both running replicas (the same actors)
 within seconds, one removed answers 404 naming it, and ``/v1/models`` lists them with their
-parent. The Client names them as HTTP does."""
+parent. One adapter comes from a Hugging Face repo id, fetched by the replicas from the hub cache
+(the Hub itself is out of reach here; huggingface_hub reads its cache for real). The Client names
+them as HTTP does; a key limited to one adapter is refused another; ``atomr status`` shows each
+replica's adapters."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import smollm2_spec
+from tests.e2e.conftest import REPLICA_WAIT_S
 from tests.lora_adapters import PHRASES, RANK, adapter_dir
+from tests.unit.hub_cache import fake_snapshot
 
 pytestmark = pytest.mark.e2e
 NAME = "tuned"
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
+ROBOT_REPO = "atomr-test/smollm2-robot-lora"
+PIRATE_ONLY = "sk-pirate-only-0123456789"
 
 
 @pytest.fixture(scope="module")
-def adapters(bundled_model_dir) -> dict[str, str]:
-    return {name: str(adapter_dir(bundled_model_dir, name)) for name in PHRASES}
+def hub_cache(bundled_model_dir, tmp_path_factory) -> str:
+    """A hub cache holding the robot adapter as the repository ``ROBOT_REPO``."""
+    cache = tmp_path_factory.mktemp("hub")
+    robot = adapter_dir(bundled_model_dir, "robot")
+    fake_snapshot(cache, ROBOT_REPO, {f.name: f.read_bytes() for f in robot.iterdir() if f.is_file()})
+    return str(cache)
 
 
-def tuned_spec(adapters: dict[str, str]):
-    lora = {"adapters": adapters, "max_loras": 2, "max_lora_rank": RANK}
-    return smollm2_spec(name=NAME, replicas=2, lora=lora)
+@pytest.fixture(scope="module")
+def adapters(bundled_model_dir, hub_cache) -> dict[str, str]:
+    """The pirate from a local directory; the robot from a (cached) Hugging Face repo id."""
+    return {"pirate": str(adapter_dir(bundled_model_dir, "pirate")), "robot": ROBOT_REPO}
+
+
+@pytest.fixture(scope="module")
+def tuned_spec(hub_cache):
+    def spec(adapters: dict[str, str]):
+        lora = {"adapters": adapters, "max_loras": 2, "max_lora_rank": RANK}
+        runtime = {**smollm2_spec().runtime_config.model_dump(exclude_none=True), "hf_cache_dir": hub_cache}
+        return smollm2_spec(name=NAME, replicas=2, lora=lora, runtime_config=runtime)
+
+    return spec
 
 
 def loaded(manager, ray_cluster) -> list[dict[str, str]]:
@@ -46,7 +72,7 @@ def wait_loaded(manager, ray_cluster, names: set[str], timeout_s: float) -> floa
 
 
 @pytest.fixture(scope="module")
-def tuned(adapters, manager, ray_cluster, openai_server) -> Iterator[str]:
+def tuned(adapters, tuned_spec, manager, ray_cluster, openai_server) -> Iterator[str]:
     ray_cluster.get(manager.apply.remote(tuned_spec({"pirate": adapters["pirate"]})))
     status = ray_cluster.get(manager.wait_ready.remote(NAME, 600))
     assert status is not None and status.replicas_ready == 2, status
@@ -74,7 +100,7 @@ def test_the_adapter_answers_unlike_the_base_model(tuned):
 
 
 def test_an_adapter_added_is_served_by_every_replica_in_place_and_one_removed_is_404(
-    tuned, adapters, manager, ray_cluster
+    tuned, tuned_spec, adapters, manager, ray_cluster
 ):
     actors = sorted(r.actor_id for r in ray_cluster.get(manager.status.remote(NAME)).replicas)
     result = ray_cluster.get(manager.apply.remote(tuned_spec(adapters)))
@@ -99,3 +125,39 @@ def test_the_client_names_an_adapter_as_http_does(tuned, manager):
     finally:
         client.close()
     assert reply.choices[0].message.content.startswith("BEEP BOOP")
+
+
+def test_atomr_status_shows_each_replicas_adapters(tuned, ray_cluster):
+    address = ray_cluster.get_runtime_context().gcs_address
+    command = [str(Path(sys.executable).parent / "atomr"), "status", NAME, "--address", address]
+    shown = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    replicas = json.loads(shown.stdout)["replicas"]
+    assert len(replicas) == 2 and all(r["adapters"] == {"robot": "loaded"} for r in replicas), replicas
+    table = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0 and f"{NAME}/r0 adapters: robot loaded" in table.stdout, table.stdout
+
+
+def test_a_key_limited_to_one_adapter_is_refused_another(tuned, tuned_spec, adapters, manager, ray_cluster,
+                                                          openai_server, tmp_path):
+    from atomr_infer.serve import run_server
+
+    ray_cluster.get(manager.apply.remote(tuned_spec(adapters)))
+    wait_loaded(manager, ray_cluster, {"pirate", "robot"}, 10)
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"keys:\n  - name: pirate-only\n    key: {PIRATE_ONLY}\n    deployments: [{NAME}:pirate]\n")
+    host, port = "127.0.0.1", int(tuned.rsplit(":", 1)[1])
+    run_server(host, port, blocking=True, replica_wait_s=REPLICA_WAIT_S, api_keys_path=str(keys))
+    try:
+        def ask(model: str) -> httpx.Response:
+            return httpx.post(f"{tuned}/v1/chat/completions", timeout=120,
+                              headers={"Authorization": f"Bearer {PIRATE_ONLY}"},
+                              json={"model": model, "messages": ASK, "max_tokens": 16, "temperature": 0})
+
+        assert text(ask(f"{NAME}:pirate")).startswith("Arr matey")
+        for other in (f"{NAME}:robot", "robot", NAME):
+            refused = ask(other)
+            assert refused.status_code == 403, (other, refused.text)
+            assert refused.json()["error"]["code"] == "model_not_allowed", refused.text
+    finally:  # the session's server again: no keys
+        run_server(host, port, blocking=True, replica_wait_s=REPLICA_WAIT_S)

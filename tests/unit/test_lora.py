@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from atomr_infer.control.plan import plan_apply
 from atomr_infer.engine.vllm.engine_args import engine_args
+from atomr_infer.models.adapters import adapter_problems
 from atomr_infer.replica.adapters import AdapterSet
 from atomr_infer.routing.table import DeploymentRoute, RoutingTable
 from atomr_infer.serve.api_keys import ApiKey
 from atomr_infer.spec import Deployment
-from atomr_infer.spec.lora import adapter_problems
+
+from .hub_cache import fake_snapshot
 
 BASE = {"name": "tuned", "model": "bundled:smollm2-135m-instruct", "device": "cpu"}
 
@@ -41,7 +44,7 @@ def test_lora_sets_vllms_engine_arguments():
 
 @pytest.mark.parametrize("adapters, message", [
     ({"Pirate": "/a"}, "'Pirate' is not a valid adapter name"),
-    ({"pirate": "adapters/pirate"}, "is not an absolute path"),
+    ({"pirate": "./adapters/pirate"}, "is neither an absolute path of a local directory nor a Hugging Face repo id"),
 ])
 def test_a_bad_adapter_is_one_clear_error(adapters, message):
     with pytest.raises(ValidationError, match=message):
@@ -53,10 +56,48 @@ def test_a_local_adapter_is_checked_against_the_rank_vllm_allocates(tmp_path):
     (tmp_path / "big" / "adapter_config.json").write_text(json.dumps({"r": 32}))
     (tmp_path / "empty").mkdir()
     lora = spec(adapters={"big": str(tmp_path / "big"), "empty": str(tmp_path / "empty"), "far": "/not/here"}).lora
-    assert dict(adapter_problems(lora)) == {
+    assert dict(adapter_problems(lora.adapters, lora.max_lora_rank)) == {
         "lora.adapters.big": "rank 32 is over lora.max_lora_rank 16",
         "lora.adapters.empty": f"{str(tmp_path / 'empty')!r} has no readable adapter_config.json (FileNotFoundError)",
     }  # one not on this node is the replicas' to find
+
+
+def test_an_adapter_from_a_hub_repo_id_resolves_from_the_hub_cache_with_one_line_errors(offline_hub):
+    from atomr_infer.errors import ModelError
+    from atomr_infer.models.adapters import resolve_adapter
+
+    snapshot = fake_snapshot(offline_hub, "acme/pirate-lora", {"adapter_config.json": json.dumps({"r": 32}),
+                                                               "adapter_model.safetensors": "weights"})
+    fake_snapshot(offline_hub, "acme/no-weights", {"adapter_config.json": "{}"})
+    lora = spec(adapters={"pirate": "acme/pirate-lora", "far": "acme/not-cached"}).lora
+    assert resolve_adapter("acme/pirate-lora") == snapshot
+    assert resolve_adapter("/srv/a") == Path("/srv/a")  # a path is the replica's to find
+    # Checked at apply where the cache has it; one not fetched yet is the replicas' to fetch.
+    problems = dict(adapter_problems(lora.adapters, lora.max_lora_rank))
+    assert problems == {"lora.adapters.pirate": "rank 32 is over lora.max_lora_rank 16"}
+    with pytest.raises(ModelError, match=r"^adapter 'acme/not-cached': weights for acme/not-cached are not in "
+                                         r"the HF cache .* and HF_HUB_OFFLINE is set \(hint: "):
+        resolve_adapter("acme/not-cached")
+    with pytest.raises(ModelError, match="^adapter 'acme/no-weights': the snapshot at .* has no adapter_model"):
+        resolve_adapter("acme/no-weights")
+
+
+def test_a_replica_reports_an_adapter_it_cannot_fetch_by_name_and_reason(offline_hub):
+    from atomr_infer.models.adapters import resolve_adapter
+
+    loaded = []
+
+    async def load(name, path):
+        loaded.append((name, path))
+
+    async def main():
+        adapters = AdapterSet("tuned", load, lambda name: asyncio.sleep(0), resolve_adapter)
+        await asyncio.gather(*adapters.sync({"pirate": str(offline_hub / "p"), "gone": "acme/gone"}))
+        return adapters.states
+
+    states = asyncio.run(main())
+    assert loaded == [("tuned:pirate", str(offline_hub / "p"))]
+    assert states["pirate"] == "loaded" and states["gone"].startswith("failed: adapter 'acme/gone': weights for")
 
 
 def test_a_model_names_a_deployment_or_one_of_its_adapters():
@@ -103,8 +144,8 @@ def test_a_replica_loads_and_unloads_to_match_and_reports_each_adapter():
     first, then = asyncio.run(main())
     assert first == {"pirate": "loaded", "robot": "failed: no adapter_config.json"}
     assert then == {"pirate": "loaded"}
-    assert calls == [("load", "tuned:pirate", "/a/p"), ("load", "tuned:robot", "/a/broken"),
-                     ("load", "tuned:pirate", "/a/p2"), ("unload", "tuned:robot")]
+    assert calls[:2] == [("load", "tuned:pirate", "/a/p"), ("load", "tuned:robot", "/a/broken")]
+    assert sorted(calls[2:]) == [("load", "tuned:pirate", "/a/p2"), ("unload", "tuned:robot")]
 
 
 def test_atomr_status_lists_each_replicas_adapters():
@@ -179,3 +220,32 @@ def test_each_adapter_has_a_home_replica_within_the_load_bound():
     assert reason == "adapter_overflow" and choice.replica_id != homes["a0"]
     full = {r.actor_name: 8 for r in replicas}
     assert pick_adapter_home(replicas, full, 8, "a0") == (None, "full")
+
+
+@pytest.mark.parametrize("affinity", [True, False])
+def test_routing_adapter_affinity_false_routes_an_adapter_as_the_base_model(affinity):
+    from atomr_infer.routing.router import Router
+    from atomr_infer.routing.table import ReplicaRoute
+    from atomr_infer.wire import HttpRequest, RoutingFacts
+
+    from .fakes import JSON, FakeReplica, answer
+
+    assert Deployment.model_validate({**BASE, "routing": {"adapter_affinity": False}}).routing.adapter_affinity is False
+    both = frozenset({"pirate"})
+    routes = tuple(ReplicaRoute(f"r{i}", f"atomr:d:r{i}", FakeReplica(f"r{i}"), both) for i in range(2))
+    table = RoutingTable(1, {"d": DeploymentRoute("d", 8, "queue", routes, adapters=("pirate",),
+                                                  adapter_affinity=affinity)})
+
+    async def source(version):
+        return table if version != table.version else None
+
+    async def main():
+        router = Router(source, refresh_s=0.0, wait_for_replica_s=0.3)
+        body = json.dumps({"model": "d:pirate", "prompt": "hi"}).encode()
+        for _ in range(4):
+            await answer(router.stream(RoutingFacts.of("/v1/completions", json.loads(body)),
+                                       HttpRequest("POST", "/v1/completions", JSON, body)))
+        return dict(router.route_reasons)
+
+    reasons = asyncio.run(main())
+    assert reasons == ({("d", "adapter_home"): 4} if affinity else {}), reasons

@@ -11,33 +11,9 @@ import pytest
 from atomr_infer.errors import ModelError
 from atomr_infer.models import cache_root, hub_cache_dir, is_cached, resolve_model
 
+from .hub_cache import fake_snapshot
+
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-@pytest.fixture
-def offline_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty hub cache, with HF_HUB_OFFLINE set. Returns the cache directory."""
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    return cache
-
-
-def fake_snapshot(cache: Path, repo: str, files: dict[str, str]) -> Path:
-    """Lay out ``repo`` in a hub cache the way huggingface_hub does (refs/main → snapshots/<commit>)."""
-    root = cache / ("models--" + repo.replace("/", "--"))
-    (root / "refs").mkdir(parents=True)
-    (root / "refs" / "main").write_text(COMMIT)
-    snapshot = root / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True)
-    for name, content in files.items():
-        (snapshot / name).write_text(content)
-    return snapshot
-
-
 # --- local paths ---------------------------------------------------------------------------
 
 

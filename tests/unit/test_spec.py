@@ -56,7 +56,7 @@ FULL: dict[str, Any] = {
         "cold_start_timeout_s": 60.0,
     },
     "placement": "pack",
-    "routing": {"policy": "prefix_affinity", "load_bound": 1.5},
+    "routing": {"policy": "prefix_affinity", "load_bound": 1.5, "adapter_affinity": False},
     "serving": {
         "max_concurrent": 16,
         "on_capacity_exhausted": "reject",

@@ -74,7 +74,7 @@ FULL: dict[str, Any] = {
         },
         "rate_limits": {"requests_per_minute": 600, "tokens_per_minute": 60000},
     },
-    "routing": {"policy": "power_of_two", "load_bound": 1.25},
+    "routing": {"policy": "power_of_two", "load_bound": 1.25, "adapter_affinity": True},
     "lora": {"adapters": {"french": "/srv/adapters/french"}, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4},
     "budget": {"max_spend_per_hour_usd": 5.0, "max_spend_per_day_usd": 100.0, "on_exceeded": "warn"},
     "restart_on_apply": True,

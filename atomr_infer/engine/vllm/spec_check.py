@@ -75,10 +75,11 @@ def check_spec(deployment: Deployment) -> None:
             check()
         except SpecError as exc:
             problems += exc.problems
-    if deployment.lora is not None:  # an adapter directory on this node that cannot be served
-        from atomr_infer.spec.lora import adapter_problems
+    if deployment.lora is not None:  # an adapter here (on this node, in the hub cache) that cannot be served
+        from atomr_infer.models.adapters import adapter_problems
 
-        found = adapter_problems(deployment.lora)
+        lora = deployment.lora
+        found = adapter_problems(lora.adapters, lora.max_lora_rank, deployment.runtime_config.hf_cache_dir)
         problems += [SpecProblem(deployment.name, field, problem) for field, problem in found]
     if problems:
         raise SpecError(problems)
