@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import smollm2_spec
 from tests.e2e.conftest import REPLICA_WAIT_S
-from tests.lora_adapters import PHRASES, RANK, adapter_dir
+from tests.lora_adapters import RANK, adapter_dir
 from tests.unit.hub_cache import fake_snapshot
 
 pytestmark = pytest.mark.e2e
