@@ -77,6 +77,10 @@ ROUTER_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "counter", "prefix_affinity routing decisions by reason (affinity_hit, overflow, no_affinity).",
         ("deployment", "reason"),
     ),
+    "atomr_migrations_total": (
+        "counter", "Streams moved to another replica after theirs died, by reason (dead, unreachable).",
+        ("deployment", "reason"),
+    ),
 }
 API_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "atomr_api_requests_total": (
@@ -250,6 +254,9 @@ class RouterMetrics:
 
     def routed(self, deployment: str, reason: str) -> None:
         self._m["atomr_route_decisions_total"].record(1, {"deployment": deployment, "reason": reason})
+
+    def migrated(self, deployment: str, reason: str) -> None:
+        self._m["atomr_migrations_total"].record(1, {"deployment": deployment, "reason": reason})
 
 
 class ApiMetrics:

@@ -58,6 +58,7 @@ _KIND_OF_PATH = {
     "/v1/responses": RequestKind.RESPONSES,
     "/v1/messages": RequestKind.MESSAGES,
 }
+_RESUMABLE = frozenset({RequestKind.CHAT, RequestKind.COMPLETION})
 # Kinds whose streams always report usage (chat and completions do on request).
 _USAGE_ALWAYS = frozenset({RequestKind.RESPONSES, RequestKind.MESSAGES})
 
@@ -95,6 +96,9 @@ class RoutingFacts:
     # A Responses-API request that sets no ``request_id``: the router names its response after
     # the replica it picks, so that a later request for it finds that replica.
     names_response: bool = False
+    # Whether another replica may take over this stream if its replica dies (``resumable``):
+    # "anywhere" after the token ids generated so far, "unstarted" only before its first token.
+    resumable: str = ""
     # The body's ``messages`` (a list: chat, Messages), ``prompt`` (a string: completion) or
     # ``input`` (Responses), as parsed:
     # the prefix key of routing.prefix is computed from it only where the deployment routes by
@@ -129,6 +133,7 @@ class RoutingFacts:
             ),
             response_id=previous if isinstance(previous, str) else None,
             names_response=kind is RequestKind.RESPONSES and "request_id" not in data,
+            resumable=resumable(data) if stream and kind in _RESUMABLE else "",
             prompt=messages if isinstance(messages, list) else text if isinstance(text, str) else None,
         )
 
@@ -144,6 +149,26 @@ class RoutingFacts:
         return cls.of(request.path, data)
 
 
+# Request fields under which a continuation is not the answer the client would have had: a
+# grammar's or a parser's state mid-way, logprobs computed with another context, several choices.
+_STATEFUL = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+             "guided_grammar", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "return_token_ids")
+
+
+def resumable(data: dict[str, Any]) -> str:
+    """``RoutingFacts.resumable`` of a chat or completion stream's body: "anywhere" where a
+    continuation after the generated token ids is the same answer; "unstarted" where it is not
+    but a start elsewhere before the first token is (one choice); "" otherwise."""
+    if data.get("n", 1) not in (1, None) or data.get("best_of", 1) not in (1, None):
+        return ""
+    stateful = any(data.get(k) not in (None, False) for k in _STATEFUL)
+    fmt = data.get("response_format")
+    if stateful and isinstance(fmt, dict) and fmt.get("type") == "text":  # text is no format at all
+        stateful = any(data.get(k) not in (None, False) for k in _STATEFUL if k != "response_format")
+    tools = data.get("tools") and data.get("tool_choice") != "none"
+    return "unstarted" if stateful or tools else "anywhere"
+
+
 @dataclass(slots=True)
 class OpenRequest:
     """One request a router opens on a replica (a list of them per ``open_many`` call)."""
@@ -153,6 +178,9 @@ class OpenRequest:
     limit: int | None = None  # the routing table's max_concurrent (changes in place); None: the spec's
     adapter: str | None = None  # the LoRA adapter it runs with (None: the base model)
     want_token_ids: bool = False  # batches carry the token ids this request generates
+    # The token ids it generated on a replica that died mid-stream: continue after them
+    # (routing/migration.py), as one answer with the first part's.
+    resume: list[int] | None = None
 
 
 @dataclass(slots=True)

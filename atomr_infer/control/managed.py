@@ -126,4 +126,7 @@ class ManagedDeployment:
             self.spec.routing.policy, self.spec.routing.load_bound,
             tuple(self.spec.lora.adapters) if self.spec.lora is not None else (),
             self.spec.routing.adapter_affinity,
+            s.migration.max_tries if s.migration.enabled else 0,
+            # A tool-call parser reads only requests with tools (which move only unstarted).
+            s.openai.reasoning_parser is not None,
         )

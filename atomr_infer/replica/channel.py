@@ -34,7 +34,8 @@ from atomr_infer.wire import LEASE_S, Batch, HttpHead, HttpRequest, OpenRequest
 Put = Callable[[HttpHead | bytes], None]
 Tokens = Callable[[list[int]], None]
 # serve(request, put, tokens): runs one request, putting its items; returns at its end.
-Serve = Callable[[HttpRequest, Put, "Tokens | None"], Awaitable[None]]
+# (request, put, token sink, token ids to resume after) -> at the response's end
+Serve = Callable[[HttpRequest, Put, "Tokens | None", "list[int] | None"], Awaitable[None]]
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -82,7 +83,7 @@ class Channel:
 
         error: BaseException | None = None
         try:
-            await serve(request.http, put, tokens if request.want_token_ids else None)
+            await serve(request.http, put, tokens if request.want_token_ids else None, request.resume)
         except asyncio.CancelledError:
             return  # the router cancelled it: nobody reads its end
         except Exception as exc:  # noqa: BLE001 - every failure goes to the router

@@ -43,9 +43,9 @@ class _Inbox(MergingBuffer[Item]):
 
     __slots__ = ("token_ids",)
 
-    def __init__(self) -> None:
+    def __init__(self, token_ids: list[int] | None = None) -> None:
         super().__init__(join_bytes)  # type: ignore[arg-type]
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = [] if token_ids is None else token_ids
 
 
 class ReplicaChannel:
@@ -167,17 +167,19 @@ class ReplicaChannel:
             else:
                 opened.set_result(result)
 
-    async def request(self, request: OpenRequest) -> AsyncIterator[Item]:
+    async def request(self, request: OpenRequest, token_ids: list[int] | None = None) -> AsyncIterator[Item]:
         """What the replica answers to ``request`` (an ``HttpHead``, then body bytes); the
         replica refuses it with ``ReplicaBusy`` if ``request.limit`` requests are open there.
-        ``request.request_id`` is set here (unique on this channel)."""
+        ``request.request_id`` is set here (unique on this channel). ``token_ids`` (with
+        ``request.want_token_ids``) is extended with the ids the replica reports, and outlives
+        the request (a stream that moves resumes after them)."""
         if self.error is not None:
             raise self.error
         if self._retired:
             raise ConnectionError("the channel was retired: its replica left the routing table")
         self._start_reader()
         request_id = request.request_id = uuid.uuid4().hex
-        inbox = self._inboxes[request_id] = _Inbox()
+        inbox = self._inboxes[request_id] = _Inbox(token_ids)
         try:
             try:
                 self._note_load(await self._open(request))
@@ -194,11 +196,6 @@ class ReplicaChannel:
                 outside_request(self._actor.cancel, self.channel_id, [request_id])
             if self._retired and not self._inboxes:
                 self.close()
-
-    def generated(self, request_id: str) -> list[int]:
-        """The token ids the open request ``request_id`` generated so far (if it asked)."""
-        inbox = self._inboxes.get(request_id)
-        return inbox.token_ids if inbox is not None else []
 
     def retire(self) -> None:
         """Take no new requests, and close once the open ones end: a replica that left the

@@ -45,7 +45,7 @@ from atomr_infer.errors import (
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import RouterMetrics
 from atomr_infer.replica_calls import Failure, replica_failure
-from atomr_infer.routing import response_ids
+from atomr_infer.routing import migration, response_ids
 from atomr_infer.routing.adapters import pick_adapter_home
 from atomr_infer.routing.channel import ReplicaChannel
 from atomr_infer.routing.policy import pick_replica
@@ -89,6 +89,7 @@ class Router:
         self._demand_at: dict[str, float] = {}
         self._prefixes: collections.defaultdict[str, PrefixIndex] = collections.defaultdict(PrefixIndex)
         self.route_reasons: collections.Counter[tuple[str, str]] = collections.Counter()  # (deployment, reason)
+        self.migrations: collections.Counter[tuple[str, str]] = collections.Counter()  # (deployment, reason)
         self._metrics: RouterMetrics | None = None  # built on first use: inside Ray, they are exported
         self._wait_s, self._refresh_s = wait_for_replica_s, refresh_s
         # How long a request may wait for a free slot with on_capacity_exhausted=queue;
@@ -274,9 +275,16 @@ class Router:
 
     async def stream(self, facts: RoutingFacts, request: HttpRequest) -> AsyncIterator[HttpHead | bytes]:
         """The replica's answer to ``request`` (an ``HttpHead``, then body bytes), routed by
-        ``facts`` (the deployment it names, its prefix, …)."""
+        ``facts`` (the deployment it names, its prefix, …). A resumable stream whose replica
+        dies goes on on another (routing/migration.py)."""
         name = facts.deployment
-        attempt = 0
+        attempt = moved = 0
+        generated: list[int] = []  # token ids a resumable stream generated, as the replicas report them
+        resume: list[int] | None = None  # set once it moved: continue after these
+        sent = body_sent = False  # anything (any body bytes) sent to the caller, by any replica
+        failed_at = 0.0
+        if facts.resumable:
+            request = migration.named(request)
         while True:
             dep, route, adapter = await self._route(facts)
             attempt += 1
@@ -287,12 +295,18 @@ class Router:
                 sent_request = with_model(sent_request, f"{dep.name}:{adapter}")
             if facts.names_response:
                 sent_request = response_ids.with_request_id(sent_request, response_ids.mint(dep.name, route.replica_id))
-            opening = OpenRequest("", sent_request, dep.max_concurrent, adapter)
-            items = self._channel(route).request(opening)
-            sent = finished = False
+            want = bool(facts.resumable) and dep.migration_tries > 0
+            opening = OpenRequest("", sent_request, dep.max_concurrent, adapter, want, resume)
+            items = self._channel(route).request(opening, generated if want else None)
+            sent_here = finished = False
             try:
-                async for chunk in items:
-                    sent = True
+                answer = items if resume is None else migration.seam(facts.kind, items, body_sent)
+                async for chunk in answer:
+                    if failed_at:
+                        self._migrated(dep.name, route.actor_name, failed_at, len(generated))
+                        failed_at = 0.0
+                    sent = sent_here = True
+                    body_sent = body_sent or not isinstance(chunk, HttpHead)
                     yield chunk
                 finished = True
                 return
@@ -302,12 +316,18 @@ class Router:
                 if failure.kind in (Failure.DEAD, Failure.UNREACHABLE):
                     # Unreachable may come back; dead never serves again.
                     self.exclude(route.actor_name, permanent=failure.kind is Failure.DEAD)
-                    if sent or last_try:
+                    if sent and migration.can_move(facts, dep.migration_tries, moved, len(generated),
+                                                   dep.parses_output):
+                        moved += 1
+                        resume, failed_at = list(generated), time.monotonic()
+                        self._count_migration(dep.name, failure.kind.value)
+                        attempt -= 1  # moves have their own bound (serving.migration.max_tries)
+                    elif sent or last_try:
                         raise EngineError(f"replica {route.actor_name} died mid-request: {exc}") from None
-                elif failure.kind is Failure.BUSY and not sent:
+                elif failure.kind is Failure.BUSY and not sent_here:
                     attempt -= 1  # full, not failed: route again (it counts as full for a while)
                     self._channel(route).note_full(failure.cause.limit)  # type: ignore[attr-defined]
-                elif failure.kind is Failure.UNAVAILABLE and not sent:
+                elif failure.kind is Failure.UNAVAILABLE and not sent_here:
                     self.exclude(route.actor_name, permanent=True)  # draining or stopped
                     if last_try:
                         raise failure.cause from None
@@ -318,8 +338,20 @@ class Router:
                 self._released.set()
                 if not finished:  # consumer went away or was cancelled: abort in the engine
                     await items.aclose()
-            log.info("request_retried", deployment=name, replica=route.actor_name, attempt=attempt)
+            log.info("request_retried", deployment=name, replica=route.actor_name, attempt=attempt, moved=moved)
             await self.refresh(force=True)
+
+    def _count_migration(self, deployment: str, reason: str) -> None:
+        self.migrations[deployment, reason] += 1
+        if self._metrics is None:
+            self._metrics = RouterMetrics()
+        self._metrics.migrated(deployment, reason)
+
+    @staticmethod
+    def _migrated(deployment: str, replica: str, failed_at: float, tokens: int) -> None:
+        gap_ms = (time.monotonic() - failed_at) * 1000
+        log.info("request_migrated", deployment=deployment, replica=replica, tokens_before=tokens,
+                 gap_ms=round(gap_ms, 1))
 
 
 def _holding(usable: list[ReplicaRoute], deployment: str, response_id: str) -> list[ReplicaRoute]:

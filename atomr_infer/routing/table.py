@@ -30,6 +30,8 @@ class DeploymentRoute:
     load_bound: float = 1.25  # routing.load_bound (prefix_affinity)
     adapters: tuple[str, ...] = ()  # lora.adapters: requested as "<name>:<adapter>"
     adapter_affinity: bool = True  # routing.adapter_affinity
+    migration_tries: int = 2  # serving.migration.max_tries; 0: not enabled
+    parses_output: bool = False  # a reasoning parser reads the output (streams move only unstarted)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Deployment specs: the models, loading from YAML/dicts, and the canonical hash."""
 
-from atomr_infer.spec.deployment import Autoscaling, Budget, Deployment, OpenAIServing, Routing, Serving, VllmConfig
+from atomr_infer.spec.deployment import Autoscaling, Budget, Deployment, Routing, VllmConfig
 from atomr_infer.spec.hashing import (
     FieldChange,
     normalized,
@@ -10,6 +10,7 @@ from atomr_infer.spec.hashing import (
     spec_hash,
 )
 from atomr_infer.spec.loading import load_deployments, parse_deployment
+from atomr_infer.spec.serving import OpenAIServing, Serving
 
 __all__ = [
     "Autoscaling",

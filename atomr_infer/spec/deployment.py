@@ -12,36 +12,18 @@ import re
 import warnings
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from atomr_infer.models.registry import BUNDLED_MODELS, HF_REPO_ID_RE, LOCAL_PREFIXES, bundled_name
+from atomr_infer.spec.base import FieldValueError, Number, Strict
 from atomr_infer.spec.lora import Lora
+from atomr_infer.spec.serving import Serving
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-# HF repo ids: "name" or "org/name"; letters, digits, "-", "_", "." (no "--" or ".." runs).
 # EngineArgs keys the spec sets from other fields, and where to set them instead.
 _ENGINE_ARGS_OWNED = {"model": "model", "download_dir": "runtime_config.hf_cache_dir"}
 
-# A number: int or float, never a bool or a string (strict floats accept ints).
-Number = Annotated[float, Field(strict=True)]
-
-
-class FieldValueError(ValueError):
-    """A cross-field check that failed, naming the field (relative to the model) to report it on."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(field, message)
-        self.field, self.message = field, message
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
-
-class VllmConfig(_Strict):
+class VllmConfig(Strict):
     """Engine settings, passed to vLLM's ``EngineArgs``. ``None`` means vLLM's default."""
 
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] | None = Field(
@@ -110,86 +92,7 @@ class VllmConfig(_Strict):
         return self
 
 
-class ResponseStore(_Strict):
-    """vLLM's store of Responses-API responses (``VLLM_ENABLE_RESPONSES_API_STORE``), bounded.
-
-    Each replica keeps the responses it made, in memory: ``store``, ``previous_response_id``,
-    ``background`` and ``GET /v1/responses/{id}`` work as on ``vllm serve`` with the store on.
-    A stored response lives until it is ``max_age_s`` old or ``max_responses`` newer ones
-    pushed it out, and never longer than its replica."""
-
-    enabled: StrictBool = Field(False, description="Keep responses (`store: true`) for later requests; off as in vLLM.")
-    max_responses: Annotated[StrictInt, Field(ge=1, le=10_000_000)] = Field(
-        10_000, description="Responses one replica keeps at most; the oldest go first."
-    )
-    max_age_s: Annotated[float, Field(gt=0, le=30 * 86400)] = Field(
-        3600.0, description="Seconds a stored response is kept after it was last written."
-    )
-
-
-class OpenAIServing(_Strict):
-    """Options of vLLM's OpenAI server (``vllm serve``'s flags, in snake case). The replica runs
-    that server, so changing them restarts the replicas (rolling)."""
-
-    served_model_name: list[StrictStr] = Field(
-        default_factory=list,
-        description="More names the deployment answers to as the OpenAI `model` (its name always works).",
-    )
-    chat_template: StrictStr | None = Field(
-        None, description="A chat template (Jinja text or a file path) instead of the tokenizer's."
-    )
-    tool_call_parser: StrictStr | None = Field(
-        None, description="Parses tool calls out of the model's text, e.g. 'hermes', 'llama3_json', 'gemma4'."
-    )
-    enable_auto_tool_choice: StrictBool = Field(
-        False, description="Let the model decide to call tools (tool_choice: auto); needs tool_call_parser."
-    )
-    reasoning_parser: StrictStr | None = Field(
-        None, description="Splits reasoning from the answer (`reasoning_content`), e.g. 'deepseek_r1', 'gemma4'."
-    )
-    generation_config: StrictStr | None = Field(
-        None, description="Default sampling: 'auto' (the model's generation_config.json), 'vllm', or a folder."
-    )
-    override_generation_config: dict[StrictStr, Any] | None = Field(
-        None, description="Default sampling values over the generation config, e.g. {temperature: 0.6}."
-    )
-
-    response_store: ResponseStore = Field(
-        default_factory=ResponseStore, description="Stored Responses-API responses, kept per replica."
-    )
-
-    @model_validator(mode="after")
-    def _auto_needs_parser(self) -> OpenAIServing:
-        if self.enable_auto_tool_choice and not self.tool_call_parser:
-            raise FieldValueError("tool_call_parser", "is required when enable_auto_tool_choice is true")
-        return self
-
-
-class RateLimits(_Strict):
-    """The deployment's budget over the HTTP API, whatever the key (``atomr serve``)."""
-
-    requests_per_minute: Annotated[StrictInt, Field(ge=1, le=100_000_000)] | None = Field(
-        None, description="Requests per minute to this deployment; over it, HTTP 429 with Retry-After."
-    )
-    tokens_per_minute: Annotated[StrictInt, Field(ge=1, le=100_000_000_000)] | None = Field(
-        None, description="Prompt plus completion tokens per minute; spent, HTTP 429 until it refills."
-    )
-
-
-class Serving(_Strict):
-    """Per-replica admission limits (changed in place) and vLLM's OpenAI server options."""
-
-    max_concurrent: Annotated[StrictInt, Field(ge=1, le=65_536)] = Field(
-        32, description="Requests one replica runs at once; more wait or are rejected."
-    )
-    on_capacity_exhausted: Literal["queue", "reject"] = Field(
-        "queue", description="'queue' waits for a free slot; 'reject' fails at once (HTTP 429)."
-    )
-    openai: OpenAIServing = Field(default_factory=OpenAIServing, description="vLLM's OpenAI server options.")
-    rate_limits: RateLimits = Field(default_factory=RateLimits, description="Over the HTTP API; changed in place.")
-
-
-class Autoscaling(_Strict):
+class Autoscaling(Strict):
     """Replicas from load, within bounds (Ray Serve's names and defaults where they mean the same).
 
     The manager sums the requests in flight on the ready replicas and those waiting in routers,
@@ -223,7 +126,7 @@ class Autoscaling(_Strict):
         return self
 
 
-class Routing(_Strict):
+class Routing(Strict):
     """How routers pick a replica for a request (changed in place)."""
 
     policy: Literal["power_of_two", "prefix_affinity"] = Field(
@@ -243,7 +146,7 @@ class Routing(_Strict):
     )
 
 
-class Budget(_Strict):
+class Budget(Strict):
     """Spend limits, checked against the price of the GPUs the deployment reserves."""
 
     max_spend_per_hour_usd: Annotated[Number, Field(gt=0, le=1_000_000)] | None = Field(
@@ -257,7 +160,7 @@ class Budget(_Strict):
     )
 
 
-class Deployment(_Strict):
+class Deployment(Strict):
     """One named model served by ``replicas`` replicas of ``gpus`` GPUs each."""
 
     name: StrictStr = Field(

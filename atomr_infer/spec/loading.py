@@ -16,7 +16,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from atomr_infer.errors import SpecError, SpecProblem
-from atomr_infer.spec.deployment import Deployment, FieldValueError
+from atomr_infer.spec.base import FieldValueError
+from atomr_infer.spec.deployment import Deployment
 
 YAML_SUFFIXES = (".yaml", ".yml")
 Source = str | Path | Mapping[str, Any] | Deployment

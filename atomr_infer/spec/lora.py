@@ -19,17 +19,16 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import Field, StrictInt, StrictStr, field_validator
 
 from atomr_infer.models.registry import HF_REPO_ID_RE
+from atomr_infer.spec.base import Strict
 
 ADAPTER_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9_.]{0,62}[a-z0-9])?$")
 
 
-class Lora(BaseModel):
+class Lora(Strict):
     """LoRA adapters of the deployment's model, and vLLM's limits for them."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     adapters: dict[StrictStr, StrictStr] = Field(
         default_factory=dict,

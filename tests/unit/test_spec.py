@@ -71,6 +71,7 @@ FULL: dict[str, Any] = {
             "response_store": {"enabled": True, "max_responses": 500, "max_age_s": 600.0},
         },
         "rate_limits": {"requests_per_minute": 600, "tokens_per_minute": 60000},
+        "migration": {"enabled": False, "max_tries": 3},
     },
     "lora": {"adapters": {"french": "/srv/adapters/french"}, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4},
     "budget": {"max_spend_per_hour_usd": 5.0, "max_spend_per_day_usd": 100.0, "on_exceeded": "warn"},

@@ -73,6 +73,7 @@ FULL: dict[str, Any] = {
             "response_store": {"enabled": True, "max_responses": 500, "max_age_s": 600.0},
         },
         "rate_limits": {"requests_per_minute": 600, "tokens_per_minute": 60000},
+        "migration": {"enabled": True, "max_tries": 2},
     },
     "routing": {"policy": "power_of_two", "load_bound": 1.25, "adapter_affinity": True},
     "lora": {"adapters": {"french": "/srv/adapters/french"}, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4},

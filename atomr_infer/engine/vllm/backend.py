@@ -11,7 +11,6 @@ the engine client's ``RequestGate``), so every field ``vllm serve`` accepts work
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +24,7 @@ from atomr_infer.engine.vllm.engine_info import engine_memory, engine_unfinished
 from atomr_infer.engine.vllm.handoff import LoopHandoff
 from atomr_infer.engine.vllm.open_streams import OpenStreams
 from atomr_infer.engine.vllm.openai_app import OpenAIApp
+from atomr_infer.engine.vllm.resume import RESUME, TOKENS
 from atomr_infer.engine.vllm.step_loop import Engine, StepLoop
 from atomr_infer.engine.vllm.stream import RequestStream
 from atomr_infer.errors import EngineError, EngineStartFailed, InvalidRequest
@@ -33,7 +33,6 @@ from atomr_infer.wire import HttpRequest
 
 # The token sink of the request being served (``serve``), seen by ``submit``: vLLM's handler
 # runs in the serving task or in a task it starts, which copies this context.
-_TOKENS: contextvars.ContextVar[TokenSink | None] = contextvars.ContextVar("atomr_tokens", default=None)
 EngineFactory = Callable[[Deployment, Callable[[str], None]], Engine]
 OPERATOR_CALL_TIMEOUT_S = 30.0  # an operator's call waits for the current step to end, then runs
 
@@ -146,14 +145,19 @@ class VllmBackend:
                 self._ctx.log.info("openai_app_ready")
         return self._app
 
-    async def serve(self, request: HttpRequest, put: Put, tokens: TokenSink | None = None) -> None:
+    async def serve(
+        self, request: HttpRequest, put: Put, tokens: TokenSink | None = None, resume: list[int] | None = None
+    ) -> None:
         app = self._app or await self._openai_app()
-        reset = _TOKENS.set(tokens) if tokens is not None else None
+        reset = TOKENS.set(tokens) if tokens is not None else None
+        resuming = RESUME.set(resume) if resume is not None else None
         try:
             await app.run(request, put)
         finally:
             if reset is not None:
-                _TOKENS.reset(reset)
+                TOKENS.reset(reset)
+            if resuming is not None:
+                RESUME.reset(resuming)
 
     async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
         if self._client is None:  # built with the app, once
@@ -209,7 +213,6 @@ class VllmBackend:
         stream = self._streams.open(
             request.request_id, prompt_tokens, request, request.params, prompt_text=prompt_text
         )
-        stream.tokens = _TOKENS.get()
         return stream
 
     def finish(self, stream: RequestStream) -> None:

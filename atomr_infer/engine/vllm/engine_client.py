@@ -23,6 +23,7 @@ from vllm.engine.protocol import EngineClient
 from vllm.renderers.inputs.preprocess import extract_prompt_components
 from vllm.v1.engine import EngineCoreRequest
 
+from atomr_infer.engine.vllm.resume import RESUME, TOKENS, as_whole, extend_request
 from atomr_infer.engine.vllm.stream import RequestStream
 
 
@@ -97,11 +98,24 @@ class StepLoopEngineClient(EngineClient):
         return request, prompt_text
 
     async def _stream(self, request: EngineCoreRequest, prompt_text: str | None) -> AsyncGenerator[Any, None]:
+        resume = RESUME.get() if request.sampling_params is not None else None
+        if resume is not None:  # a stream another replica began (resume.py)
+            extend_request(request, resume)
         prompt_tokens = len(request.prompt_token_ids or ())
         stream = self._gate.submit(request, prompt_text, prompt_tokens)
+        sink = TOKENS.get() if request.sampling_params is not None else None
         try:
-            async for output in stream:
-                yield output
+            if resume is None and sink is None:
+                async for output in stream:
+                    yield output
+            else:
+                first = True
+                async for output in stream:
+                    new = list(output.outputs[0].token_ids) if sink is not None and output.outputs else None
+                    yield as_whole(output, resume, first) if resume else output
+                    first = False
+                    if new:  # the serving layer put this output's bytes and asks for the next
+                        sink(new)
         finally:  # also on cancellation and GeneratorExit: abort in the engine if still running
             self._gate.finish(stream)
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from atomr_infer.spec.deployment import ResponseStore
+from atomr_infer.spec.serving import ResponseStore
 
 STORES = ("response_store", "msg_store", "event_store")  # keyed alike: by the response's id
 

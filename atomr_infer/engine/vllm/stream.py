@@ -11,7 +11,7 @@ with one ``call_soon_threadsafe`` per engine step, not one per request.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from atomr_infer.merging import MergingBuffer
@@ -31,7 +31,6 @@ class RequestStream:
         "submitted_at",
         "first_token_at",
         "last_token_at",
-        "tokens",
         "_outputs",
     )
 
@@ -43,7 +42,6 @@ class RequestStream:
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
-        self.tokens: Callable[[list[int]], None] | None = None  # told each step's new token ids
         self._outputs: MergingBuffer[Any] = MergingBuffer(_merge_outputs)
 
     @property
@@ -60,8 +58,6 @@ class RequestStream:
             self.completion_tokens += new_tokens
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
-            if self.tokens is not None:
-                self.tokens(list(output.outputs[0].token_ids))
         self._outputs.put(output)
         if output.finished:
             self._outputs.end()

@@ -1,0 +1,84 @@
+"""Streams that survive their replica: a chat or completion stream whose replica dies goes on
+on another replica of the deployment, after the token ids it had generated.
+
+The router asks the replica for the token ids of resumable streams (``OpenRequest.want_token_ids``:
+the replica reports each output's ids once its bytes are out, engine/vllm/resume.py) and, when
+the replica dies, unreachable, or its channel breaks, opens the same request on another replica
+with ``resume`` = those ids. That replica continues at the token level (the prompt gains them,
+the budget loses them) and answers in the same stream format with the whole answer's usage; the
+router drops what the client already has at the seam: the head, and a chat stream's opening
+role-only chunk. The chunks' ids stay the same (the router names the request with
+``X-Request-Id``, which vLLM's ids are built from).
+
+Which streams can move (``RoutingFacts.resumable``, wire.py): a chat or completion stream with one
+choice anywhere, unless a grammar (``response_format``, structured outputs), logprobs, echo,
+returned token ids or tools are in play (a tool-call parser reads only requests with tools), or
+the deployment parses reasoning out of the output; those move only before their first token.
+Non-streaming requests send nothing before their end and are re-run from the start on another
+replica, as before. A ``seed`` seeds the
+continuation afresh: a resumed sampled answer is not the one an unbroken run would have given.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+from atomr_infer.wire import HttpHead, HttpRequest, RequestKind, RoutingFacts
+
+Item = HttpHead | bytes
+
+
+def can_move(facts: RoutingFacts, tries: int, moved: int, generated: int, parses_output: bool) -> bool:
+    """Whether a stream that had ``generated`` tokens when its replica died may move again."""
+    if moved >= tries or not facts.resumable:
+        return False
+    return generated == 0 or (facts.resumable == "anywhere" and not parses_output)
+
+
+def named(request: HttpRequest) -> HttpRequest:
+    """The request with an ``X-Request-Id`` (if it has none): vLLM builds the stream's chunk ids
+    from it, so a continuation's chunks carry the same id."""
+    if any(k.lower() == "x-request-id" for k, _ in request.headers):
+        return request
+    return HttpRequest(request.method, request.path, (*request.headers, ("x-request-id", uuid.uuid4().hex)),
+                       request.body)
+
+
+async def seam(kind: RequestKind, items: AsyncIterator[Item], body_sent: bool) -> AsyncIterator[Item]:
+    """A continuation's items less what the client already has: the head, and (once the first
+    part sent body bytes) a chat's opening chunk that only names the assistant's role."""
+    pending = b""
+    opened = kind is not RequestKind.CHAT or not body_sent
+    async for item in items:
+        if isinstance(item, HttpHead):
+            continue
+        if opened:
+            yield item
+            continue
+        pending += item
+        end = pending.find(b"\n\n")
+        if end < 0:
+            continue
+        opened = True
+        first, pending = pending[: end + 2], pending[end + 2:]
+        if not _role_only(first):
+            yield first
+        if pending:
+            yield pending
+    if not opened and pending:
+        yield pending
+
+
+def _role_only(event: bytes) -> bool:
+    if not event.startswith(b"data: {"):
+        return False
+    try:
+        choices = json.loads(event[6:])["choices"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return (
+        len(choices) == 1 and not choices[0].get("finish_reason")
+        and {k: v for k, v in choices[0].get("delta", {}).items() if v} == {"role": "assistant"}
+    )

@@ -1,0 +1,151 @@
+"""Streams that move when their replica dies, without Ray: the replicas are fakes of the actor's
+channel methods over the replica's real ``ChannelHub``; the first dies after sending part of a
+stream and the token ids of that part, the second continues after them. The real path (vLLM
+continuing at the token level, a replica killed under load) is tests/e2e/test_migration.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from atomr_infer.errors import EngineError
+from atomr_infer.routing.router import Router
+from atomr_infer.routing.table import DeploymentRoute, RoutingTable
+from atomr_infer.wire import HttpHead, HttpRequest, RoutingFacts
+
+from .fakes import JSON, FakeReplica, route
+
+SSE = (("content-type", "text/event-stream"),)
+ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+
+
+def event(content: str, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": {"content": content}, "finish_reason": finish}
+    return b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
+
+
+class Dying(FakeReplica):
+    """Streams a role chunk and one token ("one", id 7), then its actor dies."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.dead = asyncio.Event()
+        self.heads: list[dict[str, str]] = []
+
+    async def _serve(self, request, put, tokens, resume=None):
+        self.heads.append(dict(request.headers))
+        put(HttpHead(200, SSE))
+        put(ROLE)
+        put(event("one"))
+        if tokens is not None:
+            tokens([7])
+        await asyncio.sleep(0.05)  # the batch goes out
+        self.dead.set()
+        await asyncio.Event().wait()
+
+    async def _channel(self, channel_id):
+        stream = self.hub.stream(channel_id).__aiter__()
+        while True:
+            following = asyncio.ensure_future(stream.__anext__())
+            died = asyncio.ensure_future(self.dead.wait())
+            done, _ = await asyncio.wait({following, died}, return_when=asyncio.FIRST_COMPLETED)
+            if following in done:
+                died.cancel()
+                yield following.result()
+                continue
+            following.cancel()
+            raise ActorDiedError()
+
+
+class Continuing(FakeReplica):
+    """Continues a stream after ``resume``: a role chunk again, then " two" and the end."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.resumed: list[list[int] | None] = []
+        self.heads: list[dict[str, str]] = []
+
+    async def _serve(self, request, put, tokens, resume=None):
+        self.resumed.append(resume)
+        self.heads.append(dict(request.headers))
+        put(HttpHead(200, SSE))
+        put(ROLE + event(" two", "length") + b"data: [DONE]\n\n")
+
+
+def chat(**fields) -> tuple[RoutingFacts, HttpRequest]:
+    data = {"model": "d", "messages": [{"role": "user", "content": "hi"}], "stream": True, **fields}
+    return RoutingFacts.of("/v1/chat/completions", data), HttpRequest(
+        "POST", "/v1/chat/completions", JSON, json.dumps(data).encode()
+    )
+
+
+def serve(facts, request, tries: int = 2, parses_output: bool = False):
+    """Stream ``request`` where the table names the dying replica, then (once it died) the other."""
+    dying, continuing = Dying("r0"), Continuing("r1")
+
+    def table(version, replica):
+        dep = DeploymentRoute("d", 8, "queue", (route(replica),), migration_tries=tries, parses_output=parses_output)
+        return RoutingTable(version, {"d": dep})
+
+    before, after = table(1, dying), table(2, continuing)
+
+    async def source(version):
+        current = after if dying.dead.is_set() else before
+        return current if version != current.version else None
+
+    async def main():
+        router = Router(source, refresh_s=0.0, wait_for_replica_s=0.5)
+        got: list = []
+        try:
+            async for item in router.stream(facts, request):
+                got.append(item)
+        except EngineError as exc:
+            return got, exc, router
+        return got, None, router
+
+    got, failure, router = asyncio.run(main())
+    return got, failure, router, dying, continuing
+
+
+def test_a_chat_stream_goes_on_after_the_tokens_it_had_with_nothing_repeated_or_missing():
+    got, failure, router, dying, continuing = serve(*chat())
+    assert failure is None
+    assert [i for i in got if isinstance(i, HttpHead)] == [HttpHead(200, SSE)]  # one head
+    body = b"".join(i for i in got if not isinstance(i, HttpHead))
+    assert body == ROLE + event("one") + event(" two", "length") + b"data: [DONE]\n\n"
+    assert continuing.resumed == [[7]]  # after the first part's token ids
+    request_id = dying.heads[0]["x-request-id"]  # named once: both parts' chunk ids are built from it
+    assert continuing.heads[0]["x-request-id"] == request_id
+    assert router.migrations == {("d", "dead"): 1}
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "json_object"}}, {"logprobs": True}, {"n": 2},
+    {"tools": [{"type": "function", "function": {"name": "f"}}]},
+])
+def test_a_stream_whose_continuation_would_differ_fails_as_before(fields):
+    got, failure, router, _, continuing = serve(*chat(**fields))
+    assert isinstance(failure, EngineError) and "died mid-request" in str(failure)
+    assert continuing.resumed == [] and not router.migrations
+
+
+def test_a_deployment_that_parses_its_output_or_turns_migration_off_fails_as_before():
+    for tries, parses in ((2, True), (0, False)):
+        _, failure, router, _, continuing = serve(*chat(), tries=tries, parses_output=parses)
+        assert isinstance(failure, EngineError) and continuing.resumed == [], (tries, parses)
+
+
+def test_which_requests_may_move():
+    def facts(path, **fields):
+        return RoutingFacts.of(path, {"model": "d", "stream": True, **fields}).resumable
+
+    assert facts("/v1/chat/completions") == facts("/v1/completions") == "anywhere"
+    assert facts("/v1/chat/completions", response_format={"type": "text"}) == "anywhere"
+    assert facts("/v1/chat/completions", response_format={"type": "json_schema"}) == "unstarted"
+    assert facts("/v1/chat/completions", tools=[{}], tool_choice="none") == "anywhere"
+    assert facts("/v1/completions", echo=True) == facts("/v1/completions", logprobs=2) == "unstarted"
+    assert facts("/v1/chat/completions", n=3) == facts("/v1/responses") == facts("/v1/messages") == ""
+    assert RoutingFacts.of("/v1/chat/completions", {"model": "d"}).resumable == ""  # not a stream: re-run
