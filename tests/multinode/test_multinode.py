@@ -77,17 +77,25 @@ def test_a_two_gpu_replica_has_both_gpus_on_one_node(cluster, manager):
 
 
 def stream_until_done(client: Client, name: str, max_tokens: int, outcome: list) -> None:
-    started = time.monotonic()
+    """Stream a completion; ``outcome`` gets ("ok", finish_reason, completion tokens, the arrival
+    time of each text chunk) or ("error", when, why)."""
     try:
-        chunks = client.stream_complete(name, "hi", max_tokens=max_tokens, ignore_eos=True)
-        text = "".join(chunk.choices[0].text or "" for chunk in chunks)
-        outcome.append(("ok", time.monotonic(), len(text)))
+        chunks = client.stream_complete(name, "hi", max_tokens=max_tokens, ignore_eos=True,
+                                        stream_options={"include_usage": True})
+        finish, used, times = None, None, []
+        for chunk in chunks:
+            if chunk.usage is not None:
+                used = chunk.usage.completion_tokens
+            if chunk.choices:
+                finish = chunk.choices[0].finish_reason or finish
+                if chunk.choices[0].text:
+                    times.append(time.monotonic())
+        outcome.append(("ok", finish, used, times))
     except Exception as exc:  # noqa: BLE001 - what failed, and when, is the result
         outcome.append(("error", time.monotonic(), f"{type(exc).__name__}: {exc}"))
-    outcome.append(("started", started))
 
 
-def test_a_lost_worker_node_is_replaced_and_loses_only_its_own_streams(cluster, manager):
+def test_a_lost_worker_node_is_replaced_and_its_streams_go_on_on_the_other(cluster, manager):
     dep = spec("survivor", replicas=2)
     status = deploy(manager, dep)
     client = Client(manager=manager)
@@ -123,16 +131,12 @@ def test_a_lost_worker_node_is_replaced_and_loses_only_its_own_streams(cluster, 
             t.join(60)
         assert not any(t.is_alive() for t in threads)
         results = [out[0] for out in outcomes]
-        errors = [r for r in results if r[0] == "error"]
-        ok = [r for r in results if r[0] == "ok"]
-        assert errors and ok, results  # the streams were on both nodes
-        for _, at, message in errors:
-            # The issue's bar is 2 s (measured: 1.3-1.5 s here); a loaded 2-core CI machine once took
-            # 2.04 s from the signal. The test asserts what matters on any machine: the streams end
-            # when the connection drops, long before Ray declares the node dead (~30 s by default).
-            assert at - killed_at < 5.0, (at - killed_at, message)
-        for _, _, length in ok:
-            assert length > 0
+        # The streams were on both nodes (every replica had some); those on the lost one moved
+        # to the other after what they had generated (serving.migration): none failed, each
+        # ended whole.
+        assert all(r[0] == "ok" and r[1] == "length" and r[2] == 600 for r in results), results
+        # The gap across the loss: the moved streams' includes noticing the node gone and moving.
+        gaps = sorted(b - a for r in results for a, b in zip(r[3], r[3][1:], strict=False) if a <= killed_at <= b)
 
         # The lost replica is replaced on the surviving node within 60 s.
         deadline = killed_at + 60
@@ -145,8 +149,8 @@ def test_a_lost_worker_node_is_replaced_and_loses_only_its_own_streams(cluster, 
         else:
             raise AssertionError(f"not replaced within 60 s: {now}")
         replaced_in = time.monotonic() - killed_at
-        print(f"\nnode lost -> replica replaced in {replaced_in:.1f} s; streams errored in "
-              f"{max(at - killed_at for _, at, _ in errors):.2f} s")
+        print(f"\nnode lost -> replica replaced in {replaced_in:.1f} s; gap across the loss over "
+              f"{len(gaps)} streams: p50 {gaps[len(gaps) // 2]:.2f} s, max {gaps[-1]:.2f} s")
         assert {r.node_id for r in ready} == set(cluster.worker_node_ids())
     finally:
         remove(manager, dep.name)
