@@ -7,11 +7,13 @@ PYTEST_ARGS ?=
 setup:
 	@bash scripts/setup.sh
 
-# tests/multinode joins a cluster of its own, so it runs in a pytest session of its own. Then the
-# GPU smoke in its CPU mode (docs/gpu.md), so that its plumbing is tested on every change.
+# tests/multinode and tests/headft each join a cluster of their own, so each runs in a pytest
+# session of its own. Then the GPU smoke in its CPU mode (docs/gpu.md), so that its plumbing is
+# tested on every change.
 test: setup
 	$(PY) -m pytest -q -rs --durations=10 $(PYTEST_ARGS)
 	$(PY) -m pytest -q -rs tests/multinode $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs tests/headft $(PYTEST_ARGS)
 	PY=$(PY) bash scripts/gpu_smoke.sh --device cpu
 
 # On a CUDA host, with no setup (`make setup` installs the CPU builds): the interpreter that has

@@ -11,6 +11,15 @@ VENV="${ATOMR_VENV:-.venv}"
 TORCH_VERSION="2.13.0"
 case "$PROFILE" in cpu|gpu) ;; *) echo "error: ATOMR_PROFILE: '$PROFILE' is not a profile (use cpu or gpu)" >&2; exit 2;; esac
 
+# A real Redis for the head fault-tolerance tests (tests/headft: Ray's GCS keeps its tables in it).
+# Debian's redis-server, where this runs as root with apt; elsewhere those tests skip and say why.
+if ! command -v redis-server >/dev/null && [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+  echo "setup: installing redis-server (apt) for the head fault-tolerance tests"
+  apt_redis() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server >/dev/null 2>&1; }
+  apt_redis || { apt-get update -q >/dev/null 2>&1 && apt_redis; } \
+    || echo "setup: could not install redis-server; tests/headft will skip" >&2
+fi
+
 stamp_of() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; echo "$PROFILE"; }
 STAMP="$VENV/.atomr-setup"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_of)" && -x "$VENV/bin/atomr" ]]; then

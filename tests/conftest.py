@@ -39,9 +39,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
-    """tests/multinode runs only when named (``make test`` runs it in a session of its own):
-    its cluster and the other tiers' Ray cannot share one process."""
-    if collection_path.name == "multinode" and not any("multinode" in str(a) for a in config.args):
+    """tests/multinode and tests/headft run only when named (``make test`` runs each in a
+    session of its own): their clusters and the other tiers' Ray cannot share one process."""
+    name = collection_path.name
+    if name in ("multinode", "headft") and not any(name in str(a) for a in config.args):
         return True
     return None
 

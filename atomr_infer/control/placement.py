@@ -56,14 +56,16 @@ def head_node_id() -> str | None:
     import ray
 
     for node in ray.nodes():
-        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+        if node.get("Alive") and HEAD_RESOURCE in node.get("Resources", {}):
             return str(node["NodeID"])
     return None
 
 
-def on_head_node() -> dict[str, Any]:
-    """Actor options that pin an actor to the head node (none if there is no head to find)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+HEAD_RESOURCE = "node:__internal_head__"  # Ray gives it to the head node alone, whatever its node id
 
-    head = head_node_id()
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(head, soft=False)} if head else {}
+
+def on_head_node() -> dict[str, Any]:
+    """Actor options that pin an actor to the head node: by the head's own resource, not its
+    node id, so that an actor restarted after the head came back (a new node, with GCS fault
+    tolerance) is placed on the new head (as Ray Train places its state actor)."""
+    return {"resources": {HEAD_RESOURCE: 0.001}}

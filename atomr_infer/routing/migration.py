@@ -22,10 +22,14 @@ continuation afresh: a resumed sampled answer is not the one an unbroken run wou
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 
+from atomr_infer.log import get_logger
 from atomr_infer.wire import HttpHead, HttpRequest, RequestKind, RoutingFacts
+
+log = get_logger(__name__)
 
 Item = HttpHead | bytes
 
@@ -35,6 +39,12 @@ def can_move(facts: RoutingFacts, tries: int, moved: int, generated: int, parses
     if moved >= tries or not facts.resumable:
         return False
     return generated == 0 or (facts.resumable == "anywhere" and not parses_output)
+
+
+def log_moved(deployment: str, replica: str, failed_at: float, tokens: int) -> None:
+    """The first output of a moved stream arrived: log the gap the move cost."""
+    log.info("request_migrated", deployment=deployment, replica=replica, tokens_before=tokens,
+             gap_ms=round((time.monotonic() - failed_at) * 1000, 1))
 
 
 def named(request: HttpRequest) -> HttpRequest:

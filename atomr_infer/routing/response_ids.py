@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from atomr_infer.wire import HttpRequest
+
+if TYPE_CHECKING:
+    from atomr_infer.routing.table import ReplicaRoute
 
 PREFIX = "resp_"
 
@@ -43,3 +46,14 @@ def with_request_id(request: HttpRequest, request_id: str) -> HttpRequest:
     at = request.body.index(b"{") + 1
     field = b'"request_id":' + json.dumps(request_id).encode() + b","
     return HttpRequest(request.method, request.path, request.headers, request.body[:at] + field + request.body[at:])
+
+
+def holding(usable: list[ReplicaRoute], deployment: str, response_id: str) -> list[ReplicaRoute]:
+    """The replica that holds the stored response ``response_id`` if it is among ``usable``; else
+    every usable replica, any of which gives vLLM's own answer for a response it does not hold
+    (404 "not found"), as ``vllm serve`` does for an id it never made or has forgotten."""
+    where = home(response_id)
+    if where is None or where.deployment != deployment:
+        return usable
+    held = [r for r in usable if r.replica_id == where.replica_id]
+    return held or usable

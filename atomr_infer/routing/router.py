@@ -51,11 +51,15 @@ from atomr_infer.routing.channel import ReplicaChannel
 from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.prefix import PrefixIndex, pick_prefix_affinity, prompt_key
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
+from atomr_infer.task_context import outside_request
 from atomr_infer.wire import HttpHead, HttpRequest, OpenRequest, RoutingFacts
 
 # fetch(since_version) -> a newer table, or None when ``since_version`` is current.
 TableSource = Callable[[int], Awaitable[RoutingTable | None]]
 # Tries for one request that fails before its first chunk (each on a replica not yet tried).
+# How long a request waits for a newer routing table when a cached one exists (a healthy manager
+# answers in milliseconds; one blocked on an absent GCS may not for seconds).
+STALE_TABLE_WAIT_S = 0.25
 MAX_ATTEMPTS = 4
 # How long a replica's own word on its load counts (a router that sends it nothing hears nothing).
 LOAD_FRESH_S = 1.0
@@ -98,6 +102,8 @@ class Router:
         self._table = RoutingTable(version=-1)
         self._fetched_at = 0.0
         self._refreshing: dict[bool, asyncio.Future[None]] = {}  # force -> the fetch running
+        self._background: asyncio.Task[RoutingTable] | None = None  # a refresh no request waits for
+        self._background_since = 0.0
         self._in_flight: collections.Counter[str] = collections.Counter()
         self._released = asyncio.Event()
         # actor name -> table version it was excluded at, or None for "until the table drops it".
@@ -138,7 +144,23 @@ class Router:
     async def refresh(self, force: bool = False) -> RoutingTable:
         """The routing table, fetched again if ``force`` or older than ``refresh_s``. One fetch
         at a time of each kind: requests that arrive while one runs wait for it instead of
-        asking the manager again (1,024 requests at once made 1,024 calls, measured)."""
+        asking the manager again (1,024 requests at once made 1,024 calls, measured). A table
+        that is only old is waited for at most ``STALE_TABLE_WAIT_S``, then the request routes
+        by the cached one while the fetch goes on: a manager slow to answer (restarting, its GCS
+        away) holds no request up for longer."""
+        if not force and self._table.version >= 0:
+            if time.monotonic() - self._fetched_at >= self._refresh_s:
+                task = self._background
+                if task is None or task.done():
+                    task = self._background = outside_request(
+                        asyncio.get_running_loop().create_task, self._refresh(False)
+                    )
+                    self._background_since = time.monotonic()
+                # Only the first requests wait: once the manager is late, the rest route at once.
+                wait = STALE_TABLE_WAIT_S - (time.monotonic() - self._background_since)
+                if wait > 0:
+                    await asyncio.wait({task}, timeout=wait)
+            return self._table
         while (running := self._refreshing.get(force)) is not None:
             await asyncio.shield(running)  # resolved however that fetch ended
             if self._table.version >= 0:
@@ -146,6 +168,9 @@ class Router:
             # It failed with nothing cached: try (and fail) in turn, not all at once.
         if not force and time.monotonic() - self._fetched_at < self._refresh_s:
             return self._table
+        return await self._refresh(force)
+
+    async def _refresh(self, force: bool) -> RoutingTable:
         done = self._refreshing[force] = asyncio.get_running_loop().create_future()
         try:
             return await self._fetch(force)
@@ -243,7 +268,7 @@ class Router:
                     if r.actor_name not in self._excluded and (adapter is None or adapter in r.adapters)
                 ]
                 if facts.response_id is not None:
-                    usable = _holding(usable, dep.name, facts.response_id)
+                    usable = response_ids.holding(usable, dep.name, facts.response_id)
                 if usable:
                     choice = self._pick(dep, usable, key, adapter)
                     if choice is not None:
@@ -303,7 +328,7 @@ class Router:
                 answer = items if resume is None else migration.seam(facts.kind, items, body_sent)
                 async for chunk in answer:
                     if failed_at:
-                        self._migrated(dep.name, route.actor_name, failed_at, len(generated))
+                        migration.log_moved(dep.name, route.actor_name, failed_at, len(generated))
                         failed_at = 0.0
                     sent = sent_here = True
                     body_sent = body_sent or not isinstance(chunk, HttpHead)
@@ -346,23 +371,6 @@ class Router:
         if self._metrics is None:
             self._metrics = RouterMetrics()
         self._metrics.migrated(deployment, reason)
-
-    @staticmethod
-    def _migrated(deployment: str, replica: str, failed_at: float, tokens: int) -> None:
-        gap_ms = (time.monotonic() - failed_at) * 1000
-        log.info("request_migrated", deployment=deployment, replica=replica, tokens_before=tokens,
-                 gap_ms=round(gap_ms, 1))
-
-
-def _holding(usable: list[ReplicaRoute], deployment: str, response_id: str) -> list[ReplicaRoute]:
-    """The replica that holds the stored response ``response_id`` if it is among ``usable``; else
-    every usable replica, any of which gives vLLM's own answer for a response it does not hold
-    (404 "not found"), as ``vllm serve`` does for an id it never made or has forgotten."""
-    where = response_ids.home(response_id)
-    if where is None or where.deployment != deployment:
-        return usable
-    held = [r for r in usable if r.replica_id == where.replica_id]
-    return held or usable
 
 
 def _known(table: RoutingTable, name: str) -> bool:
