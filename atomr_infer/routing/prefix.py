@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -146,11 +146,13 @@ def pick_prefix_affinity(
     key: PromptKey | None,
     index: PrefixIndex,
     load_bound: float = 1.25,
+    place: Callable[[], tuple[Any, str]] | None = None,
 ) -> tuple[Named | None, str]:
     """(replica, reason): ``affinity_hit`` (it holds the longest known prefix), ``overflow``
     (the one that does is above the load bound: the least loaded instead), ``no_affinity``
-    (no known prefix: placed by the conversation's hash within the bound). None when every
-    replica is at ``max_concurrent``. Records the choice in ``index``."""
+    (no known prefix: placed by the conversation's hash within the bound, or by ``place``, which
+    gives the replica and its own reason: a LoRA adapter's home). None when every replica is at
+    ``max_concurrent``. Records the choice in ``index``."""
     free = {r.actor_name: r for r in replicas if loads.get(r.actor_name, 0) < max_concurrent}
     if not free:
         return None, "full"
@@ -165,6 +167,11 @@ def pick_prefix_affinity(
     holder, depth = index.longest(key.blocks, free)
     if holder is not None and depth > key.shared:
         name, reason = (holder, "affinity_hit") if holder in under else (least_loaded(), "overflow")
+    elif place is not None:
+        placed, reason = place()
+        if placed is None:
+            return None, reason
+        name = placed.actor_name
     else:
         name, reason = _place(key.conversation, replicas, loads, under or free, (load_bound - 1) * mean), "no_affinity"
     index.record(key.blocks, name)

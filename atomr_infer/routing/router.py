@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -222,8 +223,13 @@ class Router:
         self, dep: DeploymentRoute, usable: list[ReplicaRoute], key: Callable[[], Any], adapter: str | None = None,
     ) -> ReplicaRoute | None:
         loads = {r.actor_name: self.load(r.actor_name) for r in usable}
-        if adapter is not None and dep.adapter_affinity:  # its home first: fewer adapters per replica, fewer swaps
-            choice, reason = pick_adapter_home(usable, loads, dep.max_concurrent, adapter, dep.load_bound)
+        if adapter is not None and dep.adapter_affinity:  # its home: fewer adapters per replica, fewer swaps
+            home = functools.partial(pick_adapter_home, usable, loads, dep.max_concurrent, adapter, dep.load_bound)
+            if dep.policy != "prefix_affinity":
+                choice, reason = home()
+            else:  # a prefix cached with this adapter (vLLM's cache is per adapter), else its home
+                choice, reason = pick_prefix_affinity(usable, loads, dep.max_concurrent, key(),
+                                                      self._prefixes[f"{dep.name}:{adapter}"], dep.load_bound, home)
         elif dep.policy != "prefix_affinity":
             return pick_replica(usable, loads, dep.max_concurrent)
         else:

@@ -249,3 +249,40 @@ def test_routing_adapter_affinity_false_routes_an_adapter_as_the_base_model(affi
 
     reasons = asyncio.run(main())
     assert reasons == ({("d", "adapter_home"): 4} if affinity else {}), reasons
+
+
+def test_with_prefix_affinity_an_adapters_conversation_returns_where_it_went_and_starts_at_its_home():
+    from atomr_infer.routing.adapters import pick_adapter_home
+    from atomr_infer.routing.router import Router
+    from atomr_infer.routing.table import ReplicaRoute
+    from atomr_infer.wire import HttpRequest, RoutingFacts
+
+    from .fakes import JSON, FakeReplica, answer
+
+    loaded = frozenset({"pirate", "robot"})
+    routes = tuple(ReplicaRoute(f"r{i}", f"atomr:d:r{i}", FakeReplica(f"r{i}"), loaded) for i in range(4))
+    table = RoutingTable(1, {"d": DeploymentRoute("d", 8, "queue", routes, adapters=("pirate", "robot"),
+                                                  policy="prefix_affinity")})
+
+    async def source(version):
+        return table if version != table.version else None
+
+    document = "Read this document about ships and the sea. " * 40
+
+    async def main():
+        router = Router(source, refresh_s=0.0, wait_for_replica_s=0.3)
+        served = []
+        for model in ("d:pirate", "d:pirate", "d:robot"):
+            data = {"model": model, "messages": [{"role": "user", "content": document}]}
+            body = json.dumps(data).encode()
+            head, text = await answer(router.stream(RoutingFacts.of("/v1/chat/completions", data),
+                                                    HttpRequest("POST", "/v1/chat/completions", JSON, body)))
+            served.append(text.decode().removeprefix("from "))
+        return served, dict(router.route_reasons)
+
+    served, reasons = asyncio.run(main())
+    home = {a: pick_adapter_home(list(routes), {}, 8, a)[0].replica_id for a in ("pirate", "robot")}
+    # The first at the adapter's home, the second after its prefix; the other adapter's copy of the
+    # same prompt is not a hit (vLLM caches per adapter) and goes to its own home.
+    assert served == [home["pirate"], home["pirate"], home["robot"]], (served, home)
+    assert reasons == {("d", "adapter_home"): 2, ("d", "affinity_hit"): 1}, reasons
