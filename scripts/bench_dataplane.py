@@ -13,7 +13,8 @@ number of streams, that many streamed completions of ``--tokens`` tokens are sen
   ``VllmReplica`` object, not an actor): the ceiling of vLLM's own front half on this CPU (the
   interpreter settings a replica makes are undone after it: the other arms measure a caller);
 - router: through a ``Router`` (what the Client and the ingress use), the SSE bytes counted
-  from the usage chunk without parsing every event;
+  from the usage chunk without parsing every event; router-nomig: the same with
+  ``serving.migration`` off (switched in place), so the replicas send no token ids (their cost);
 - backend: the engine interface itself (engine/backend.py ``generate``: vLLM's engine client over
   the step loop, no OpenAI serving layer, no transport), in this process like ``local``: what is
   left is vLLM's output processing (it replaces the ``tokens`` arm, which went through a
@@ -141,10 +142,11 @@ async def local_arm(
         sys.setswitchinterval(switch)
 
 
-def spec_of(model_dir: str):
+def spec_of(model_dir: str, migration: bool = True):
     from atomr_infer.spec import parse_deployment
 
-    return parse_deployment({"name": NAME, "model": model_dir, "device": "cpu", "serving": {"max_concurrent": 4096}})
+    serving = {"max_concurrent": 4096, "migration": {"enabled": migration}}
+    return parse_deployment({"name": NAME, "model": model_dir, "device": "cpu", "serving": serving})
 
 
 def report(path: str, n: int, ratio: float, step_s: float) -> None:
@@ -260,6 +262,7 @@ def main() -> None:
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
                 arms = {
                     "router": lambda i, t: via_router(router, i, t),
+                    "router-nomig": lambda i, t: via_router(router, i, t),
                     "client": lambda i, t: via_client(client, i, t),
                     "http": lambda i, t: via_http(http, url, i, t),
                     "vllm": lambda i, t: via_http(http, f"{vllm_url}/v1/completions", i, t),
@@ -270,7 +273,13 @@ def main() -> None:
                 for n in sizes:
                     for path in remote:
                         before = sum(c.batches for c in router._channels.values())
+                        if path == "router-nomig":  # in place: the same replica, no token ids sent
+                            await manager.apply.remote(spec_of(model_dir, migration=False))
+                            await router.refresh(force=True)
                         out[path][n] = await measure(arms[path], n, opts.tokens, step_s)
+                        if path == "router-nomig":
+                            await manager.apply.remote(spec_of(model_dir))
+                            await router.refresh(force=True)
                         report(path, n, out[path][n], step_s)
                         if path == "router":
                             batches = sum(c.batches for c in router._channels.values()) - before

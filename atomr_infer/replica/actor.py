@@ -279,7 +279,7 @@ class VllmReplica:
 
         async def run() -> None:
             try:
-                await self._serve(request, pending.put, None)
+                await self._serve(request, pending.put, None, None)
             except Exception as exc:  # noqa: BLE001 - the caller raises it after what came before
                 pending.end(exc)
                 return

@@ -178,11 +178,11 @@ def pick_prefix_affinity(
     return free[name], reason
 
 
-def load_cap(total_load: int, replicas: int, load_bound: float) -> tuple[float, float]:
+def load_cap(total_load: int, replicas: int, load_bound: float, slack: float = SLACK) -> tuple[float, float]:
     """(mean, cap): the mean load counting one more request, and the most a replica may hold
-    after taking it: ``load_bound`` x the mean, or the mean plus ``SLACK`` where that is more."""
+    after taking it: ``load_bound`` x the mean, or the mean plus ``slack`` where that is more."""
     mean = (total_load + 1) / max(1, replicas)
-    return mean, max(load_bound * mean, mean + SLACK)
+    return mean, max(load_bound * mean, mean + slack)
 
 
 def _place(conversation: bytes, replicas: Sequence[Named], loads: Mapping[str, int], allowed: Mapping[str, Any],

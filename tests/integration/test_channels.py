@@ -58,8 +58,9 @@ def emulated(ray_cluster, bundled_model_dir):
     ray.kill(actor)
 
 
-def router_for(actor, name: str = "atomr:emu:channels", mode: str = "queue") -> Router:
-    table = RoutingTable(1, {"emu": DeploymentRoute("emu", LIMIT, mode, (ReplicaRoute("r0", name, actor),))})
+def router_for(actor, name: str = "atomr:emu:channels", mode: str = "queue", migration_tries: int = 2) -> Router:
+    route = ReplicaRoute("r0", name, actor)
+    table = RoutingTable(1, {"emu": DeploymentRoute("emu", LIMIT, mode, (route,), migration_tries=migration_tries)})
 
     async def source(version):
         return table if version != table.version else None
@@ -131,10 +132,12 @@ def test_leaving_a_stream_aborts_the_request_in_the_engine(emulated):
 
 
 def test_a_replica_that_dies_fails_its_open_streams(ray_cluster, bundled_model_dir):
+    """With serving.migration off (on, the streams would wait for another replica to move to:
+    tests/e2e/test_migration.py)."""
     actor = start_replica(bundled_model_dir, "atomr:emu:doomed")
 
     async def main():
-        router = router_for(actor, name="atomr:emu:doomed")
+        router = router_for(actor, name="atomr:emu:doomed", migration_tries=0)
         streams = [router.stream(RoutingFacts.of_http(completion(1500)), completion(1500)) for _ in range(2)]
         for items in streams:
             await anext(items)  # head
