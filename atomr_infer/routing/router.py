@@ -138,6 +138,8 @@ class Router:
         event loop that runs them is closed)."""
         channels = [*self._channels.values(), *self._retired]
         tasks = [task for channel in channels for task in channel.close()]
+        if self._background is not None and self._background.cancel():  # a table fetch under way
+            tasks.append(self._background)
         self._channels.clear()
         self._retired.clear()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -145,10 +147,9 @@ class Router:
     async def refresh(self, force: bool = False) -> RoutingTable:
         """The routing table, fetched again if ``force`` or older than ``refresh_s``. One fetch
         at a time of each kind: requests that arrive while one runs wait for it instead of
-        asking the manager again (1,024 requests at once made 1,024 calls, measured). A table
-        that is only old is waited for at most ``STALE_TABLE_WAIT_S``, then the request routes
-        by the cached one while the fetch goes on: a manager slow to answer (restarting, its GCS
-        away) holds no request up for longer."""
+        asking the manager again (1,024 requests at once made 1,024 calls). A table that is only
+        old is waited for at most ``STALE_TABLE_WAIT_S``, then routed by while the fetch goes on:
+        a manager slow to answer (restarting, its GCS away) holds no request up for longer."""
         if not force and self._table.version >= 0:
             if time.monotonic() - self._fetched_at >= self._refresh_s:
                 task = self._background
