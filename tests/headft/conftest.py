@@ -23,7 +23,7 @@ import psutil
 import pytest
 import ray
 
-from tests.multinode.conftest import STEP_S, LoopbackCluster
+from tests.multinode.conftest import LoopbackCluster, emulated_manager
 
 pytestmark = pytest.mark.integration
 REDIS = shutil.which("redis-server")
@@ -166,17 +166,9 @@ def cluster():
 
 @pytest.fixture(scope="session")
 def manager(cluster, bundled_model_dir):
-    """A ``DeploymentManager`` created as ``manager_handle`` creates it (on the head)."""
-    from atomr_infer.control.client import manager_options
-    from atomr_infer.control.manager import DeploymentManager
-    from atomr_infer.control.ray_replicas import RayReplicaLauncher
-    from atomr_infer.engine.vllm.emulated import emulated_backend
-
-    launcher = RayReplicaLauncher(
-        lambda spec: True, replica_kwargs={"backend": emulated_backend(str(bundled_model_dir), STEP_S)}
-    )
-    handle = ray.remote(DeploymentManager).options(**manager_options()).remote(launcher=launcher)
-    ray.get(handle.ping.remote())
+    """The cluster's manager (``emulated_manager``); removed at the end with timeouts, as the head
+    it runs on may have been replaced."""
+    handle = emulated_manager(bundled_model_dir)
     yield handle
     with contextlib.suppress(Exception):
         for status in ray.get(handle.list.remote(), timeout=30):

@@ -92,26 +92,56 @@ def wait_for_gcs(manager, timeout_s: float = 90) -> None:
             time.sleep(1)
 
 
-def test_the_gcs_killed_and_restarted_under_load_loses_nothing(cluster, manager):
+def deployed_under_load(cluster, manager, max_concurrent: int, **load_options):
+    """Two replicas on the worker, the ``Load`` actor (on the worker too) streaming through them,
+    then an apply in place (a limit: the replicas stay), as just before an outage. The control
+    plane, the ready replicas' actor ids, the load actor and the apply's result."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     cp = ControlPlane(manager)
     cp.apply(spec())
     status = cp.wait_ready(NAME, 120)
     assert status is not None and status.replicas_ready == 2, status
+    ready = [r for r in status.replicas if r.state == "ready"]
     worker = cluster.worker_node_id()
-    assert {r.node_id for r in status.replicas} == {worker}  # the head has no GPUs
-    actors = sorted(r.actor_id for r in status.replicas)
-
-    load = Load.options(scheduling_strategy=NodeAffinitySchedulingStrategy(worker, soft=False)).remote(manager)
+    assert {r.node_id for r in ready} == {worker}  # the head has no GPUs
+    strategy = NodeAffinitySchedulingStrategy(worker, soft=False)
+    load = Load.options(scheduling_strategy=strategy, **load_options).remote(manager)
     ray.get(load.start.remote(6))
     deadline = time.monotonic() + 60
     while ray.get(load.started.remote()) < 3:
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    # An apply just before the kill: in place (a limit), so the replicas stay.
-    result = cp.apply(spec(serving={**spec().serving.model_dump(), "max_concurrent": 48}))
+    result = cp.apply(spec(serving={**spec().serving.model_dump(), "max_concurrent": max_concurrent}))
     assert result.changed
+    return cp, sorted(r.actor_id for r in ready), load, result
+
+
+def served_throughout(load, killed: float, back: float) -> tuple[list, list]:
+    """The load's outcome: every stream whole, no request failed, some served during the outage
+    (from ``killed`` to ``back``). The streams and the requests served during it."""
+    streams, short = ray.get(load.results.remote(), timeout=180)
+    assert len(streams) == 6 and all(s == ("ok", "length", TOKENS) for s in streams), streams
+    assert not [s for s in short if s[0] == "error"], short
+    during = [s for s in short if killed < s[1] < back - 1]
+    assert during, (back - killed, [(round(s[1] - killed, 1), round(s[2], 2)) for s in short])
+    return streams, during
+
+
+def atomr_status_works(address: str) -> None:
+    shown = subprocess.run([str(ATOMR), "status", "--address", address], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and NAME in shown.stdout, shown.stderr
+
+
+def outage_line(what: str, killed: float, back: float, streams: list, during: list) -> str:
+    latency = sorted(s[2] for s in during)
+    return (f"{what} down {back - killed:.1f} s; {len(during)} requests served meanwhile (latency p50 "
+            f"{latency[len(latency) // 2]:.2f} s, max {latency[-1]:.2f} s); {len(streams)} streams of {TOKENS} "
+            "tokens whole")
+
+
+def test_the_gcs_killed_and_restarted_under_load_loses_nothing(cluster, manager):
+    cp, actors, load, result = deployed_under_load(cluster, manager, 48)
 
     saved = cluster.kill_gcs()
     killed = time.time()
@@ -120,20 +150,11 @@ def test_the_gcs_killed_and_restarted_under_load_loses_nothing(cluster, manager)
     wait_for_gcs(manager)
     back = time.time()
 
-    streams, short = ray.get(load.results.remote(), timeout=180)
-    assert len(streams) == 6 and all(s == ("ok", "length", TOKENS) for s in streams), streams
-    assert not [s for s in short if s[0] == "error"], short
-    during = [s for s in short if killed < s[1] < back - 1]
-    # Requests were served while the GCS was down.
-    assert during, (back - killed, [(round(s[1] - killed, 1), round(s[2], 2)) for s in short])
-
+    streams, during = served_throughout(load, killed, back)
     after = cp.status(NAME)
     assert sorted(r.actor_id for r in after.replicas) == actors  # no replica restarted or added
     assert after.generation == result.generation  # the apply made just before the kill is kept
-
-    shown = subprocess.run([str(ATOMR), "status", "--address", cluster.address], capture_output=True,
-                           text=True, timeout=120)
-    assert shown.returncode == 0 and NAME in shown.stdout, shown.stderr
+    atomr_status_works(cluster.address)
     cp.apply(spec(replicas=1))  # an apply works again: one replica drains and stops
     deadline = time.monotonic() + 60
     while True:
@@ -142,34 +163,17 @@ def test_the_gcs_killed_and_restarted_under_load_loses_nothing(cluster, manager)
             break
         assert time.monotonic() < deadline, [(r.replica_id, r.state, r.reason) for r in replicas]
         time.sleep(0.5)
-    latency = sorted(s[2] for s in during)
-    print(f"\nGCS down {back - killed:.1f} s; {len(during)} requests served meanwhile "
-          f"(latency p50 {latency[len(latency) // 2]:.2f} s, max {latency[-1]:.2f} s); "
-          f"{len(streams)} streams of {TOKENS} tokens whole")
+    print("\n" + outage_line("GCS", killed, back, streams, during))
     cp.remove(NAME)
 
 
 def test_the_whole_head_killed_and_started_again_keeps_the_replicas(cluster, manager):
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     from atomr_infer.cluster import connect
     from atomr_infer.control.client import MANAGER_NAME, NAMESPACE
 
-    cp = ControlPlane(manager)
-    cp.apply(spec())
-    status = cp.wait_ready(NAME, 120)
-    assert status is not None and status.replicas_ready == 2, status
-    actors = sorted(r.actor_id for r in status.replicas if r.state == "ready")
-    worker = cluster.worker_node_id()
-    load = Load.options(name="headft-load", namespace=NAMESPACE, lifetime="detached",
-                        scheduling_strategy=NodeAffinitySchedulingStrategy(worker, soft=False)).remote(manager)
-    ray.get(load.start.remote(6))
-    deadline = time.monotonic() + 60
-    while ray.get(load.started.remote()) < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    result = cp.apply(spec(serving={**spec().serving.model_dump(), "max_concurrent": 40}))
-    assert result.changed
+    _, actors, _, result = deployed_under_load(
+        cluster, manager, 40, name="headft-load", namespace=NAMESPACE, lifetime="detached"
+    )
 
     ray.shutdown()  # this process is a driver on the head's raylet: it would go with the head
     cluster.kill_head()
@@ -183,13 +187,8 @@ def test_the_whole_head_killed_and_started_again_keeps_the_replicas(cluster, man
     cp = ControlPlane(manager)
 
     load = ray.get_actor("headft-load", namespace=NAMESPACE)
-    streams, short = ray.get(load.results.remote(), timeout=180)
+    streams, during = served_throughout(load, killed, back)
     ray.kill(load)
-    assert len(streams) == 6 and all(s == ("ok", "length", TOKENS) for s in streams), streams
-    assert not [s for s in short if s[0] == "error"], short
-    during = [s for s in short if killed < s[1] < back - 1]
-    assert during, (back - killed, [(round(s[1] - killed, 1), round(s[2], 2)) for s in short])
-
     deadline = time.monotonic() + 60
     while True:  # the restarted manager re-adopts the replicas it started: the same actors
         after = cp.status(NAME)
@@ -199,11 +198,6 @@ def test_the_whole_head_killed_and_started_again_keeps_the_replicas(cluster, man
         time.sleep(0.5)
     assert sorted(r.actor_id for r in after.replicas if r.state == "ready") == actors
     assert after.generation == result.generation
-    shown = subprocess.run([str(ATOMR), "status", "--address", cluster.address], capture_output=True,
-                           text=True, timeout=120)
-    assert shown.returncode == 0 and NAME in shown.stdout, shown.stderr
-    latency = sorted(s[2] for s in during)
-    print(f"\nhead down {back - killed:.1f} s; {len(during)} requests served meanwhile "
-          f"(latency p50 {latency[len(latency) // 2]:.2f} s, max {latency[-1]:.2f} s); "
-          f"{len(streams)} streams of {TOKENS} tokens whole; manager re-adopted {len(actors)} replicas")
+    atomr_status_works(cluster.address)
+    print("\n" + outage_line("head", killed, back, streams, during) + f"; manager re-adopted {len(actors)} replicas")
     cp.remove(NAME)

@@ -138,20 +138,25 @@ def cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def manager(cluster, bundled_model_dir):
+def emulated_manager(model_dir) -> ray.actor.ActorHandle:
     """A ``DeploymentManager`` created as ``manager_handle`` creates it (on the head), whose
-    replicas run the emulated engine."""
+    replicas run the emulated engine; once it answers."""
     from atomr_infer.control.client import manager_options
     from atomr_infer.control.manager import DeploymentManager
     from atomr_infer.control.ray_replicas import RayReplicaLauncher
     from atomr_infer.engine.vllm.emulated import emulated_backend
 
-    launcher = RayReplicaLauncher(
-        lambda spec: True, replica_kwargs={"backend": emulated_backend(str(bundled_model_dir), STEP_S)}
-    )
+    backend = emulated_backend(str(model_dir), STEP_S)
+    launcher = RayReplicaLauncher(lambda spec: True, replica_kwargs={"backend": backend})
     handle = ray.remote(DeploymentManager).options(**manager_options()).remote(launcher=launcher)
     ray.get(handle.ping.remote())
+    return handle
+
+
+@pytest.fixture(scope="session")
+def manager(cluster, bundled_model_dir):
+    """The cluster's manager (``emulated_manager``)."""
+    handle = emulated_manager(bundled_model_dir)
     yield handle
     with contextlib.suppress(Exception):
         for status in ray.get(handle.list.remote()):

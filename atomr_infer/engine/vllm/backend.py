@@ -31,8 +31,6 @@ from atomr_infer.errors import EngineError, EngineStartFailed, InvalidRequest
 from atomr_infer.spec import Deployment
 from atomr_infer.wire import HttpRequest
 
-# The token sink of the request being served (``serve``), seen by ``submit``: vLLM's handler
-# runs in the serving task or in a task it starts, which copies this context.
 EngineFactory = Callable[[Deployment, Callable[[str], None]], Engine]
 OPERATOR_CALL_TIMEOUT_S = 30.0  # an operator's call waits for the current step to end, then runs
 

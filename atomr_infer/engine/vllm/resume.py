@@ -22,7 +22,9 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
-# The token ids the request being served resumes after (set per request by the backend).
+# Per request, set by the backend's ``serve`` and read by the engine client: vLLM's handler runs in
+# the serving task or in a task it starts, which copies this context.
+# The token ids the request being served resumes after.
 RESUME: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("atomr_resume", default=None)
 # Told the token ids of the request being served, as its bytes go out (set per request).
 TOKENS: contextvars.ContextVar[Callable[[list[int]], None] | None] = contextvars.ContextVar(
