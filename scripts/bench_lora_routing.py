@@ -47,18 +47,18 @@ class Routed:
     """The router's choices, in order: a measuring hook on the Client's own router."""
 
     def __init__(self) -> None:
-        from atomr_infer.routing.router import Router
+        from atomr_infer.routing.picker import ReplicaPicker
 
         self.choices: list[tuple[str, str | None]] = []
-        pick = Router._pick
+        pick = ReplicaPicker.pick
 
-        def recording(router, dep, usable, key, adapter=None):  # noqa: ANN001, ANN202
-            choice = pick(router, dep, usable, key, adapter)
+        def recording(picker, dep, usable, loads, key, adapter=None):  # noqa: ANN001, ANN202
+            choice = pick(picker, dep, usable, loads, key, adapter)
             if choice is not None:
                 self.choices.append((choice.actor_name, adapter))
             return choice
 
-        Router._pick = recording  # type: ignore[method-assign]
+        ReplicaPicker.pick = recording  # type: ignore[method-assign]
 
     def swaps(self, since: int, slots: int) -> int:
         resident: dict[str, collections.OrderedDict[str, bool]] = collections.defaultdict(collections.OrderedDict)

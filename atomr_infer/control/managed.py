@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from atomr_infer.control.autoscale import Autoscaler, BudgetCap, ScaleDecision
 from atomr_infer.control.reconcile import DeploymentReconciler
-from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord, loaded_adapters
+from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord, adapter_routes
 from atomr_infer.control.store import DeploymentRecord
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
 from atomr_infer.spec import Deployment, normalized, parse_deployment, runtime_fields
@@ -108,11 +108,9 @@ class ManagedDeployment:
 
     def route(self) -> DeploymentRoute:
         """Its entry in the routing table: the ready replicas and the serving limits."""
+        wanted = self.spec.lora.adapters if self.spec.lora is not None else {}
         ready = tuple(
-            ReplicaRoute(
-                r.replica_id, r.handle.actor_name, r.handle.actor(),
-                loaded_adapters(r.handle),
-            )
+            ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor(), *adapter_routes(r.handle, wanted))
             for r in self.reconciler.ready_replicas()
         )
         s = self.spec.serving

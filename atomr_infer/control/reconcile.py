@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord, loaded_adapters
+from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord, adapter_routes
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
 from atomr_infer.status import DeploymentStatus, ReplicaState, ReplicaStatus
@@ -143,12 +143,11 @@ class DeploymentReconciler:
             self.observed_generation = self.generation
         return before != self._routes()
 
-    def _routes(self) -> frozenset[tuple[str, frozenset[str]]]:
-        """What routers see of the ready replicas: their ids and the adapters loaded on them."""
-        return frozenset(
-            (r.replica_id, loaded_adapters(r.handle))
-            for r in self.ready_replicas()
-        )
+    def _routes(self) -> frozenset[tuple[str, tuple[frozenset[str], frozenset[str]]]]:
+        """What routers see of the ready replicas: their ids and the adapters loaded (and still
+        loading) on them."""
+        wanted = self._wanted_adapters() or {}
+        return frozenset((r.replica_id, adapter_routes(r.handle, wanted)) for r in self.ready_replicas())
 
     def _wanted_adapters(self) -> dict[str, str] | None:
         lora = self.spec.lora if self.spec is not None else None

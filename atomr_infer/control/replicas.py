@@ -8,7 +8,7 @@ returns at once: the reconciler polls, it never blocks on a slow replica.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -99,6 +99,10 @@ class ReplicaRecord:
         return self.state.live
 
 
-def loaded_adapters(handle: ReplicaHandle) -> frozenset[str]:
-    """The LoRA adapters loaded on the replica (requests for one are routed only where it is)."""
-    return frozenset(name for name, state in handle.adapters().items() if state == "loaded")
+def adapter_routes(handle: ReplicaHandle, wanted: Iterable[str] = ()) -> tuple[frozenset[str], frozenset[str]]:
+    """The LoRA adapters loaded on the replica (requests for one are routed only where it is)
+    and those of ``wanted`` it is still loading or has not reported yet (a request for one
+    waits for it to load)."""
+    states = handle.adapters()
+    loaded = frozenset(name for name, state in states.items() if state == "loaded")
+    return loaded, frozenset(n for n in wanted if n not in loaded and not states.get(n, "").startswith("failed"))

@@ -61,14 +61,17 @@ def _check_adapter(source: str, path: Path, cache: Path) -> None:
 
 
 def adapter_problems(
-    adapters: dict[str, str], max_lora_rank: int | None, cache_dir: str | None = None
+    adapters: dict[str, str], max_lora_rank: int | None, cache_dir: str | None = None,
+    base_model: Path | None = None,
 ) -> list[tuple[str, str]]:
     """(field, problem) for each adapter that is here (a directory on this node, or a repo id in
-    the hub cache) but is not a PEFT adapter this deployment can serve (its rank over
-    ``max_lora_rank``, the spec's ``lora.max_lora_rank``). One that is not here is the
-    replicas' to find: they report it per adapter."""
+    the hub cache) but is not a PEFT adapter this deployment can serve: its rank over
+    ``max_lora_rank`` (the spec's ``lora.max_lora_rank``), or, where the base model's weights
+    are here too (``base_model``), modules the base model lacks or of other sizes. One that is
+    not here is the replicas' to find: they report it per adapter."""
     problems = []
     limit = max_lora_rank or VLLM_MAX_LORA_RANK
+    base = base_modules(base_model) if base_model is not None else None
     for name, source in adapters.items():
         path = cached_adapter(source, cache_dir)
         if path is None:
@@ -82,4 +85,66 @@ def adapter_problems(
         rank = config.get("r")
         if isinstance(rank, int) and rank > limit:
             problems.append((field, f"rank {rank} is over lora.max_lora_rank {limit}"))
+        elif base is not None and (mismatch := module_mismatch(path, base)) is not None:
+            problems.append((field, f"{source!r} {mismatch}"))
     return problems
+
+
+# The suffixes PEFT gives an adapted module's tensors; what precedes one is the module's path.
+_LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B", ".lora_magnitude_vector")
+_PEFT_PREFIX = "base_model.model."
+
+
+def base_modules(model_dir: Path) -> dict[str, list[int]] | None:
+    """Each weight of the base model at ``model_dir`` by module path (``model.layers.0.self_attn.
+    q_proj``) -> its shape, from the safetensors headers alone; None where there are none."""
+    from atomr_infer.models.estimate import safetensors_header
+
+    modules: dict[str, list[int]] = {}
+    files = sorted(model_dir.glob("*.safetensors"))
+    try:
+        for file in files:
+            for key, info in safetensors_header(file).items():
+                if key.endswith(".weight"):
+                    modules[key.removesuffix(".weight")] = info["shape"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return modules or None
+
+
+def module_mismatch(adapter_dir: Path, base: dict[str, list[int]]) -> str | None:
+    """Why the adapter at ``adapter_dir`` does not fit the base model's ``base_modules``, or None.
+
+    vLLM takes the adapter's tensors, not its config's ``target_modules`` (PEFT keeps names there
+    that matched nothing), as what it adapts, and refuses a module whose last name the model
+    does not adapt; a module of the same name but another size fails later, at load. Both are
+    told here from the headers. A ``.bin`` adapter is left to the replicas (reading it needs torch)."""
+    from atomr_infer.models.estimate import safetensors_header
+
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+        return None
+    try:
+        header = safetensors_header(weights)
+    except (OSError, ValueError) as exc:
+        return f"has an unreadable adapter_model.safetensors ({exc})"
+    leaves = {path.rsplit(".", 1)[-1] for path in base} | {"lm_head"}  # lm_head may be tied
+    for key, info in header.items():
+        part = next((p for p in _LORA_PARTS if p in key), None)
+        if part is None:
+            continue  # modules_to_save and the like: whole weights, not adapted modules
+        module = key.removeprefix(_PEFT_PREFIX).split(part)[0]
+        if module.rsplit(".", 1)[-1] not in leaves:
+            return f"adapts {module}, a module the base model does not have (its modules: {_leaf_names(leaves)})"
+        shape, own = base.get(module), info.get("shape", [])
+        if shape is None or len(shape) != 2 or len(own) != 2 or part not in (".lora_A.", ".lora_B."):
+            continue
+        expected, got, side = (shape[1], own[1], "inputs") if part == ".lora_A." else (shape[0], own[0], "outputs")
+        if expected != got:
+            return f"adapts {module} for {got} {side}; the base model's has {expected}"
+    return None
+
+
+def _leaf_names(leaves: set[str]) -> str:
+    shown = sorted(n for n in leaves if not n.isdigit())
+    return ", ".join(shown[:8]) + (", …" if len(shown) > 8 else "")

@@ -80,8 +80,8 @@ def weights_bytes(path_or_config: str | os.PathLike[str] | dict[str, Any]) -> in
     return _weights_bytes_from_config(_read_json(config_path)) if config_path.is_file() else None
 
 
-def safetensors_bytes(path: str | os.PathLike[str]) -> int:
-    """Bytes of all tensors in one safetensors file, from its header only."""
+def safetensors_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON header of one safetensors file: each tensor's name, dtype and shape."""
     with open(path, "rb") as f:
         raw_len = f.read(8)
         if len(raw_len) != 8:
@@ -89,7 +89,12 @@ def safetensors_bytes(path: str | os.PathLike[str]) -> int:
         (header_len,) = struct.unpack("<Q", raw_len)
         if header_len > _MAX_HEADER_BYTES:
             raise ValueError(f"{path}: not a safetensors file (header length {header_len})")
-        header = json.loads(f.read(header_len))
+        return json.loads(f.read(header_len))
+
+
+def safetensors_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes of all tensors in one safetensors file, from its header only."""
+    header = safetensors_header(path)
     bits = 0
     for name, info in header.items():
         if name == "__metadata__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,24 +43,25 @@ from atomr_infer.errors import (
     NoReadyReplica,
 )
 from atomr_infer.log import get_logger
-from atomr_infer.metrics import RouterMetrics
 from atomr_infer.replica_calls import Failure, replica_failure
 from atomr_infer.routing import migration, response_ids
-from atomr_infer.routing.adapters import pick_adapter_home
 from atomr_infer.routing.channel import ReplicaChannel
-from atomr_infer.routing.policy import pick_replica
-from atomr_infer.routing.prefix import PrefixIndex, pick_prefix_affinity, prompt_key
+from atomr_infer.routing.picker import ReplicaPicker
+from atomr_infer.routing.prefix import prompt_key
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 from atomr_infer.task_context import outside_request
 from atomr_infer.wire import HttpHead, HttpRequest, OpenRequest, RoutingFacts
 
 # fetch(since_version) -> a newer table, or None when ``since_version`` is current.
 TableSource = Callable[[int], Awaitable[RoutingTable | None]]
-# Tries for one request that fails before its first chunk (each on a replica not yet tried).
 # How long a request waits for a newer routing table when a cached one exists (a healthy manager
 # answers in milliseconds; one blocked on an absent GCS may not for seconds).
 STALE_TABLE_WAIT_S = 0.25
+# Tries for one request that fails before its first chunk (each on a replica not yet tried).
 MAX_ATTEMPTS = 4
+# How long a request for a LoRA adapter that a replica is loading waits for it (a repo id is
+# fetched from the Hub first: tens of MB).
+ADAPTER_LOAD_WAIT_S = 60.0
 # How long a replica's own word on its load counts (a router that sends it nothing hears nothing).
 LOAD_FRESH_S = 1.0
 # How often a router tells the manager, while requests wait for a replica, how many wait
@@ -92,10 +92,8 @@ class Router:
         self.id = uuid.uuid4().hex[:12]
         self._waiting: collections.Counter[str] = collections.Counter()  # requests waiting, by deployment
         self._demand_at: dict[str, float] = {}
-        self._prefixes: collections.defaultdict[str, PrefixIndex] = collections.defaultdict(PrefixIndex)
-        self.route_reasons: collections.Counter[tuple[str, str]] = collections.Counter()  # (deployment, reason)
+        self._picker = ReplicaPicker()
         self.migrations: collections.Counter[tuple[str, str]] = collections.Counter()  # (deployment, reason)
-        self._metrics: RouterMetrics | None = None  # built on first use: inside Ray, they are exported
         self._wait_s, self._refresh_s = wait_for_replica_s, refresh_s
         # How long a request may wait for a free slot with on_capacity_exhausted=queue;
         # None waits as long as it takes (Ray Serve's default: unbounded queue).
@@ -115,6 +113,11 @@ class Router:
     @property
     def table(self) -> RoutingTable:
         return self._table
+
+    @property
+    def route_reasons(self) -> collections.Counter[tuple[str, str]]:
+        """How many requests this router routed for each (deployment, reason)."""
+        return self._picker.reasons
 
     def in_flight(self, actor_name: str) -> int:
         return self._in_flight[actor_name]
@@ -220,31 +223,6 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - the manager is away: routing goes on
             log.warning("demand_report_failed", deployment=name, error=f"{type(exc).__name__}: {exc}")
 
-    def _pick(
-        self, dep: DeploymentRoute, usable: list[ReplicaRoute], key: Callable[[], Any], adapter: str | None = None,
-    ) -> ReplicaRoute | None:
-        loads = {r.actor_name: self.load(r.actor_name) for r in usable}
-        if adapter is not None and dep.adapter_affinity:  # its home: fewer adapters per replica, fewer swaps
-            home = functools.partial(pick_adapter_home, usable, loads, dep.max_concurrent, adapter, dep.load_bound)
-            if dep.policy != "prefix_affinity":
-                choice, reason = home()
-            else:  # a prefix cached with this adapter (vLLM's cache is per adapter), else its home
-                choice, reason = pick_prefix_affinity(usable, loads, dep.max_concurrent, key(),
-                                                      self._prefixes[f"{dep.name}:{adapter}"], dep.load_bound, home)
-        elif dep.policy != "prefix_affinity":
-            return pick_replica(usable, loads, dep.max_concurrent)
-        else:
-            choice, reason = pick_prefix_affinity(
-                usable, loads, dep.max_concurrent, key(), self._prefixes[dep.name], dep.load_bound
-            )
-        if choice is not None:
-            self.route_reasons[dep.name, reason] += 1
-            if self._metrics is None:
-                self._metrics = RouterMetrics()
-            self._metrics.routed(dep.name, reason)
-            log.debug("route", deployment=dep.name, replica=choice.actor_name, reason=reason)
-        return choice  # type: ignore[return-value]
-
     async def _route(self, facts: RoutingFacts) -> tuple[DeploymentRoute, ReplicaRoute, str | None]:
         """The deployment, the replica and the LoRA adapter for ``facts`` (waiting for a
         replica if need be)."""
@@ -252,8 +230,9 @@ class Router:
         started = appear_from = time.monotonic()  # the wait for a ready replica runs from appear_from
         queue_deadline = None if self._queue_timeout_s is None else started + self._queue_timeout_s
         table = await self.refresh()
+        forced = False
         if not _known(table, name):
-            table = await self.refresh(force=True)
+            table, forced = await self.refresh(force=True), True
         waiting_for: str | None = None  # the deployment this request is counted waiting for
         keys: list[Any] = []  # the request's prefix key, read once however long it waits
 
@@ -268,6 +247,9 @@ class Router:
                 if dep is None:
                     raise DeploymentNotFound(name, sorted(table.deployments))
                 if adapter is not None and adapter not in dep.adapters:
+                    if not forced:  # added by an apply this router's table has not seen yet?
+                        table, forced = await self.refresh(force=True), True
+                        continue
                     raise AdapterNotFound(dep.name, adapter, dep.adapters)
                 # An adapter's requests go where it is loaded (a replica loading it waits its turn).
                 usable = [
@@ -277,7 +259,8 @@ class Router:
                 if facts.response_id is not None:
                     usable = response_ids.holding(usable, dep.name, facts.response_id)
                 if usable:
-                    choice = self._pick(dep, usable, key, adapter)
+                    loads = {r.actor_name: self.load(r.actor_name) for r in usable}
+                    choice = self._picker.pick(dep, usable, loads, key, adapter)
                     if choice is not None:
                         return dep, choice, adapter
                     if dep.on_capacity_exhausted == "reject":
@@ -291,8 +274,11 @@ class Router:
                     appear_from = now  # replicas exist; that wait is not running
                     if queue_deadline is not None and now >= queue_deadline:
                         raise CapacityExhausted(name, dep.max_concurrent, retry_after_s=1.0)
-                # A deployment that may scale to zero waits as long as a replica may take to start.
-                remaining = appear_from + max(self._wait_s, dep.cold_start_timeout_s or 0.0) - now
+                # A deployment that may scale to zero waits as long as a replica may take to start;
+                # an adapter a replica is loading, as long as loading may take.
+                loading = adapter is not None and any(adapter in r.adapters_loading for r in dep.replicas)
+                patience = max(self._wait_s, dep.cold_start_timeout_s or 0.0, ADAPTER_LOAD_WAIT_S if loading else 0.0)
+                remaining = appear_from + patience - now
                 if remaining <= 0:
                     raise NoReadyReplica(name, now - started)
                 # Wait for a slot to free up or for the table to change, whichever comes first.
@@ -375,9 +361,7 @@ class Router:
 
     def _count_migration(self, deployment: str, reason: str) -> None:
         self.migrations[deployment, reason] += 1
-        if self._metrics is None:
-            self._metrics = RouterMetrics()
-        self._metrics.migrated(deployment, reason)
+        self._picker.metrics.migrated(deployment, reason)
 
 
 def _known(table: RoutingTable, name: str) -> bool:

@@ -12,6 +12,7 @@ class ReplicaRoute:
     actor_name: str  # "atomr:<deployment>:<replica-id>", unique cluster-wide
     actor: Any  # Ray actor handle (picklable)
     adapters: frozenset[str] = frozenset()  # the LoRA adapters loaded on it (only these route here)
+    adapters_loading: frozenset[str] = frozenset()  # lora.adapters it has not loaded yet (nor failed to)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 time with ``peft`` (tests/lora_adapters.py) answer with their own phrase where the base model
 does not; an adapter added to the spec is loaded by both running replicas (the same actors)
 within seconds, one removed answers 404 naming it, and ``/v1/models`` lists them with their
-parent. One adapter comes from a Hugging Face repo id, fetched by the replicas from the hub cache
+parent; requests for the base model, an adapter and the one being added all succeed while it
+loads. One adapter comes from a Hugging Face repo id, fetched by the replicas from the hub cache
 (the Hub itself is out of reach here; huggingface_hub reads its cache for real). The Client names
 them as HTTP does; a key limited to one adapter is refused another; ``atomr status`` shows each
 replica's adapters."""
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,9 +105,39 @@ def test_an_adapter_added_is_served_by_every_replica_in_place_and_one_removed_is
     tuned, tuned_spec, adapters, manager, ray_cluster
 ):
     actors = sorted(r.actor_id for r in ray_cluster.get(manager.status.remote(NAME)).replicas)
-    result = ray_cluster.get(manager.apply.remote(tuned_spec(adapters)))
-    assert [a.split(" (")[0] for a in result.actions] == ["update in place"], result.actions
-    took = wait_loaded(manager, ray_cluster, {"pirate", "robot"}, 10)
+    answers: dict[str, list[httpx.Response | Exception]] = {NAME: [], f"{NAME}:pirate": [], f"{NAME}:robot": []}
+    applied, loading = threading.Event(), threading.Event()
+    loading.set()
+
+    def load(model: str) -> None:  # requests back to back while the adapter loads
+        if model.endswith("robot"):
+            applied.wait()  # asked for from the moment the apply returns
+        while loading.is_set():
+            try:
+                answers[model].append(chat(tuned, model))
+            except Exception as exc:  # noqa: BLE001 - a failed request, counted below
+                answers[model].append(exc)
+
+    threads = [threading.Thread(target=load, args=(model,)) for model in answers]
+    for thread in threads:
+        thread.start()
+    try:
+        result = ray_cluster.get(manager.apply.remote(tuned_spec(adapters)))
+        applied.set()
+        assert [a.split(" (")[0] for a in result.actions] == ["update in place"], result.actions
+        took = wait_loaded(manager, ray_cluster, {"pirate", "robot"}, 10)
+    finally:
+        applied.set()
+        loading.clear()
+        for thread in threads:
+            thread.join()
+    # Zero failed requests while it loaded, the new adapter's own included (they waited for it).
+    for model, got in answers.items():
+        assert got and all(isinstance(a, httpx.Response) and a.status_code == 200 for a in got), \
+            (model, [a if isinstance(a, Exception) else (a.status_code, a.text[:300]) for a in got])
+    assert all(text(a).startswith("BEEP BOOP") for a in answers[f"{NAME}:robot"])
+    print(f"adapter loaded on both replicas {took:.1f} s after the apply; served meanwhile:",
+          {model: len(got) for model, got in answers.items()})
     for _ in range(6):  # both replicas serve it (power of two spreads six requests)
         assert text(chat(tuned, f"{NAME}:robot")).startswith("BEEP BOOP"), took
     assert sorted(r.actor_id for r in ray_cluster.get(manager.status.remote(NAME)).replicas) == actors

@@ -62,6 +62,62 @@ def test_a_local_adapter_is_checked_against_the_rank_vllm_allocates(tmp_path):
     }  # one not on this node is the replicas' to find
 
 
+def safetensors_file(path: Path, shapes: dict[str, list[int]]) -> None:
+    """A safetensors file's header, which is all the apply-time check reads."""
+    header = json.dumps({name: {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]}
+                         for name, shape in shapes.items()}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+def lora_dir(root: Path, name: str, modules: dict[str, tuple[int, int]], rank: int = 8) -> Path:
+    """A PEFT adapter of ``rank`` adapting each module (path -> (inputs, outputs)) of ``modules``."""
+    (root / name).mkdir()
+    (root / name / "adapter_config.json").write_text(json.dumps({"r": rank, "target_modules": ["q_proj"]}))
+    shapes = {}
+    for module, (inputs, outputs) in modules.items():
+        shapes[f"base_model.model.{module}.lora_A.weight"] = [rank, inputs]
+        shapes[f"base_model.model.{module}.lora_B.weight"] = [outputs, rank]
+    safetensors_file(root / name / "adapter_model.safetensors", shapes)
+    return root / name
+
+
+def test_a_local_adapter_is_checked_against_the_base_models_modules_and_sizes(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    safetensors_file(base / "model.safetensors", {
+        "model.embed_tokens.weight": [49152, 576], "model.layers.0.self_attn.q_proj.weight": [576, 576],
+        "model.layers.0.self_attn.v_proj.weight": [192, 576], "model.norm.weight": [576]})
+    fits = lora_dir(tmp_path, "fits", {"model.layers.0.self_attn.q_proj": (576, 576),
+                                       "model.layers.0.self_attn.v_proj": (576, 192)})
+    gpt2 = lora_dir(tmp_path, "gpt2", {"transformer.h.0.attn.c_attn": (768, 2304)})
+    bigger = lora_dir(tmp_path, "bigger", {"model.layers.0.self_attn.q_proj": (4096, 4096)})
+    narrower = lora_dir(tmp_path, "narrower", {"model.layers.0.self_attn.v_proj": (576, 1024)})
+    adapters = {"fits": str(fits), "gpt2": str(gpt2), "bigger": str(bigger), "narrower": str(narrower)}
+    problems = dict(adapter_problems(adapters, 16, base_model=base))
+    assert problems == {
+        "lora.adapters.gpt2": f"{str(gpt2)!r} adapts transformer.h.0.attn.c_attn, a module the base model does "
+                              "not have (its modules: embed_tokens, lm_head, norm, q_proj, v_proj)",
+        "lora.adapters.bigger": f"{str(bigger)!r} adapts model.layers.0.self_attn.q_proj for 4096 inputs; "
+                                "the base model's has 576",
+        "lora.adapters.narrower": f"{str(narrower)!r} adapts model.layers.0.self_attn.v_proj for 1024 outputs; "
+                                  "the base model's has 192",
+    }
+    # Without the base model's weights on this node only the rank is checked.
+    assert adapter_problems(adapters, 16) == []
+
+
+def test_the_spec_check_refuses_an_adapter_for_another_model_at_apply(tmp_path):
+    from atomr_infer.engine.vllm.spec_check import check_spec
+    from atomr_infer.errors import SpecError
+    from atomr_infer.models.estimate import local_model_dir
+
+    if local_model_dir(BASE["model"]) is None:
+        pytest.skip("the bundled model is not converted on this machine (make setup converts it)")
+    gpt2 = lora_dir(tmp_path, "gpt2", {"transformer.h.0.attn.c_attn": (768, 2304)})
+    with pytest.raises(SpecError, match=r"lora\.adapters\.chat.*adapts transformer\.h\.0\.attn\.c_attn, a module"):
+        check_spec(spec(adapters={"chat": str(gpt2)}))
+
+
 def test_an_adapter_from_a_hub_repo_id_resolves_from_the_hub_cache_with_one_line_errors(offline_hub):
     from atomr_infer.errors import ModelError
     from atomr_infer.models.adapters import resolve_adapter
@@ -286,3 +342,58 @@ def test_with_prefix_affinity_an_adapters_conversation_returns_where_it_went_and
     # same prompt is not a hit (vLLM caches per adapter) and goes to its own home.
     assert served == [home["pirate"], home["pirate"], home["robot"]], (served, home)
     assert reasons == {("d", "adapter_home"): 2, ("d", "affinity_hit"): 1}, reasons
+
+
+def test_a_request_for_an_adapter_still_loading_waits_for_it_past_the_replica_wait():
+    """An adapter an apply just added: the router's table may not list it yet (it asks the
+    manager again before a 404) and no replica has loaded it (it waits while one loads it,
+    however short the wait for a replica is); one no replica is loading is not waited for."""
+    from atomr_infer.errors import NoReadyReplica
+    from atomr_infer.routing import router as router_module
+    from atomr_infer.routing.table import ReplicaRoute
+    from atomr_infer.wire import HttpRequest, RoutingFacts
+
+    from .fakes import JSON, FakeReplica, answer
+
+    replica = FakeReplica("r0")
+
+    def table(version, adapters=(), loaded=frozenset(), loading=frozenset()):
+        route = ReplicaRoute("r0", "atomr:d:r0", replica, loaded, loading)
+        return RoutingTable(version, {"d": DeploymentRoute("d", 8, "queue", (route,), adapters=adapters)})
+
+    tables = [table(1)]
+
+    async def source(version):
+        return tables[-1] if version != tables[-1].version else None
+
+    async def ask(router):
+        body = json.dumps({"model": "d:robot", "prompt": "hi"}).encode()
+        return await answer(router.stream(RoutingFacts.of("/v1/completions", json.loads(body)),
+                                          HttpRequest("POST", "/v1/completions", JSON, body)))
+
+    async def main():
+        router = Router(source, refresh_s=60.0, wait_for_replica_s=0.2)
+        await router.refresh()  # cached: the table before the apply
+        tables.append(table(2, ("robot",), loading=frozenset({"robot"})))  # applied; r0 loading it
+
+        async def loads():
+            await asyncio.sleep(0.6)  # three times the replica wait
+            tables.append(table(3, ("robot",), loaded=frozenset({"robot"})))
+
+        loader = asyncio.create_task(loads())
+        head, text = await ask(router)
+        await loader
+        await router.aclose()
+        tables.append(table(4, ("robot",)))  # r0 failed to load it: nothing to wait for
+        router = Router(source, refresh_s=60.0, wait_for_replica_s=0.2)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(NoReadyReplica):
+            await ask(router)
+        await router.aclose()
+        return head.status, asyncio.get_running_loop().time() - started
+
+    from atomr_infer.routing.router import Router
+
+    status, gave_up_after = asyncio.run(main())
+    assert status == 200
+    assert gave_up_after < router_module.ADAPTER_LOAD_WAIT_S  # the replica wait, not the adapter's

@@ -77,9 +77,10 @@ def check_spec(deployment: Deployment) -> None:
             problems += exc.problems
     if deployment.lora is not None:  # an adapter here (on this node, in the hub cache) that cannot be served
         from atomr_infer.models.adapters import adapter_problems
+        from atomr_infer.models.estimate import local_model_dir
 
-        lora = deployment.lora
-        found = adapter_problems(lora.adapters, lora.max_lora_rank, deployment.runtime_config.hf_cache_dir)
+        lora, cache = deployment.lora, deployment.runtime_config.hf_cache_dir
+        found = adapter_problems(lora.adapters, lora.max_lora_rank, cache, local_model_dir(deployment.model, cache))
         problems += [SpecProblem(deployment.name, field, problem) for field, problem in found]
     if problems:
         raise SpecError(problems)
