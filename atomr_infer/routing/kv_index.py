@@ -1,0 +1,212 @@
+"""What each replica really holds in its prefix cache, from vLLM's own KV-cache events.
+
+vLLM (``kv_events_config``) publishes, per engine step, a ``KVEventBatch`` of ``BlockStored``
+(full blocks just cached: their hashes, their parent's, their tokens, the LoRA adapter),
+``BlockRemoved`` (evicted) and ``AllBlocksCleared``. The structures below mirror vLLM 0.32's
+(``vllm/distributed/kv_events.py``) field for field, so a router decodes them with msgspec alone:
+importing vLLM's own would import torch, which only replicas load.
+
+The index keys blocks by a hash of our own over the events' token ids, chained as vLLM chains
+its blocks and rooted at the adapter's name: a router hashes a prompt's token ids the same way
+without knowing which hash function the engine was configured with (vLLM's sha256 of a pickle,
+or xxhash with a per-process seed). vLLM's hash of each block is kept only to find it again in
+its ``BlockRemoved`` and as the parent of the next run of blocks.
+
+``KvIndex.depths`` answers, for a prompt's block hashes, how many leading blocks each replica
+holds. Thread-safe: the event thread (routing/kv_subscriber.py) applies batches while routers
+read.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+BlockHash = bytes | int  # vLLM sends the low 64 bits as an int unless told to send the bytes
+# A replica sent a prompt with blocks it did not hold must report storing them within this long;
+# until it reports again its entries are not trusted (a publisher that stopped, a lost socket).
+SILENT_S = 5.0
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+decode_batch = msgspec.msgpack.Decoder(KVEventBatch).decode
+
+
+def root_hash(adapter: str | None) -> int:
+    """The parent of a prompt's first block: vLLM caches each adapter's blocks apart."""
+    if adapter is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(adapter.encode(), digest_size=8).digest(), "big")
+
+
+def chain(tokens: Sequence[int], block_size: int, adapter: str | None = None, limit: int = 1 << 30) -> list[int]:
+    """Our hash of every full block of ``tokens`` (at most ``limit``), each chaining the ones
+    before it. A tuple of ints hashes the same in every process (only str and bytes are salted)."""
+    out: list[int] = []
+    parent = root_hash(adapter)
+    for start in range(0, min(len(tokens) // block_size, limit) * block_size, block_size):
+        parent = hash((parent, *tokens[start:start + block_size]))
+        out.append(parent)
+    return out
+
+
+class KvIndex:
+    """Block hash -> the replicas holding it, for one deployment, from every replica's events."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders: dict[int, set[str]] = {}  # our block hash -> replicas
+        # replica -> vLLM's hash -> [our hash, copies] (vLLM may cache one hash in two blocks)
+        self._blocks: dict[str, dict[BlockHash, list[Any]]] = collections.defaultdict(dict)
+        self.heard_at: dict[str, float] = {}  # replica -> when its last batch was applied
+        self._awaiting: dict[str, float] = {}  # replica -> since when a batch is due from it
+        self.events = 0  # applied, for the benchmarks
+        self.skipped = 0  # BlockStored runs whose parent was never heard of (stored before we listened)
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def blocks_of(self, replica: str) -> int:
+        return len(self._blocks.get(replica, ()))
+
+    def apply(self, replica: str, batch: KVEventBatch, now: float | None = None) -> None:
+        with self._lock:
+            for event in batch.events:
+                self.events += 1
+                if isinstance(event, BlockStored):
+                    self._stored(replica, event)
+                elif isinstance(event, BlockRemoved):
+                    self._removed(replica, event.block_hashes)
+                else:
+                    self._drop(replica)
+            self.heard_at[replica] = time.monotonic() if now is None else now
+            self._awaiting.pop(replica, None)
+
+    def expect(self, replica: str, now: float | None = None) -> None:
+        """``replica`` was sent blocks it does not hold: it will report storing them."""
+        self._awaiting.setdefault(replica, time.monotonic() if now is None else now)
+
+    def silent(self, replica: str, now: float | None = None) -> bool:
+        """Whether ``replica`` owes a report for longer than ``SILENT_S``."""
+        since = self._awaiting.get(replica)
+        return since is not None and (time.monotonic() if now is None else now) - since > SILENT_S
+
+    def _stored(self, replica: str, event: BlockStored) -> None:
+        mine = self._blocks[replica]
+        if event.parent_block_hash is None:
+            parent = root_hash(event.lora_name)
+        else:
+            known = mine.get(event.parent_block_hash)
+            if known is None:  # its parent was stored before we listened (or evicted): unusable
+                self.skipped += 1
+                return
+            parent = known[0]
+        size, tokens = event.block_size, event.token_ids
+        for i, vllm_hash in enumerate(event.block_hashes):
+            parent = hash((parent, *tokens[i * size:(i + 1) * size]))
+            entry = mine.get(vllm_hash)
+            if entry is not None:
+                entry[1] += 1
+                continue
+            mine[vllm_hash] = [parent, 1]
+            self._holders.setdefault(parent, set()).add(replica)
+
+    def _removed(self, replica: str, hashes: Iterable[BlockHash]) -> None:
+        mine = self._blocks.get(replica)
+        if mine is None:
+            return
+        for vllm_hash in hashes:
+            entry = mine.get(vllm_hash)
+            if entry is None:
+                continue  # stored before we listened
+            entry[1] -= 1
+            if entry[1] > 0:
+                continue
+            del mine[vllm_hash]
+            holders = self._holders.get(entry[0])
+            if holders is not None:
+                holders.discard(replica)
+                if not holders:
+                    del self._holders[entry[0]]
+
+    def _drop(self, replica: str) -> None:
+        mine = self._blocks.pop(replica, {})
+        for ours, _copies in mine.values():
+            holders = self._holders.get(ours)
+            if holders is not None:
+                holders.discard(replica)
+                if not holders:
+                    del self._holders[ours]
+
+    def drop(self, replica: str) -> None:
+        """Forget everything ``replica`` held (it left, restarted, or its events were lost)."""
+        with self._lock:
+            self._drop(replica)
+            self.heard_at.pop(replica, None)
+            self._awaiting.pop(replica, None)
+
+    def depths(self, blocks: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
+        """How many of ``blocks`` (a prompt's chained hashes), from the first, each of
+        ``replicas`` holds."""
+        depth = dict.fromkeys(replicas, 0)
+        with self._lock:
+            for i, block in enumerate(blocks):
+                holders = self._holders.get(block)
+                if not holders:
+                    break
+                advanced = False
+                for name in holders:
+                    if depth.get(name) == i:
+                        depth[name] = i + 1
+                        advanced = True
+                if not advanced:
+                    break
+        return depth

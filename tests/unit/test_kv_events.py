@@ -1,0 +1,122 @@
+"""The KV-event index (routing/kv_index.py, routing/kv_subscriber.py) fed by vLLM's own ZMQ
+publisher (``vllm.distributed.kv_events.ZmqEventPublisher``, real sockets on loopback) with
+batches built from vLLM's own event classes: blocks stored and evicted, a listener that starts
+late and rebuilds from the replay endpoint (in full, or in part when vLLM's buffer no longer
+reaches back), a replica whose events stop, and a replica that leaves."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from atomr_infer.routing.kv_index import SILENT_S, KvIndex, chain, decode_batch
+from atomr_infer.routing.kv_subscriber import KvEventsHub
+
+BLOCK = 4
+DOC = list(range(100, 124))  # 6 blocks of 4 tokens
+
+
+@pytest.fixture
+def publisher(monkeypatch):
+    """Start vLLM's publisher bound to loopback on ports of its own (as a replica's is)."""
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    made = []
+
+    def start(buffer_steps: int = 100):
+        pub = ZmqEventPublisher(0, "tcp://*:0", "tcp://*:0", buffer_steps=buffer_steps)
+        made.append(pub)
+        config = pub.get_publisher_config()
+        assert config.endpoint.startswith("tcp://127.0.0.1:") and config.endpoint != "tcp://127.0.0.1:0"
+        return pub, (config.endpoint, config.replay_endpoint)
+
+    yield start
+    for pub in made:
+        pub.shutdown()
+
+
+def stored(first: int, count: int, parent: int | None, lora: str | None = None):
+    """vLLM's BlockStored for blocks ``first``..``first+count`` of DOC (vLLM's hashes: 1000 + i,
+    2000 + i with the adapter: vLLM hashes the adapter's name in)."""
+    from vllm.distributed.kv_events import BlockStored
+
+    base = 1000 if lora is None else 2000
+    return BlockStored(block_hashes=[base + i for i in range(first, first + count)], parent_block_hash=parent,
+                       token_ids=DOC[first * BLOCK:(first + count) * BLOCK], block_size=BLOCK, lora_id=None,
+                       medium="GPU", lora_name=lora)
+
+
+def batch(*events):
+    from vllm.distributed.kv_events import KVEventBatch
+
+    return KVEventBatch(ts=time.time(), events=list(events))
+
+
+def wait_for(check, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_our_structures_decode_what_vllm_encodes():
+    import msgspec
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
+
+    sent = batch(stored(0, 2, None, lora="pirate"), BlockRemoved(block_hashes=[1001], medium="GPU"), AllBlocksCleared())
+    got = decode_batch(msgspec.msgpack.Encoder().encode(sent))
+    assert [type(e).__name__ for e in got.events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert (got.events[0].block_hashes, got.events[0].token_ids, got.events[0].lora_name) == (
+        [2000, 2001], DOC[:8], "pirate")
+    assert got.events[1].block_hashes == [1001]
+
+
+def test_stored_and_evicted_blocks_as_a_late_listener_rebuilds_them_from_the_replay(publisher):
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
+
+    pub, endpoints = publisher()
+    pub.publish(batch(stored(0, 2, None)))  # before anyone listens: only the replay has it
+    pub.publish(batch(stored(2, 2, 1001), stored(0, 1, None, lora="pirate")))
+    hub = KvEventsHub()
+    hub.follow("d", {"r0": endpoints})
+    index = hub.index("d")
+    doc = chain(DOC, BLOCK)
+    wait_for(lambda: index.depths(doc, ["r0"]) == {"r0": 4})
+    assert index.depths(chain(DOC, BLOCK, "pirate"), ["r0"]) == {"r0": 1}  # the adapter's blocks apart
+    pub.publish(batch(BlockRemoved(block_hashes=[1002], medium="GPU")))  # evicted: the prefix ends before it
+    wait_for(lambda: index.depths(doc, ["r0"]) == {"r0": 2})
+    assert index.depths(doc, ["r0", "r1"]) == {"r0": 2, "r1": 0}
+    pub.publish(batch(AllBlocksCleared()))
+    wait_for(lambda: index.depths(doc, ["r0"]) == {"r0": 0})
+    hub.follow("d", {})  # the replica left: nothing of it remains
+    wait_for(lambda: index.blocks_of("r0") == 0 and "r0" not in index.heard_at)
+
+
+def test_a_replay_that_no_longer_reaches_back_is_partial_never_wrong(publisher):
+    pub, endpoints = publisher(buffer_steps=2)
+    pub.publish(batch(stored(0, 2, None)))  # out of the buffer by the time we listen
+    pub.publish(batch(stored(2, 1, 1001)))
+    pub.publish(batch(stored(3, 1, 1002)))
+    time.sleep(0.3)  # published (vLLM's thread) before the listener starts
+    hub = KvEventsHub()
+    hub.follow("d", {"r0": endpoints})
+    index = hub.index("d")
+    wait_for(lambda: index.events >= 2)
+    # Blocks 2 and 3 chain on blocks vLLM stored before its buffer begins: unknown, so unused.
+    assert index.depths(chain(DOC, BLOCK), ["r0"]) == {"r0": 0} and index.skipped == 2
+    pub.publish(batch(stored(0, 1, None)))  # a new run from the start is usable again
+    wait_for(lambda: index.depths(chain(DOC, BLOCK), ["r0"]) == {"r0": 1})
+
+
+def test_a_replica_owing_events_is_silent_until_it_reports_again():
+    from atomr_infer.routing.kv_index import BlockStored, KVEventBatch
+
+    index = KvIndex()
+    index.expect("r0", now=100.0)
+    assert not index.silent("r0", now=100.0 + SILENT_S - 0.1)
+    assert index.silent("r0", now=100.0 + SILENT_S + 0.1) and not index.silent("r1", now=200.0)
+    index.apply("r0", KVEventBatch(0.0, [BlockStored([1], None, DOC[:BLOCK], BLOCK)]), now=106.0)
+    assert not index.silent("r0", now=200.0)
+    assert index.depths(chain(DOC, BLOCK), ["r0"]) == {"r0": 1}
