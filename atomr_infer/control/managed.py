@@ -10,6 +10,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from atomr_infer.control.autoscale import Autoscaler, BudgetCap, ScaleDecision
 from atomr_infer.control.reconcile import DeploymentReconciler
@@ -110,7 +111,8 @@ class ManagedDeployment:
         """Its entry in the routing table: the ready replicas and the serving limits."""
         wanted = self.spec.lora.adapters if self.spec.lora is not None else {}
         ready = tuple(
-            ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor(), *adapter_routes(r.handle, wanted))
+            ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor(), *adapter_routes(r.handle, wanted),
+                         kv_events=kv_source(r.handle.placement().get("kv_events")))
             for r in self.reconciler.ready_replicas()
         )
         s = self.spec.serving
@@ -128,3 +130,10 @@ class ManagedDeployment:
             # A tool-call parser reads only requests with tools (which move only unstarted).
             s.openai.reasoning_parser is not None,
         )
+
+
+def kv_source(reported: dict[str, Any] | None) -> tuple[str, str | None, int] | None:
+    """A replica's KV-event endpoints as its engine facts reported them (None: it publishes none)."""
+    if not reported or not reported.get("endpoint") or not reported.get("block_size"):
+        return None
+    return reported["endpoint"], reported.get("replay_endpoint"), int(reported["block_size"])

@@ -73,6 +73,7 @@ class RayReplicaHandle:
             "kv_cache_bytes": self._info.get("kv_cache_bytes"),
             "kv_cache_tokens": self._info.get("kv_cache_tokens"),
             "routes": tuple(self._info.get("routes") or ()),
+            "kv_events": self._info.get("kv_events"),
         }
 
     def poll_ready(self) -> Poll:

@@ -40,6 +40,8 @@ class EngineFacts:
     kv_cache_tokens: int | None = None
     # The routes its server has for this model, as "METHOD /path" (an embedding model has no chat).
     routes: tuple[str, ...] = ()
+    # Where it publishes its KV-cache events: {"endpoint", "replay_endpoint", "block_size"}.
+    kv_events: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -228,6 +228,12 @@ class VllmReplica:
 
     # -- the routers' calls -----------------------------------------------------------------
 
+    async def tokenizer_files(self) -> dict[str, str]:
+        """The model's tokenizer and chat template, for a router that hashes prompts as the
+        engine caches them (routing.policy kv_events): ``tokenizer.json``,
+        ``tokenizer_config.json`` and ``chat_template.jinja`` where the model has them."""
+        return await asyncio.to_thread(tokenizer_files, self._deployment)
+
     async def open_many(self, channel_id: str, requests: list[OpenRequest]) -> list[int | AtomrError]:
         """Admit each request and run it into the caller's channel, in order, in one call: a
         router sends every request it opened here in one turn of its event loop together (a
@@ -310,3 +316,11 @@ def replica_actor_class() -> Any:
     import ray
 
     return ray.remote(max_concurrency=10_000, max_restarts=0)(VllmReplica)
+
+
+def tokenizer_files(deployment: Deployment) -> dict[str, str]:
+    from atomr_infer.models.resolve import resolve_model
+
+    path = resolve_model(deployment.model, cache_dir=deployment.runtime_config.hf_cache_dir).path
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    return {name: (path / name).read_text() for name in names if (path / name).is_file()}

@@ -3,24 +3,31 @@
 ``ReplicaPicker`` holds what a router remembers between requests to decide: the prompt prefixes
 it sent where (one ``PrefixIndex`` per deployment, and per adapter, since vLLM caches per
 adapter) and the count of each reason it picked for. Policies: ``power_of_two`` (policy.py),
-``prefix_affinity`` (prefix.py), a LoRA adapter's home (adapters.py), alone or with a prefix.
+``prefix_affinity`` (prefix.py), ``kv_events`` (kv_policy.py: from the replicas' own KV-cache
+events), a LoRA adapter's home (adapters.py), alone or with either of the last two.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import RouterMetrics
 from atomr_infer.routing.adapters import pick_adapter_home
+from atomr_infer.routing.kv_index import chain
+from atomr_infer.routing.kv_policy import pick_by_depth
+from atomr_infer.routing.kv_subscriber import hub as kv_hub
 from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.prefix import PrefixIndex, pick_prefix_affinity
+from atomr_infer.routing.prompt_tokens import tokenizers
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
 
 log = get_logger(__name__)
+MAX_KV_BLOCKS = 256  # a prompt's leading blocks matched by kv_events (32k tokens of 128)
 
 
 class ReplicaPicker:
@@ -28,6 +35,7 @@ class ReplicaPicker:
         self._prefixes: collections.defaultdict[str, PrefixIndex] = collections.defaultdict(PrefixIndex)
         self.reasons: collections.Counter[tuple[str, str]] = collections.Counter()  # (deployment, reason)
         self._metrics: RouterMetrics | None = None  # built on first use: inside Ray, they are exported
+        self._followed: dict[str, DeploymentRoute] = {}  # kv_events: the route whose replicas are followed
 
     @property
     def metrics(self) -> RouterMetrics:
@@ -37,26 +45,55 @@ class ReplicaPicker:
 
     def pick(
         self, dep: DeploymentRoute, usable: list[ReplicaRoute], loads: Mapping[str, int], key: Callable[[], Any],
-        adapter: str | None = None,
+        adapter: str | None = None, prompt: Any = None,
     ) -> ReplicaRoute | None:
         """The replica of ``usable`` (each with its ``loads``) for a request for ``adapter`` (None:
-        the base model) whose prompt key ``key`` gives (read only where a policy needs it); None
-        when every one is full."""
+        the base model) whose prompt (``RoutingFacts.prompt``) is ``prompt`` and prompt key ``key``
+        gives (read only where a policy needs it); None when every one is full."""
+        home = None
         if adapter is not None and dep.adapter_affinity:  # its home: fewer adapters per replica, fewer swaps
             home = functools.partial(pick_adapter_home, usable, loads, dep.max_concurrent, adapter, dep.load_bound)
-            if dep.policy != "prefix_affinity":
-                choice, reason = home()
-            else:  # a prefix cached with this adapter (vLLM's cache is per adapter), else its home
-                choice, reason = pick_prefix_affinity(usable, loads, dep.max_concurrent, key(),
-                                                      self._prefixes[f"{dep.name}:{adapter}"], dep.load_bound, home)
-        elif dep.policy != "prefix_affinity":
-            return pick_replica(usable, loads, dep.max_concurrent)
+        prefixes = self._prefixes[dep.name if adapter is None else f"{dep.name}:{adapter}"]  # vLLM caches per adapter
+
+        def by_prefix() -> tuple[Any, str]:  # a prefix sent there before, else its adapter's home
+            return pick_prefix_affinity(usable, loads, dep.max_concurrent, key(), prefixes, dep.load_bound, home)
+
+        if dep.policy == "kv_events":
+            choice, reason = self._by_kv_events(dep, usable, loads, adapter, prompt, by_prefix)
+        elif dep.policy == "prefix_affinity":
+            choice, reason = by_prefix()
+        elif home is not None:
+            choice, reason = home()
         else:
-            choice, reason = pick_prefix_affinity(
-                usable, loads, dep.max_concurrent, key(), self._prefixes[dep.name], dep.load_bound
-            )
+            return pick_replica(usable, loads, dep.max_concurrent)
         if choice is not None:
             self.reasons[dep.name, reason] += 1
             self.metrics.routed(dep.name, reason)
             log.debug("route", deployment=dep.name, replica=choice.actor_name, reason=reason)
         return choice  # type: ignore[return-value]
+
+    def _by_kv_events(
+        self, dep: DeploymentRoute, usable: list[ReplicaRoute], loads: Mapping[str, int], adapter: str | None,
+        prompt: Any, by_prefix: Callable[[], tuple[Any, str]],
+    ) -> tuple[Any, str]:
+        """The holder of the most leading blocks (routing/kv_policy.py); prefix affinity, its
+        reason marked ``fallback_``, while no usable replica's events are fresh or the prompt's
+        tokens cannot be known here (the tokenizer not fetched yet)."""
+        events = kv_hub()
+        if self._followed.get(dep.name) is not dep:  # a new table: the replicas to listen to
+            events.follow(dep.name, {r.actor_name: r.kv_events[:2] for r in dep.replicas if r.kv_events})
+            self._followed[dep.name] = dep
+        index, now = events.index(dep.name), time.monotonic()
+        fresh = [r for r in usable if r.kv_events is not None and not index.silent(r.actor_name, now)]
+        tokenizer = tokenizers().get(dep.name, fresh[0].actor) if fresh else None
+        tokens = tokenizer.tokens(prompt) if tokenizer is not None else None
+        if not tokens:
+            choice, reason = by_prefix()
+            return choice, f"fallback_{reason}"
+        blocks = chain(tokens, fresh[0].kv_events[2], None if adapter is None else f"{dep.name}:{adapter}",
+                       limit=MAX_KV_BLOCKS)
+        depths = index.depths(blocks, [r.actor_name for r in fresh])
+        choice, reason = pick_by_depth(usable, loads, dep.max_concurrent, depths, by_prefix, dep.load_bound)
+        if choice is not None and depths.get(choice.actor_name, 0) < len(blocks):
+            index.expect(choice.actor_name, now)  # it will store blocks: it owes us an event
+        return choice, reason

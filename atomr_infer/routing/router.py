@@ -260,7 +260,7 @@ class Router:
                     usable = response_ids.holding(usable, dep.name, facts.response_id)
                 if usable:
                     loads = {r.actor_name: self.load(r.actor_name) for r in usable}
-                    choice = self._picker.pick(dep, usable, loads, key, adapter)
+                    choice = self._picker.pick(dep, usable, loads, key, adapter, facts.prompt)
                     if choice is not None:
                         return dep, choice, adapter
                     if dep.on_capacity_exhausted == "reject":

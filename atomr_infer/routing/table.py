@@ -13,6 +13,8 @@ class ReplicaRoute:
     actor: Any  # Ray actor handle (picklable)
     adapters: frozenset[str] = frozenset()  # the LoRA adapters loaded on it (only these route here)
     adapters_loading: frozenset[str] = frozenset()  # lora.adapters it has not loaded yet (nor failed to)
+    # Where it publishes its KV-cache events: (endpoint, replay endpoint, block size); None: it does not.
+    kv_events: tuple[str, str | None, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -129,10 +129,12 @@ class Autoscaling(Strict):
 class Routing(Strict):
     """How routers pick a replica for a request (changed in place)."""
 
-    policy: Literal["power_of_two", "prefix_affinity"] = Field(
+    policy: Literal["power_of_two", "prefix_affinity", "kv_events"] = Field(
         "power_of_two",
         description="'power_of_two': the less loaded of two random replicas; 'prefix_affinity': the "
-        "replica most likely to hold the prompt's prefix in its cache, within load_bound.",
+        "replica most likely to hold the prompt's prefix in its cache, within load_bound; 'kv_events': the "
+        "replica holding the most of the prompt's leading blocks by vLLM's own KV-cache events, within "
+        "load_bound (prefix_affinity while no replica's events are fresh).",
     )
     load_bound: Annotated[Number, Field(ge=1, le=10)] = Field(
         1.25,
@@ -274,11 +276,18 @@ class Deployment(Strict):
                 f"is {tp} but gpus is {self.gpus}: one replica shards over its GPUs, "
                 "so set them equal (or leave tensor_parallel_size unset)",
             )
-        if self.routing.policy == "prefix_affinity" and self.runtime_config.enable_prefix_caching is False:
+        policy = self.routing.policy
+        if policy != "power_of_two" and self.runtime_config.enable_prefix_caching is False:
             raise FieldValueError(
                 "runtime_config.enable_prefix_caching",
-                "is false but routing.policy is prefix_affinity, which routes to the replica whose prefix "
+                f"is false but routing.policy is {policy}, which routes to the replica whose prefix "
                 "cache holds the prompt: leave it unset (vLLM's default: on) or true",
+            )
+        if policy == "kv_events" and "kv_events_config" in self.runtime_config.extra_engine_args:
+            raise FieldValueError(
+                "runtime_config.extra_engine_args.kv_events_config",
+                "is set but routing.policy is kv_events, for which atomr configures each replica's KV-cache "
+                "events itself (ports of its own on its node's address): leave kv_events_config out",
             )
         scaling = self.autoscaling
         if scaling is not None and not scaling.min_replicas <= self.replicas <= scaling.max_replicas:

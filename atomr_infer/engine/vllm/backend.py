@@ -22,6 +22,7 @@ from atomr_infer.engine.vllm.coalesce import coalesce_core_outputs
 from atomr_infer.engine.vllm.core_failure import CoreStartFailed
 from atomr_infer.engine.vllm.engine_info import engine_memory, engine_unfinished, kv_cache_usage, start_failure_recurs
 from atomr_infer.engine.vllm.handoff import LoopHandoff
+from atomr_infer.engine.vllm.kv_events import kv_event_source
 from atomr_infer.engine.vllm.open_streams import OpenStreams
 from atomr_infer.engine.vllm.openai_app import OpenAIApp
 from atomr_infer.engine.vllm.resume import RESUME, TOKENS
@@ -91,7 +92,7 @@ class VllmBackend:
         self._engine = engine
         model_config = getattr(engine, "model_config", None)
         max_len = getattr(model_config, "max_model_len", None) or self._deployment.runtime_config.max_model_len
-        self._facts = EngineFacts(max_model_len=max_len, **engine_memory(engine))
+        self._facts = EngineFacts(max_model_len=max_len, kv_events=kv_event_source(engine), **engine_memory(engine))
         self._started.set()
 
     def _on_loop_error(self, exc: BaseException) -> None:

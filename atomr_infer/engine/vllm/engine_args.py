@@ -27,6 +27,7 @@ from atomr_infer.engine.cpu import (
 )
 from atomr_infer.engine.device import Device, resolve_device
 from atomr_infer.engine.vllm.core_failure import core_start_failures
+from atomr_infer.engine.vllm.kv_events import kv_events_config, publishes
 from atomr_infer.errors import EngineError, SpecError, SpecProblem
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
@@ -241,6 +242,8 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
     if threads is not None:
         use_cpu_threads(threads)
     args = engine_args(deployment, str(resolved.path), device, kv.bytes if kv else None)
+    if publishes(deployment):  # the routers' KV-event index (engine/vllm/kv_events.py)
+        args["kv_events_config"] = kv_events_config(deployment)
     log.info(
         "engine_building", deployment=deployment.name, device=device, model=str(resolved.path),
         dtype=args.get("dtype"), kv_cache=str(kv) if kv else None, threads=threads,

@@ -1,0 +1,66 @@
+"""Turn on vLLM's KV-cache events for a replica, and say where it publishes them.
+
+Every replica of a deployment with prefix caching on publishes (so ``routing.policy:
+kv_events`` is a change in place): vLLM's ZMQ publisher and its replay socket, each bound to an
+ephemeral port on this node's address (``tcp://*:0`` with ``VLLM_HOST_IP`` set to the Ray
+node's IP). vLLM's default, ``tcp://*:5557``, collides between two replicas on one host and
+would send prompts' token ids to every network the node is on. Only atomr's routers subscribe
+(routing/kv_subscriber.py); the replica reports the bound endpoints with its engine facts.
+
+A spec that sets ``kv_events_config`` in ``extra_engine_args`` keeps its own.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from atomr_infer.spec import Deployment
+
+REPLAY_BATCHES = 10_000  # vLLM's buffer_steps: engine steps a restarted router can replay
+
+
+def publishes(deployment: Deployment) -> bool:
+    """Whether the deployment's replicas publish KV events (prefix caching on, not overridden)."""
+    return (deployment.runtime_config.enable_prefix_caching is not False
+            and "kv_events_config" not in deployment.runtime_config.extra_engine_args)
+
+
+def use_node_address() -> None:
+    """Bind vLLM's sockets on this Ray node's address (loopback on a loopback cluster)."""
+    if os.environ.get("VLLM_HOST_IP"):
+        return
+    try:
+        import ray
+
+        if ray.is_initialized():
+            os.environ["VLLM_HOST_IP"] = ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray vLLM finds the address itself
+        pass
+
+
+def kv_events_config(deployment: Deployment) -> Any:
+    """vLLM's ``KVEventsConfig`` for a replica of ``deployment`` (vLLM is imported here)."""
+    from vllm.config.kv_events import KVEventsConfig
+
+    use_node_address()
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:0",
+                          replay_endpoint="tcp://*:0", buffer_steps=REPLAY_BATCHES, topic="")
+
+
+def kv_event_source(engine: Any) -> dict[str, Any] | None:
+    """Where ``engine`` publishes, once started: ``{"endpoint", "replay_endpoint", "block_size"}``,
+    or None. A core in this process (the CPU replica's) has the publisher itself; a core process
+    reports it to its client at start."""
+    core = getattr(engine, "engine_core", None)
+    config = None
+    scheduler = getattr(getattr(core, "engine_core", None), "scheduler", None)
+    if scheduler is not None and getattr(scheduler, "kv_event_publisher", None) is not None:
+        config = scheduler.get_kv_event_publisher_config()
+    elif hasattr(core, "get_kv_event_sources"):
+        config = core.get_kv_event_sources().get(0)
+    if config is None or not getattr(config, "enable_kv_cache_events", False) or "*" in config.endpoint:
+        return None
+    cache = getattr(getattr(engine, "vllm_config", None), "cache_config", None)
+    return {"endpoint": config.endpoint, "replay_endpoint": config.replay_endpoint,
+            "block_size": getattr(cache, "block_size", None)}

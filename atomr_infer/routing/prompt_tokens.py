@@ -1,0 +1,116 @@
+"""A prompt's token ids as the engine will see them, computed by a router (``routing.policy:
+kv_events`` matches them against what each replica's KV-cache events say it holds).
+
+With the ``tokenizers`` library and the model's own chat template rendered by jinja2 as
+Hugging Face renders it: no torch, no transformers, no vLLM (issue 20: only replicas load
+them). The files come from a replica (``VllmReplica.tokenizer_files``), once per deployment per
+process. Measured against a round trip to the replica to tokenize there: see
+docs/performance.md (``scripts/bench_kv_index.py``). A template this cannot render, or content
+it renders differently from vLLM, costs only cache hits: the router then finds no blocks held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from atomr_infer.log import get_logger
+
+log = get_logger(__name__)
+RETRY_S = 10.0  # after a failed fetch of a deployment's tokenizer
+
+
+def _token_text(token: Any) -> str | None:
+    if isinstance(token, dict):  # {"content": "<s>", ...} as older tokenizer configs have it
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _text_content(content: Any) -> Any:
+    """OpenAI content parts as the one string templates expect (vLLM's "string" format)."""
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content
+
+
+class PromptTokenizer:
+    def __init__(self, files: dict[str, str]) -> None:
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_str(files["tokenizer.json"])
+        config = json.loads(files.get("tokenizer_config.json") or "{}")
+        template = files.get("chat_template.jinja") or config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        self._special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token",
+                                                                          "pad_token")}
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        self._template = env.from_string(template) if isinstance(template, str) else None
+
+    def tokens(self, prompt: Any) -> list[int] | None:
+        """The token ids of a completion's ``prompt`` text or a chat's ``messages``; None when
+        they cannot be known here (no chat template, one that fails on these messages)."""
+        if isinstance(prompt, str):
+            return self._tokenizer.encode(prompt).ids
+        if not isinstance(prompt, Sequence) or self._template is None:
+            return None
+        messages = [{**m, "content": _text_content(m.get("content"))} for m in prompt if isinstance(m, dict)]
+        try:
+            text = self._template.render(messages=messages, add_generation_prompt=True, tools=None,
+                                         **self._special)
+        except Exception:  # noqa: BLE001 - a template's own refusal: route without it
+            return None
+        return self._tokenizer.encode(text, add_special_tokens=False).ids  # as vLLM encodes a rendered chat
+
+
+class TokenizerCache:
+    """Each deployment's ``PromptTokenizer`` in this process, fetched from a replica in the
+    background the first time it is asked for (None until then)."""
+
+    def __init__(self) -> None:
+        self._ready: dict[str, PromptTokenizer] = {}
+        self._fetching: dict[str, asyncio.Task[None]] = {}
+        self._failed_at: dict[str, float] = {}
+
+    def get(self, deployment: str, replica_actor: Any) -> PromptTokenizer | None:
+        found = self._ready.get(deployment)
+        if found is not None or deployment in self._fetching:
+            return found
+        if time.monotonic() - self._failed_at.get(deployment, -RETRY_S) < RETRY_S:
+            return None
+        self._fetching[deployment] = asyncio.get_running_loop().create_task(self._fetch(deployment, replica_actor))
+        return None
+
+    async def _fetch(self, deployment: str, actor: Any) -> None:
+        try:
+            files = await actor.tokenizer_files.remote()
+            self._ready[deployment] = await asyncio.to_thread(PromptTokenizer, files)
+            log.info("prompt_tokenizer_ready", deployment=deployment)
+        except Exception as exc:  # noqa: BLE001 - routing goes on without it (prefix_affinity)
+            self._failed_at[deployment] = time.monotonic()
+            log.warning("prompt_tokenizer_failed", deployment=deployment, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            del self._fetching[deployment]
+
+
+_CACHE: TokenizerCache | None = None
+
+
+def tokenizers() -> TokenizerCache:
+    """This process's tokenizers (every router in it shares them)."""
+    global _CACHE
+    if _CACHE is None:
+        _CACHE = TokenizerCache()
+    return _CACHE
