@@ -62,6 +62,7 @@ class ReplicaStatus:
     kv_cache_tokens: int | None = None
     routes: tuple[str, ...] = ()  # its server's routes for its model, "METHOD /path"
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> loading | loaded | failed: why
+    kv_events: dict[str, Any] | None = None  # where it publishes KV-cache events (endpoint, replay, block size)
 
 
 @dataclass(frozen=True)
