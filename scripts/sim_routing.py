@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import heapq
 import math
 import random
@@ -35,6 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from atomr_infer.routing.kv_index import BlockRemoved, BlockStored, KVEventBatch, KvIndex, chain  # noqa: E402
+from atomr_infer.routing.kv_policy import pick_by_depth  # noqa: E402
 from atomr_infer.routing.policy import pick_replica  # noqa: E402
 from atomr_infer.routing.prefix import (  # noqa: E402
     PrefixIndex,
@@ -65,6 +68,9 @@ class Config:
     utilization: float = 4.0  # of the prefill servers if nothing were cached (hits bring it under 1)
     max_concurrent: int = 64
     load_bound: float = 1.25
+    event_delay_s: float = 0.05  # kv_events: from a replica storing or evicting a block to the index
+    event_loss: float = 0.01  # kv_events: batches a router's socket drops, recovered by replay...
+    replay_s: float = 1.0  # ...this much later
     seed: int = 1
 
 
@@ -86,16 +92,28 @@ class Replica:
             n += 1
         return n
 
-    def insert(self, blocks: tuple[bytes, ...], holders: dict[bytes, set[str]]) -> None:
-        for b in blocks:
+    def insert(self, blocks: tuple[bytes, ...], holders: dict[bytes, set[str]]) -> KVEventBatch:
+        """Cache ``blocks`` (evicting the least recently used); what vLLM would publish."""
+        events: list = []
+        for i, b in enumerate(blocks):
             if b in self.cache:
                 self.cache.move_to_end(b)
             else:
                 self.cache[b] = None
                 holders.setdefault(b, set()).add(self.actor_name)
+                # As vLLM's BlockStored: the block's hash, its parent's, its tokens (here one
+                # token per block standing for its contents), the block size.
+                parent = as_int(blocks[i - 1]) if i else None
+                events.append(BlockStored([as_int(b)], parent, [as_int(b)], 1))
         while len(self.cache) > self.capacity:
             old, _ = self.cache.popitem(last=False)
             holders[old].discard(self.actor_name)
+            events.append(BlockRemoved([as_int(old)]))
+        return KVEventBatch(0.0, events)
+
+
+def as_int(block: bytes) -> int:
+    return int.from_bytes(block, "big")
 
 
 @dataclass
@@ -154,6 +172,10 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
     names = tuple(by_name)
     holders: dict[bytes, set[str]] = {}
     indexes = [PrefixIndex() for _ in range(cfg.routers)]
+    # kv_events: every router's copy of the index gets the same events after the same delay, so
+    # one index stands for all of them (a copy per router at 1,000 replicas would not fit here).
+    kv = KvIndex()
+    event_rng = random.Random(cfg.seed + 2)
     systems = []
     for _ in range(cfg.system_prompts):
         conv = Conversation((), b"")
@@ -190,16 +212,25 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
         push(t, "turn", (conv, first_user))
         started += 1
 
+    def publish(now: float, replica: Replica, batch: KVEventBatch) -> None:
+        if policy == "kv_events" and batch.events:
+            lost = event_rng.random() < cfg.event_loss
+            push(now + cfg.event_delay_s + (cfg.replay_s if lost else 0.0), "events", (replica.actor_name, batch))
+
     ttfts: list[float] = []
     prompt_tokens = cached_tokens = 0
     sent = 0
     while events and sent < total_requests:
         now, _, kind, payload = heapq.heappop(events)
+        if kind == "events":
+            name, batch = payload  # type: ignore[misc]
+            kv.apply(name, batch, now)
+            continue
         if kind == "done":
             replica, conv, out_tokens = payload  # type: ignore[misc]
             replica.load -= 1
             extend(conv, out_tokens, rng)
-            replica.insert(tuple(conv.blocks), holders)
+            publish(now, replica, replica.insert(tuple(conv.blocks), holders))
             conv.turns_left -= 1
             if conv.turns_left > 0:
                 push(now + rng.expovariate(1 / cfg.think_s), "turn", (conv, lognormal(rng, cfg.user_tokens_median)))
@@ -217,6 +248,13 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
             picked, _ = pick_prefix_affinity(replicas, loads, cfg.max_concurrent, key,
                                              indexes[pick_rng.randrange(cfg.routers)], cfg.load_bound)
             choice = picked or min(replicas, key=lambda r: r.load)  # type: ignore[assignment]
+        elif policy == "kv_events":
+            # A miss is placed as prefix affinity places it.
+            place = functools.partial(pick_prefix_affinity, replicas, loads, cfg.max_concurrent, key,
+                                      indexes[pick_rng.randrange(cfg.routers)], cfg.load_bound)
+            depths = kv.depths(chain([as_int(b) for b in blocks], 1))
+            picked, _ = pick_by_depth(replicas, loads, cfg.max_concurrent, depths, place, cfg.load_bound)
+            choice = picked or min(replicas, key=lambda r: r.load)  # type: ignore[assignment]
         else:
             choice = oracle_pick(replicas, loads, cfg, key, holders)
         replica = by_name[choice.actor_name]  # type: ignore[union-attr]
@@ -227,7 +265,7 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
         start = max(now, replica.prefill_free_at)
         first_token = start + cfg.prefill_overhead_s + (tokens - hit) * cfg.prefill_s_per_token
         replica.prefill_free_at = first_token
-        replica.insert(blocks, holders)
+        publish(now, replica, replica.insert(blocks, holders))
         replica.load += 1
         replica.served += 1
         ttfts.append(first_token - now)
@@ -247,7 +285,7 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
     }
 
 
-POLICIES = ("power_of_two", "consistent_hash", "prefix_affinity", "oracle")
+POLICIES = ("power_of_two", "consistent_hash", "prefix_affinity", "kv_events", "oracle")
 
 
 def main() -> int:
@@ -255,6 +293,9 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, nargs="+", default=[2, 10, 100, 1000])
     ap.add_argument("--turns-per-replica", type=int, default=100)
     ap.add_argument("--routers", type=int, default=4)
+    ap.add_argument("--cache-blocks", type=int, default=Config.cache_blocks,
+                    help="KV blocks per replica (fewer: more evictions)")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--load-bound", type=float, default=1.25, help="routing.load_bound (and the oracle's)")
     ap.add_argument("--utilization", type=float, default=Config.utilization,
@@ -264,22 +305,27 @@ def main() -> int:
           f"{'TTFT p50':>9} {'TTFT p99':>9} {'requests':>9} {'sim s':>6}")
     for n in args.replicas:
         cfg = Config(replicas=n, routers=args.routers, turns_per_replica=args.turns_per_replica, seed=args.seed,
-                     load_bound=args.load_bound, utilization=args.utilization)
+                     load_bound=args.load_bound, utilization=args.utilization, cache_blocks=args.cache_blocks)
+        policies = [p for p in POLICIES if p in args.policies or p in ("oracle", "power_of_two", "prefix_affinity")]
         results = {}
-        for policy in POLICIES:
+        for policy in policies:
             began = time.perf_counter()
             results[policy] = r = simulate(cfg, policy)
             r["took"] = time.perf_counter() - began
         oracle = results["oracle"]["hit_rate"]
-        for policy in POLICIES:
+        for policy in policies:
             r = results[policy]
             print(f"{n:>8} {policy:>16} {r['hit_rate']:>9.3f} {r['hit_rate'] / max(oracle, 1e-9):>9.3f} "
                   f"{r['max_mean']:>9.2f} {r['ttft_p50'] * 1000:>7.0f}ms {r['ttft_p99'] * 1000:>7.0f}ms "
                   f"{r['requests']:>9} {r['took']:>6.1f}")
-        pa, p2, ch = results["prefix_affinity"], results["power_of_two"], results["consistent_hash"]
-        print(f"{n:>8} prefix_affinity: hit rate {pa['hit_rate'] / max(oracle, 1e-9):.2f} of the oracle's, "
-              f"max/mean {pa['max_mean']:.2f}, p99 TTFT {pa['ttft_p99'] / p2['ttft_p99']:.2f}x power_of_two's "
-              f"and {pa['ttft_p99'] / ch['ttft_p99']:.2f}x consistent_hash's", flush=True)
+        pa, p2 = results["prefix_affinity"], results["power_of_two"]
+        for name in ("prefix_affinity", "kv_events"):
+            if name not in results:
+                continue
+            r = results[name]
+            print(f"{n:>8} {name}: hit rate {r['hit_rate'] / max(oracle, 1e-9):.3f} of the oracle's, "
+                  f"max/mean {r['max_mean']:.2f}, p99 TTFT {r['ttft_p99'] / p2['ttft_p99']:.2f}x power_of_two's "
+                  f"and {r['ttft_p99'] / pa['ttft_p99']:.2f}x prefix_affinity's", flush=True)
     return 0
 
 

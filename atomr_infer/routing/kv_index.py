@@ -23,7 +23,7 @@ import collections
 import hashlib
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -193,12 +193,16 @@ class KvIndex:
             self.heard_at.pop(replica, None)
             self._awaiting.pop(replica, None)
 
-    def depths(self, blocks: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
-        """How many of ``blocks`` (a prompt's chained hashes), from the first, each of
-        ``replicas`` holds."""
-        depth = dict.fromkeys(replicas, 0)
+    def depths(self, blocks: Sequence[int], replicas: Container[str] | None = None) -> dict[str, int]:
+        """How many of ``blocks`` (a prompt's chained hashes), from the first, each replica
+        holding at least the first holds (of ``replicas`` only, where given). Costs what the
+        holders of the prompt's blocks number, not what the replicas do."""
         with self._lock:
-            for i, block in enumerate(blocks):
+            first = self._holders.get(blocks[0]) if blocks else None
+            if not first:
+                return {}
+            depth = {n: 1 for n in first if replicas is None or n in replicas}
+            for i, block in enumerate(blocks[1:], start=1):
                 holders = self._holders.get(block)
                 if not holders:
                     break

@@ -9,6 +9,7 @@ events), a LoRA adapter's home (adapters.py), alone or with either of the last t
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import functools
 import time
@@ -28,6 +29,7 @@ from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
 
 log = get_logger(__name__)
 MAX_KV_BLOCKS = 256  # a prompt's leading blocks matched by kv_events (32k tokens of 128)
+INLINE_TOKENIZE_CHARS = 4000  # shorter prompts are tokenized in the event loop (a thread hop costs more)
 
 
 class ReplicaPicker:
@@ -43,13 +45,27 @@ class ReplicaPicker:
             self._metrics = RouterMetrics()
         return self._metrics
 
+    async def prompt_tokens(self, dep: DeploymentRoute, usable: list[ReplicaRoute], prompt: Any) -> list[int] | None:
+        """``routing.policy: kv_events``: the prompt's token ids as the engine will see them (None
+        where unknown here: another policy, no tokenizer fetched yet). A long prompt is tokenized
+        in a thread (milliseconds for thousands of tokens) while the event loop routes others."""
+        source = next((r for r in usable if r.kv_events is not None), None)
+        if dep.policy != "kv_events" or prompt is None or source is None:
+            return None
+        tokenizer = tokenizers().get(dep.name, source.actor)
+        if tokenizer is None:
+            return None
+        if len(str(prompt)) < INLINE_TOKENIZE_CHARS:
+            return tokenizer.tokens(prompt)
+        return await asyncio.to_thread(tokenizer.tokens, prompt)
+
     def pick(
         self, dep: DeploymentRoute, usable: list[ReplicaRoute], loads: Mapping[str, int], key: Callable[[], Any],
-        adapter: str | None = None, prompt: Any = None,
+        adapter: str | None = None, tokens: list[int] | None = None,
     ) -> ReplicaRoute | None:
         """The replica of ``usable`` (each with its ``loads``) for a request for ``adapter`` (None:
-        the base model) whose prompt (``RoutingFacts.prompt``) is ``prompt`` and prompt key ``key``
-        gives (read only where a policy needs it); None when every one is full."""
+        the base model) whose prompt key ``key`` gives (read only where a policy needs it) and
+        whose token ids are ``tokens`` (``prompt_tokens``); None when every one is full."""
         home = None
         if adapter is not None and dep.adapter_affinity:  # its home: fewer adapters per replica, fewer swaps
             home = functools.partial(pick_adapter_home, usable, loads, dep.max_concurrent, adapter, dep.load_bound)
@@ -59,7 +75,7 @@ class ReplicaPicker:
             return pick_prefix_affinity(usable, loads, dep.max_concurrent, key(), prefixes, dep.load_bound, home)
 
         if dep.policy == "kv_events":
-            choice, reason = self._by_kv_events(dep, usable, loads, adapter, prompt, by_prefix)
+            choice, reason = self._by_kv_events(dep, usable, loads, adapter, tokens, by_prefix)
         elif dep.policy == "prefix_affinity":
             choice, reason = by_prefix()
         elif home is not None:
@@ -74,25 +90,23 @@ class ReplicaPicker:
 
     def _by_kv_events(
         self, dep: DeploymentRoute, usable: list[ReplicaRoute], loads: Mapping[str, int], adapter: str | None,
-        prompt: Any, by_prefix: Callable[[], tuple[Any, str]],
+        tokens: list[int] | None, by_prefix: Callable[[], tuple[Any, str]],
     ) -> tuple[Any, str]:
         """The holder of the most leading blocks (routing/kv_policy.py); prefix affinity, its
         reason marked ``fallback_``, while no usable replica's events are fresh or the prompt's
-        tokens cannot be known here (the tokenizer not fetched yet)."""
+        tokens are unknown here (the tokenizer not fetched yet)."""
         events = kv_hub()
         if self._followed.get(dep.name) is not dep:  # a new table: the replicas to listen to
             events.follow(dep.name, {r.actor_name: r.kv_events[:2] for r in dep.replicas if r.kv_events})
             self._followed[dep.name] = dep
         index, now = events.index(dep.name), time.monotonic()
-        fresh = [r for r in usable if r.kv_events is not None and not index.silent(r.actor_name, now)]
-        tokenizer = tokenizers().get(dep.name, fresh[0].actor) if fresh else None
-        tokens = tokenizer.tokens(prompt) if tokenizer is not None else None
-        if not tokens:
+        sources = {r.actor_name: r for r in usable if r.kv_events is not None}
+        if not tokens or not any(not index.silent(name, now) for name in sources):
             choice, reason = by_prefix()
             return choice, f"fallback_{reason}"
-        blocks = chain(tokens, fresh[0].kv_events[2], None if adapter is None else f"{dep.name}:{adapter}",
-                       limit=MAX_KV_BLOCKS)
-        depths = index.depths(blocks, [r.actor_name for r in fresh])
+        block_size = next(iter(sources.values())).kv_events[2]  # type: ignore[index]
+        blocks = chain(tokens, block_size, None if adapter is None else f"{dep.name}:{adapter}", limit=MAX_KV_BLOCKS)
+        depths = {n: d for n, d in index.depths(blocks, sources).items() if not index.silent(n, now)}
         choice, reason = pick_by_depth(usable, loads, dep.max_concurrent, depths, by_prefix, dep.load_bound)
         if choice is not None and depths.get(choice.actor_name, 0) < len(blocks):
             index.expect(choice.actor_name, now)  # it will store blocks: it owes us an event

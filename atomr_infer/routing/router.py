@@ -235,6 +235,7 @@ class Router:
             table, forced = await self.refresh(force=True), True
         waiting_for: str | None = None  # the deployment this request is counted waiting for
         keys: list[Any] = []  # the request's prefix key, read once however long it waits
+        tokens: list[list[int] | None] = []  # kv_events: its token ids, likewise
 
         def key() -> Any:
             if not keys:
@@ -259,8 +260,10 @@ class Router:
                 if facts.response_id is not None:
                     usable = response_ids.holding(usable, dep.name, facts.response_id)
                 if usable:
+                    if not tokens or (tokens[0] is None and dep.policy == "kv_events"):
+                        tokens[:] = [await self._picker.prompt_tokens(dep, usable, facts.prompt)]
                     loads = {r.actor_name: self.load(r.actor_name) for r in usable}
-                    choice = self._picker.pick(dep, usable, loads, key, adapter, facts.prompt)
+                    choice = self._picker.pick(dep, usable, loads, key, adapter, tokens[0])
                     if choice is not None:
                         return dep, choice, adapter
                     if dep.on_capacity_exhausted == "reject":

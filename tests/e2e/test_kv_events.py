@@ -77,7 +77,6 @@ def test_the_index_holds_the_prompts_blocks_and_the_prompt_returns_to_its_holder
     from atomr_infer.routing.router import Router
 
     route = table_route(manager, ray_cluster)
-    names = [r.actor_name for r in route.replicas]
 
     async def fetch(version):
         return await manager.routing_table.remote(version)
@@ -91,18 +90,18 @@ def test_the_index_holds_the_prompts_blocks_and_the_prompt_returns_to_its_holder
             blocks = chain(tokens, 128)
             assert len(blocks) >= 3, len(tokens)
             index = hub().index(NAME)
-            await wait_for(lambda: max(index.depths(blocks, names).values()) == len(blocks))
-            depths = index.depths(blocks, names)
+            await wait_for(lambda: max(index.depths(blocks).values(), default=0) == len(blocks))
+            depths = index.depths(blocks)
             holder = max(depths, key=depths.get)
             for _ in range(4):
                 await chat(router)
             reasons = dict(router.route_reasons)
             assert reasons.get((NAME, "kv_hit")) == 4, reasons
-            assert index.depths(blocks, names)[holder] == len(blocks)
+            assert index.depths(blocks).get(holder) == len(blocks)
 
             late = KvEventsHub()  # a router that starts now: vLLM's replay endpoint rebuilds it
             late.follow(NAME, {r.actor_name: r.kv_events[:2] for r in route.replicas})
-            await wait_for(lambda: late.index(NAME).depths(blocks, names)[holder] == len(blocks))
+            await wait_for(lambda: late.index(NAME).depths(blocks).get(holder) == len(blocks))
             late.follow(NAME, {})
 
             from atomr_infer.control.client import ControlPlane
@@ -112,10 +111,10 @@ def test_the_index_holds_the_prompts_blocks_and_the_prompt_returns_to_its_holder
             await asyncio.to_thread(ControlPlane(manager).reset_prefix_cache, NAME)
             for i in range(12):
                 await chat(router, f"Say {i}.")
-                if index.depths(blocks, names)[holder] == 0:
+                if holder not in index.depths(blocks):
                     break
                 await asyncio.sleep(0.5)
-            assert index.depths(blocks, names) == dict.fromkeys(names, 0)
+            assert index.depths(blocks) == {}
             return reasons
         finally:
             await router.aclose()

@@ -87,9 +87,9 @@ def test_stored_and_evicted_blocks_as_a_late_listener_rebuilds_them_from_the_rep
     assert index.depths(chain(DOC, BLOCK, "pirate"), ["r0"]) == {"r0": 1}  # the adapter's blocks apart
     pub.publish(batch(BlockRemoved(block_hashes=[1002], medium="GPU")))  # evicted: the prefix ends before it
     wait_for(lambda: index.depths(doc, ["r0"]) == {"r0": 2})
-    assert index.depths(doc, ["r0", "r1"]) == {"r0": 2, "r1": 0}
+    assert index.depths(doc, {"r1"}) == {} and index.depths(doc[:1]) == {"r0": 1}
     pub.publish(batch(AllBlocksCleared()))
-    wait_for(lambda: index.depths(doc, ["r0"]) == {"r0": 0})
+    wait_for(lambda: index.depths(doc) == {})
     hub.follow("d", {})  # the replica left: nothing of it remains
     wait_for(lambda: index.blocks_of("r0") == 0 and "r0" not in index.heard_at)
 
@@ -105,7 +105,7 @@ def test_a_replay_that_no_longer_reaches_back_is_partial_never_wrong(publisher):
     index = hub.index("d")
     wait_for(lambda: index.events >= 2)
     # Blocks 2 and 3 chain on blocks vLLM stored before its buffer begins: unknown, so unused.
-    assert index.depths(chain(DOC, BLOCK), ["r0"]) == {"r0": 0} and index.skipped == 2
+    assert index.depths(chain(DOC, BLOCK)) == {} and index.skipped == 2
     pub.publish(batch(stored(0, 1, None)))  # a new run from the start is usable again
     wait_for(lambda: index.depths(chain(DOC, BLOCK), ["r0"]) == {"r0": 1})
 
@@ -120,3 +120,41 @@ def test_a_replica_owing_events_is_silent_until_it_reports_again():
     index.apply("r0", KVEventBatch(0.0, [BlockStored([1], None, DOC[:BLOCK], BLOCK)]), now=106.0)
     assert not index.silent("r0", now=200.0)
     assert index.depths(chain(DOC, BLOCK), ["r0"]) == {"r0": 1}
+
+
+def test_the_picker_takes_the_deepest_holder_within_the_load_bound_and_falls_back_without_fresh_events(
+    monkeypatch,
+):
+    from atomr_infer.routing.kv_index import BlockStored, KVEventBatch
+    from atomr_infer.routing.kv_subscriber import hub
+    from atomr_infer.routing.picker import ReplicaPicker
+    from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
+
+    source = ("tcp://127.0.0.1:9", None, BLOCK)  # nothing listens there: events go into the index directly
+    routes = [ReplicaRoute(f"r{i}", f"atomr:kv:r{i}", None, kv_events=source) for i in range(3)]
+    dep = DeploymentRoute("kv", 8, "queue", tuple(routes), policy="kv_events")
+    r0, r1, r2 = (r.actor_name for r in routes)
+    index = hub().index("kv")
+    index.apply(r1, KVEventBatch(0.0, [BlockStored([1, 2, 3], None, DOC[:3 * BLOCK], BLOCK)]))
+    index.apply(r2, KVEventBatch(0.0, [BlockStored([7], None, DOC[:BLOCK], BLOCK)]))
+    picker = ReplicaPicker()
+
+    def pick(loads, tokens=DOC):
+        choice = picker.pick(dep, routes, {r.actor_name: loads.get(r.actor_name, 0) for r in routes},
+                             lambda: None, tokens=tokens)
+        return choice.actor_name
+
+    assert pick({}) == r1  # 3 blocks held
+    assert pick({r1: 6}) == r2  # r1 above the bound: the next deepest under it
+    assert pick({r1: 6, r2: 6}) == r0  # every holder above it: the least loaded
+    other = [t + 1000 for t in DOC]
+    assert pick({r0: 1, r2: 1}, other) == r1  # held nowhere: placed (prefix affinity: the least loaded)
+    assert pick({}, None) == r0  # tokens unknown here (no tokenizer yet): prefix affinity
+    assert dict(picker.reasons) == {("kv", "kv_hit"): 2, ("kv", "kv_overflow"): 1, ("kv", "kv_miss"): 1,
+                                    ("kv", "fallback_no_affinity"): 1}
+    # Each was sent blocks it did not hold and owes an event: once that is overdue, none is trusted.
+    from atomr_infer.routing import kv_index
+
+    monkeypatch.setattr(kv_index, "SILENT_S", -1.0)
+    assert all(index.silent(name) for name in (r0, r1, r2))
+    assert pick({r0: 1}) == r1 and picker.reasons["kv", "fallback_no_affinity"] == 2
