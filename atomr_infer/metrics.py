@@ -74,7 +74,9 @@ MANAGER_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 ROUTER_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "atomr_route_decisions_total": (
-        "counter", "prefix_affinity routing decisions by reason (affinity_hit, overflow, no_affinity).",
+        "counter", "Routing decisions by reason: prefix_affinity (affinity_hit, overflow, no_affinity), "
+        "adapter homes (adapter_home, adapter_overflow), kv_events (kv_hit, kv_overflow, kv_miss, and fallback_<a "
+        "prefix_affinity reason> while no replica's events are fresh).",
         ("deployment", "reason"),
     ),
     "atomr_migrations_total": (

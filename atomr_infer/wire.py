@@ -5,7 +5,7 @@ A request is parsed once at the edge (the ingress, or the ``Client`` from its ow
 replica's vLLM server parses once more (and only there) to answer it:
 
     edge ── RoutingFacts + HttpRequest ──► Router ── OpenRequest ──► replica (open_many)
-    router ◄── Batch (items, ends, token ids; load, KV-event source) ── replica (channel)
+    router ◄── Batch (items, ends, token ids; load) ── replica (channel)
     router ── cancel(channel, request ids) / keepalive(channel) ──► replica
 
 One ``open_many`` call carries every request a router opened on a replica in one turn of its
@@ -14,10 +14,11 @@ event loop; one streaming ``channel`` call per (router, replica) carries their o
 channel is a lease: the router renews it every ``KEEPALIVE_S``; the replica closes one not
 heard from for ``LEASE_S`` and cancels its requests (a router that died says nothing).
 
-Fields the next features fill are here already, so none of them reopens the wire:
-``OpenRequest.want_token_ids`` and ``Batch.token_ids`` (a request resumed on another replica
-needs what was generated) and ``Batch.kv_events`` (routing by cached blocks). The LoRA adapter a
-request names is resolved by the router from the routing table (``RoutingTable.resolve``).
+``OpenRequest.want_token_ids`` and ``Batch.token_ids`` carry what a stream generated (a request
+resumed on another replica continues after it). Where a replica publishes its KV-cache events
+travels in the routing table (``ReplicaRoute.kv_events``), not on a channel: a router's index
+must cover replicas it never opened a channel to. The LoRA adapter a request names is resolved by
+the router from the routing table (``RoutingTable.resolve``).
 """
 
 from __future__ import annotations
@@ -184,14 +185,6 @@ class OpenRequest:
 
 
 @dataclass(slots=True)
-class KvEventSource:
-    """Where a replica publishes vLLM's KV-cache events (routing by cached blocks)."""
-
-    endpoint: str
-    replay_endpoint: str | None = None
-
-
-@dataclass(slots=True)
 class Batch:
     """What one message of a channel carries, for every request of that router with news."""
 
@@ -200,7 +193,6 @@ class Batch:
     ended: dict[str, BaseException | None] = field(default_factory=dict)  # request id -> its error, or None
     # request id -> the token ids it generated since the last batch (requests that asked).
     token_ids: dict[str, list[int]] = field(default_factory=dict)
-    kv_events: KvEventSource | None = None  # the replica's KV-event source, on a channel's first batch
 
     def __bool__(self) -> bool:
         return bool(self.items or self.ended or self.token_ids)

@@ -1,4 +1,4 @@
-"""prefix_affinity against power_of_two on real replicas: multi-turn chat with long prefixes.
+"""Prefix-aware routing on real replicas: prefix_affinity and kv_events against power_of_two.
 
 Two CPU replicas of the bundled SmolLM2 (one thread each), one deployment whose
 ``routing.policy`` is switched in place between rounds. Users hold conversations: a shared
@@ -14,7 +14,15 @@ thread prefills a document's ~1,700 tokens in seconds, and with vLLM's CPU defau
 tokens a step, every other request on the replica waits that long behind it, which no GPU
 replica does (its steps of thousands of tokens take tens of milliseconds).
 
+Workloads: ``chat`` (above) and ``shared`` (cache pressure, issue 35): many users ask about a
+few long documents (Zipf popularity), one question each, against a KV cache small enough
+(``--kv-gb``, 0.1 GB: about three documents a replica) that documents evict each other, through
+``--routers`` routers (a Client each; every request through a random one, as behind several
+ingress replicas). Each round starts with every replica's prefix cache reset.
+
     .venv/bin/python scripts/bench_prefix_routing.py [--rounds 2] [--users 4]
+    .venv/bin/python scripts/bench_prefix_routing.py --workload shared --routers 4 \
+        --policies prefix_affinity kv_events
 """
 
 from __future__ import annotations
@@ -43,8 +51,8 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def spec(policy: str, max_batched_tokens: int | None = None) -> dict:
-    runtime = {"max_model_len": 4096, "max_num_seqs": 16, "enforce_eager": True, "cpu_kvcache_space_gb": 1,
+def spec(policy: str, max_batched_tokens: int | None = None, kv_gb: float = 1.0) -> dict:
+    runtime = {"max_model_len": 4096, "max_num_seqs": 16, "enforce_eager": True, "cpu_kvcache_space_gb": kv_gb,
                "cpu_threads": 1}
     if max_batched_tokens:  # chunked prefill: a long prompt's prefill in steps of this many tokens
         runtime["extra_engine_args"] = {"max_num_batched_tokens": max_batched_tokens}
@@ -71,6 +79,21 @@ def conversation(client, rng: random.Random, system: str, turns: int, doc_words:
                      {"role": "user", "content": words(rng, 40) + f" (question {turn + 2})"}]
 
 
+def shared_documents(clients, rng: random.Random, system: str, documents: list[str], asks: int, out: list) -> None:
+    """``asks`` questions, each about a document drawn by Zipf popularity, each through a random router."""
+    weights = [1 / (i + 1) for i in range(len(documents))]
+    for _ in range(asks):
+        document = rng.choices(documents, weights)[0]
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": "Read this:\n" + document + "\nQuestion: " + words(rng, 12) + "?"}]
+        started = time.perf_counter()
+        first = None
+        for chunk in rng.choice(clients).stream_chat(NAME, messages, max_tokens=4, temperature=0.0):
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter()
+        out.append((first or time.perf_counter()) - started)
+
+
 def replica_cache(cp, ray) -> tuple[int, int]:
     """(prompt tokens, of them cached) summed over the deployment's replicas."""
     total = cached = 0
@@ -81,18 +104,25 @@ def replica_cache(cp, ray) -> tuple[int, int]:
     return total, cached
 
 
-def run_round(cp, client, ray, policy: str, salt: int, args) -> dict:
-    cp.apply(spec(policy, args.max_batched_tokens))  # in place: the same replicas, another policy
+def run_round(cp, clients, ray, policy: str, salt: int, args) -> dict:
+    cp.apply(spec(policy, args.max_batched_tokens, args.kv_gb))  # in place: the same replicas, another policy
     rng = random.Random(salt)
     system = "You answer questions about documents. " + words(rng, args.system_words)
+    documents = [words(rng, args.doc_words) for _ in range(args.documents)]
+    if args.workload == "shared":
+        cp.reset_prefix_cache(NAME)  # every policy starts cold
+        time.sleep(1.0)
     before = replica_cache(cp, ray)
     ttfts: list[float] = []
     started = time.perf_counter()
 
     def user(u: int) -> None:
         user_rng = random.Random(salt * 1000 + u)
+        if args.workload == "shared":
+            shared_documents(clients, user_rng, system, documents, args.asks, ttfts)
+            return
         for _ in range(args.conversations):
-            conversation(client, user_rng, system, args.turns, args.doc_words, ttfts)
+            conversation(user_rng.choice(clients), user_rng, system, args.turns, args.doc_words, ttfts)
 
     threads = [threading.Thread(target=user, args=(u,)) for u in range(args.users)]
     for t in threads:
@@ -118,7 +148,17 @@ def main() -> int:
     ap.add_argument("--system-words", type=int, default=200)
     ap.add_argument("--max-batched-tokens", type=int, default=256,
                     help="the replicas' max_num_batched_tokens; 0: vLLM's CPU default (2048 per step)")
+    ap.add_argument("--policies", nargs="+", default=["power_of_two", "prefix_affinity"],
+                    choices=["power_of_two", "prefix_affinity", "kv_events"], help="the first is the baseline")
+    ap.add_argument("--workload", choices=["chat", "shared"], default="chat")
+    ap.add_argument("--routers", type=int, default=1, help="Clients (routers) requests are spread over")
+    ap.add_argument("--documents", type=int, default=8, help="shared: the documents users ask about")
+    ap.add_argument("--asks", type=int, default=8, help="shared: questions per user per round")
+    ap.add_argument("--kv-gb", type=float, default=None,
+                    help="each replica's KV cache (GB); default 1, or 0.1 for the shared workload")
     args = ap.parse_args()
+    if args.kv_gb is None:
+        args.kv_gb = 0.1 if args.workload == "shared" else 1.0
 
     import ray
 
@@ -131,33 +171,39 @@ def main() -> int:
              namespace="atomr", log_to_driver=False, logging_level="WARNING")
     try:
         cp = ControlPlane(manager_handle())
-        cp.apply(spec("power_of_two", args.max_batched_tokens))
+        cp.apply(spec(args.policies[0], args.max_batched_tokens, args.kv_gb))
         print("starting 2 replicas ...", flush=True)
         status = cp.wait_ready(NAME, 600)
         assert status is not None and status.replicas_ready == 2, status
-        client = Client(manager=cp.handle)
+        clients = [Client(manager=cp.handle) for _ in range(args.routers)]
         results = []
         for round_ in range(args.rounds):
-            for i, policy in enumerate(("power_of_two", "prefix_affinity")):
-                r = run_round(cp, client, ray, policy, salt=1 + 2 * round_ + i, args=args)
+            for i, policy in enumerate(args.policies):
+                r = run_round(cp, clients, ray, policy, salt=1 + len(args.policies) * round_ + i, args=args)
                 results.append(r)
                 print(f"round {round_ + 1} {policy:>16}: TTFT p50 {r['ttft_p50'] * 1000:7.1f} ms, "
                       f"mean {r['ttft_mean'] * 1000:7.1f} ms, "
                       f"p90 {r['ttft_p90'] * 1000:7.1f} ms, prefix-cache hit rate {r['hit_rate']:.3f}, "
                       f"{r['rps']:.2f} requests/s ({r['requests']} requests)", flush=True)
-        client.close()
-        by = {p: [r for r in results if r["policy"] == p] for p in ("power_of_two", "prefix_affinity")}
+        for client in clients:
+            client.close()
+        by = {p: [r for r in results if r["policy"] == p] for p in args.policies}
 
         def med(policy: str, key: str) -> float:
             return statistics.median(r[key] for r in by[policy])
 
-        print(f"\nCPU: {machine_line()}; {args.users} users, {args.turns} turns, {args.doc_words}-word documents, "
-              f"max_num_batched_tokens {args.max_batched_tokens or 'default'}, medians of {args.rounds} rounds")
+        shape = (f"{args.asks} questions each on {args.documents} shared documents, {args.kv_gb} GB of KV cache "
+                 "a replica" if args.workload == "shared" else f"{args.turns} turns")
+        print(f"\nCPU: {machine_line()}; {args.users} users, {shape}, {args.doc_words}-word documents, "
+              f"{args.routers} router(s), max_num_batched_tokens {args.max_batched_tokens or 'default'}, "
+              f"medians of {args.rounds} rounds")
+        base = args.policies[0]
         for key, label in (("ttft_p50", "TTFT p50"), ("ttft_mean", "TTFT mean"), ("ttft_p90", "TTFT p90"),
                            ("hit_rate", "prefix-cache hit rate"),
                            ("rps", "throughput (requests/s)")):
-            pa, p2 = med("prefix_affinity", key), med("power_of_two", key)
-            print(f"{label:>24}: prefix_affinity {pa:.4g} vs power_of_two {p2:.4g}: ratio {pa / p2:.3f}")
+            for policy in args.policies[1:]:
+                got, against = med(policy, key), med(base, key)
+                print(f"{label:>24}: {policy} {got:.4g} vs {base} {against:.4g}: ratio {got / against:.3f}")
         cp.remove(NAME)
     finally:
         ray.shutdown()

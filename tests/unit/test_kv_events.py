@@ -158,3 +158,20 @@ def test_the_picker_takes_the_deepest_holder_within_the_load_bound_and_falls_bac
     monkeypatch.setattr(kv_index, "SILENT_S", -1.0)
     assert all(index.silent(name) for name in (r0, r1, r2))
     assert pick({r0: 1}) == r1 and picker.reasons["kv", "fallback_no_affinity"] == 2
+
+
+@pytest.mark.parametrize("runtime, field, says", [
+    ({"enable_prefix_caching": False}, "runtime_config.enable_prefix_caching", "is false but routing.policy is kv_events"),
+    ({"extra_engine_args": {"kv_events_config": {"enable_kv_cache_events": True}}},
+     "runtime_config.extra_engine_args.kv_events_config", "is set but routing.policy is kv_events, for which atomr"),
+])
+def test_kv_events_is_refused_where_the_replicas_cannot_publish_for_atomr(runtime, field, says):
+    from atomr_infer.engine.vllm.kv_events import publishes
+    from atomr_infer.errors import SpecError
+    from atomr_infer.spec import Deployment, parse_deployment
+
+    base = {"name": "d", "model": "bundled:smollm2-135m-instruct", "device": "cpu", "runtime_config": runtime}
+    with pytest.raises(SpecError, match=f"{field}: {says}"):  # one line naming the field
+        parse_deployment({**base, "routing": {"policy": "kv_events"}})
+    assert not publishes(Deployment.model_validate(base))  # and such replicas publish nothing
+    assert publishes(Deployment.model_validate({**base, "runtime_config": {}}))
