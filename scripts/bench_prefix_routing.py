@@ -179,7 +179,10 @@ def main() -> int:
         results = []
         for round_ in range(args.rounds):
             for i, policy in enumerate(args.policies):
-                r = run_round(cp, clients, ray, policy, salt=1 + len(args.policies) * round_ + i, args=args)
+                # shared: the same documents and questions for every policy of a round (each starts
+                # with the caches reset); chat: conversations of its own (no cache to reset between).
+                salt = 1 + round_ if args.workload == "shared" else 1 + len(args.policies) * round_ + i
+                r = run_round(cp, clients, ray, policy, salt=salt, args=args)
                 results.append(r)
                 print(f"round {round_ + 1} {policy:>16}: TTFT p50 {r['ttft_p50'] * 1000:7.1f} ms, "
                       f"mean {r['ttft_mean'] * 1000:7.1f} ms, "
