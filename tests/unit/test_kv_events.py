@@ -161,7 +161,8 @@ def test_the_picker_takes_the_deepest_holder_within_the_load_bound_and_falls_bac
 
 
 @pytest.mark.parametrize("runtime, field, says", [
-    ({"enable_prefix_caching": False}, "runtime_config.enable_prefix_caching", "is false but routing.policy is kv_events"),
+    ({"enable_prefix_caching": False}, "runtime_config.enable_prefix_caching",
+     "is false but routing.policy is kv_events"),
     ({"extra_engine_args": {"kv_events_config": {"enable_kv_cache_events": True}}},
      "runtime_config.extra_engine_args.kv_events_config", "is set but routing.policy is kv_events, for which atomr"),
 ])
