@@ -93,6 +93,7 @@ def adapter_problems(
 # The suffixes PEFT gives an adapted module's tensors; what precedes one is the module's path.
 _LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B", ".lora_magnitude_vector")
 _PEFT_PREFIX = "base_model.model."
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
 def base_modules(model_dir: Path) -> dict[str, list[int]] | None:
@@ -100,14 +101,24 @@ def base_modules(model_dir: Path) -> dict[str, list[int]] | None:
     q_proj``) -> its shape, from the safetensors headers alone; None where there are none."""
     from atomr_infer.models.estimate import safetensors_header
 
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    if config.get("quantization_config") or config.get("text_config", {}).get("quantization_config"):
+        return None  # packed weights (GPTQ, AWQ, bitsandbytes): names and shapes are not the modules'
     modules: dict[str, list[int]] = {}
     files = sorted(model_dir.glob("*.safetensors"))
     try:
         for file in files:
             for key, info in safetensors_header(file).items():
+                if key.endswith((".qweight", ".weight_packed")) or info.get("dtype") not in _FLOAT_DTYPES:
+                    if key.endswith(("weight", "weight_packed")):
+                        return None  # quantized without saying so in its config
+                    continue
                 if key.endswith(".weight"):
                     modules[key.removesuffix(".weight")] = info["shape"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, AttributeError):
         return None
     return modules or None
 

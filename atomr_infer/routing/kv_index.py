@@ -104,8 +104,10 @@ class KvIndex:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._holders: dict[int, set[str]] = {}  # our block hash -> replicas
-        # replica -> vLLM's hash -> [our hash, copies] (vLLM may cache one hash in two blocks)
-        self._blocks: dict[str, dict[BlockHash, list[Any]]] = collections.defaultdict(dict)
+        # replica -> vLLM's hash -> our hash. One entry per hash, however often it is reported
+        # stored (vLLM may cache a hash twice, or report reused blocks again): the first removal
+        # forgets it, which can miss a block still held but never believes one evicted.
+        self._blocks: dict[str, dict[BlockHash, int]] = collections.defaultdict(dict)
         self.heard_at: dict[str, float] = {}  # replica -> when its last batch was applied
         self._awaiting: dict[str, float] = {}  # replica -> since when a batch is due from it
         self.events = 0  # applied, for the benchmarks
@@ -148,15 +150,11 @@ class KvIndex:
             if known is None:  # its parent was stored before we listened (or evicted): unusable
                 self.skipped += 1
                 return
-            parent = known[0]
+            parent = known
         size, tokens = event.block_size, event.token_ids
         for i, vllm_hash in enumerate(event.block_hashes):
             parent = hash((parent, *tokens[i * size:(i + 1) * size]))
-            entry = mine.get(vllm_hash)
-            if entry is not None:
-                entry[1] += 1
-                continue
-            mine[vllm_hash] = [parent, 1]
+            mine[vllm_hash] = parent
             self._holders.setdefault(parent, set()).add(replica)
 
     def _removed(self, replica: str, hashes: Iterable[BlockHash]) -> None:
@@ -164,22 +162,18 @@ class KvIndex:
         if mine is None:
             return
         for vllm_hash in hashes:
-            entry = mine.get(vllm_hash)
-            if entry is None:
+            ours = mine.pop(vllm_hash, None)
+            if ours is None:
                 continue  # stored before we listened
-            entry[1] -= 1
-            if entry[1] > 0:
-                continue
-            del mine[vllm_hash]
-            holders = self._holders.get(entry[0])
+            holders = self._holders.get(ours)
             if holders is not None:
                 holders.discard(replica)
                 if not holders:
-                    del self._holders[entry[0]]
+                    del self._holders[ours]
 
     def _drop(self, replica: str) -> None:
         mine = self._blocks.pop(replica, {})
-        for ours, _copies in mine.values():
+        for ours in mine.values():
             holders = self._holders.get(ours)
             if holders is not None:
                 holders.discard(replica)

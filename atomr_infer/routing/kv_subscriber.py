@@ -7,14 +7,16 @@ bound on its node's address (engine/vllm/kv_events.py), and one DEALER to its re
 vLLM numbers its batches. A follower first asks for a replay from 0 (vLLM keeps its last
 ``buffer_steps`` batches) while it buffers what the SUB socket brings, then applies the rest in
 order. A gap (ZMQ drops when a subscriber falls behind its high-water mark) asks for a replay
-from the first missing batch. If the replay no longer reaches back that far the replica's
-entries are dropped and rebuilt from what the replay has: blocks stored before it are unknown
-(routing misses them) but none that was evicted meanwhile is believed held (routing would send
-requests to a replica that must recompute them).
+from the first missing batch (a new DEALER per replay, so a late answer to an old one is never
+taken for the next). A batch the replay no longer has (vLLM keeps ``buffer_steps``), or that a
+replay itself dropped, is lost for good: the replica's entries are dropped and rebuilt from what
+follows. Blocks stored before are then unknown (routing misses them), but none that was evicted
+meanwhile is believed held (routing would send requests to a replica that must recompute them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -37,11 +39,11 @@ class _Follower:
     endpoint: str
     replay_endpoint: str | None
     sub: Any = None
-    dealer: Any = None
+    dealer: Any = None  # a new one for each replay: a late answer to an old one cannot end the next
     last: int = -1  # the sequence number of the last batch applied
     replaying_since: float | None = None  # a replay asked for and not yet ended
     replay_from: int = 0
-    replay_first: int | None = None
+    retried: bool = False  # a gap after a replay asked again once before it counts as lost
     held: list[tuple[int, bytes]] = field(default_factory=list)  # SUB batches while replaying
 
 
@@ -55,8 +57,11 @@ class KvEventsHub:
         self._changes: queue.SimpleQueue[tuple[str, dict[str, tuple[str, str | None]]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._context: Any = None
+        self._poller: Any = None
+        self._by_socket: dict[Any, _Follower] = {}  # (the thread's own)
         self.gaps = 0  # batches found missing (each asks for a replay)
-        self.partial = 0  # replays that did not reach back far enough (entries rebuilt)
+        self.partial = 0  # batches lost for good (the replica's entries rebuilt from what followed)
 
     def index(self, deployment: str) -> KvIndex:
         with self._lock:
@@ -64,84 +69,112 @@ class KvEventsHub:
 
     def follow(self, deployment: str, replicas: dict[str, tuple[str, str | None]]) -> None:
         """Listen to exactly these replicas of ``deployment`` (name -> (endpoint, replay endpoint));
-        a replica no longer named is dropped from the index. Cheap when nothing changed."""
+        a replica no longer named is dropped from the index, and an empty map forgets the
+        deployment. Cheap when nothing changed."""
         if self._wanted.get(deployment) == replicas:
             return
         self._wanted[deployment] = dict(replicas)
         self._changes.put((deployment, dict(replicas)))
         with self._lock:
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="atomr-kv-events", daemon=True)
                 self._thread.start()
 
     def _run(self) -> None:
         import zmq
 
-        context = zmq.Context.instance()
-        poller = zmq.Poller()
-        by_socket: dict[Any, _Follower] = {}
+        if self._context is None:
+            self._context, self._poller = zmq.Context.instance(), zmq.Poller()
         while True:
             while not self._changes.empty():
-                self._apply_change(*self._changes.get(), context, poller, by_socket)
+                deployment, replicas = self._changes.get()
+                try:
+                    self._apply_change(deployment, replicas)
+                except Exception as exc:  # noqa: BLE001 - a bad endpoint must not stop the listener
+                    log.warning("kv_events_follow_failed", deployment=deployment, error=f"{type(exc).__name__}: {exc}")
             try:
-                ready = dict(poller.poll(POLL_MS)) if by_socket else {}
+                ready = dict(self._poller.poll(POLL_MS)) if self._by_socket else {}
             except zmq.ZMQError:
                 ready = {}
-            if not by_socket:
+            if not self._by_socket:
                 time.sleep(POLL_MS / 1000)
             for sock in ready:
-                follower = by_socket.get(sock)
-                if follower is None:
-                    continue
+                follower = self._by_socket.get(sock)
                 try:
+                    if follower is None:
+                        continue
                     if sock is follower.sub:
                         self._on_sub(follower, sock.recv_multipart(zmq.NOBLOCK))
-                    else:
+                    elif sock is follower.dealer:
                         self._on_replay(follower, sock.recv_multipart(zmq.NOBLOCK))
                 except zmq.Again:
                     pass
                 except Exception as exc:  # noqa: BLE001 - one bad message must not stop the listener
                     log.warning("kv_event_failed", replica=follower.replica, error=f"{type(exc).__name__}: {exc}")
             now = time.monotonic()
-            for follower in self._followers.values():
+            for follower in list(self._followers.values()):
                 if follower.replaying_since is not None and now - follower.replaying_since > REPLAY_TIMEOUT_S:
-                    self._end_replay(follower)
+                    try:
+                        self._end_replay(follower)
+                    except Exception as exc:  # noqa: BLE001
+                        log.warning("kv_event_failed", replica=follower.replica, error=f"{type(exc).__name__}: {exc}")
 
-    def _apply_change(self, deployment: str, replicas: dict[str, tuple[str, str | None]], context: Any,
-                      poller: Any, by_socket: dict[Any, _Follower]) -> None:
+    def _socket(self, kind: int, endpoint: str, follower: _Follower) -> Any:
+        import zmq
+
+        sock = self._context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # a replica gone for good: retried every 5 s, not 0.1
+        if endpoint.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        else:
+            sock.setsockopt(zmq.RCVHWM, 0)  # a replay comes all at once: keep all of it
+        sock.connect(endpoint)
+        self._poller.register(sock, zmq.POLLIN)
+        self._by_socket[sock] = follower
+        return sock
+
+    def _close(self, sock: Any) -> None:
+        if sock is not None:
+            self._poller.unregister(sock)
+            self._by_socket.pop(sock, None)
+            sock.close(linger=0)
+
+    def _apply_change(self, deployment: str, replicas: dict[str, tuple[str, str | None]]) -> None:
         import zmq
 
         index = self.index(deployment)
         for name, follower in list(self._followers.items()):
             same = replicas.get(name) == (follower.endpoint, follower.replay_endpoint)
             if follower.deployment == deployment and not same:
-                for sock in (follower.sub, follower.dealer):
-                    if sock is not None:
-                        poller.unregister(sock)
-                        by_socket.pop(sock, None)
-                        sock.close(linger=0)
+                self._close(follower.sub)
+                self._close(follower.dealer)
                 del self._followers[name]
                 index.drop(name)
+        if not replicas:
+            with self._lock:
+                self._indexes.pop(deployment, None)
+            return
         for name, (endpoint, replay) in replicas.items():
             if name in self._followers:
                 continue
-            follower = self._followers[name] = _Follower(deployment, name, endpoint, replay)
-            follower.sub = context.socket(zmq.SUB)
-            follower.sub.setsockopt(zmq.SUBSCRIBE, b"")
-            follower.sub.connect(endpoint)
-            poller.register(follower.sub, zmq.POLLIN)
-            by_socket[follower.sub] = follower
+            follower = _Follower(deployment, name, endpoint, replay)
+            follower.sub = self._socket(zmq.SUB, endpoint, follower)
+            self._followers[name] = follower
             if replay is not None:
-                follower.dealer = context.socket(zmq.DEALER)
-                follower.dealer.connect(replay)
-                poller.register(follower.dealer, zmq.POLLIN)
-                by_socket[follower.dealer] = follower
                 self._ask_replay(follower, 0)
             log.info("kv_events_following", deployment=deployment, replica=name, endpoint=endpoint)
 
     def _ask_replay(self, follower: _Follower, start: int) -> None:
-        follower.replaying_since, follower.replay_from, follower.replay_first = time.monotonic(), start, None
-        follower.dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        import zmq
+
+        self._close(follower.dealer)
+        follower.dealer = self._socket(zmq.DEALER, follower.replay_endpoint or "", follower)
+        follower.replaying_since, follower.replay_from = time.monotonic(), start
+        with contextlib.suppress(zmq.Again):  # else the replay times out; the SUB socket's batches go on
+            follower.dealer.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
 
     def _on_sub(self, follower: _Follower, frames: list[bytes]) -> None:
         seq, payload = int.from_bytes(frames[1], "big"), frames[2]
@@ -152,38 +185,48 @@ class KvEventsHub:
             return
         if follower.last >= 0 and seq > follower.last + 1:
             self.gaps += 1
-            if follower.dealer is not None:
+            if follower.replay_endpoint is not None:
                 follower.held.append((seq, payload))
                 self._ask_replay(follower, follower.last + 1)
                 return
-            self.index(follower.deployment).drop(follower.replica)  # no replay: start afresh
+            self._lost(follower)  # no replay: start afresh
         self._apply(follower, seq, payload)
 
     def _on_replay(self, follower: _Follower, frames: list[bytes]) -> None:
+        if follower.replaying_since is None:
+            return  # an answer to a replay already given up
         if len(frames) < 4 or frames[2] == END_SEQ or not frames[3]:
             self._end_replay(follower)
             return
         seq = int.from_bytes(frames[2], "big")
-        if follower.replay_first is None:
-            follower.replay_first = seq
-            if seq > follower.replay_from and follower.last >= 0:  # the buffer no longer reaches back
-                self.partial += 1
-                self.index(follower.deployment).drop(follower.replica)
-        if seq > follower.last:
-            self._apply(follower, seq, frames[3])
+        if seq <= follower.last:
+            return
+        if follower.last >= 0 and seq > follower.last + 1:  # the buffer no longer reaches back, or a drop
+            self._lost(follower)
+        self._apply(follower, seq, frames[3])
 
     def _end_replay(self, follower: _Follower) -> None:
-        """Apply what came meanwhile; a batch still missing is lost for good (the replay just
-        tried for it): rebuild from here, as after a partial replay."""
+        """Apply what came meanwhile. A batch still missing is asked for once more; then it is
+        lost for good, and the replica's entries are rebuilt from what follows it."""
         follower.replaying_since = None
-        held, follower.held = sorted(follower.held), []
+        held = sorted(follower.held)
+        if held and follower.last >= 0 and held[0][0] > follower.last + 1 and not follower.retried:
+            follower.retried = True
+            self._ask_replay(follower, follower.last + 1)
+            return
+        follower.held, follower.retried = [], False
         for seq, payload in held:
             if seq <= follower.last:
                 continue
             if follower.last >= 0 and seq > follower.last + 1:
-                self.partial += 1
-                self.index(follower.deployment).drop(follower.replica)
+                self._lost(follower)
             self._apply(follower, seq, payload)
+
+    def _lost(self, follower: _Follower) -> None:
+        """Events of ``follower`` are lost for good: forget what it held (misses, never a
+        block believed held that was evicted meanwhile)."""
+        self.partial += 1
+        self.index(follower.deployment).drop(follower.replica)
 
     def _apply(self, follower: _Follower, seq: int, payload: bytes) -> None:
         self.index(follower.deployment).apply(follower.replica, decode_batch(payload))

@@ -25,7 +25,7 @@ from atomr_infer.routing.kv_subscriber import hub as kv_hub
 from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.prefix import PrefixIndex, pick_prefix_affinity
 from atomr_infer.routing.prompt_tokens import tokenizers
-from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
+from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 
 log = get_logger(__name__)
 MAX_KV_BLOCKS = 256  # a prompt's leading blocks matched by kv_events (32k tokens of 128)
@@ -44,6 +44,15 @@ class ReplicaPicker:
         if self._metrics is None:
             self._metrics = RouterMetrics()
         return self._metrics
+
+    def table_changed(self, table: RoutingTable) -> None:
+        """Stop listening to the KV events of a deployment this router followed that is gone or
+        routes by another policy now (its sockets and index go)."""
+        for name in list(self._followed):
+            dep = table.deployments.get(name)
+            if dep is None or dep.policy != "kv_events":
+                kv_hub().follow(name, {})
+                del self._followed[name]
 
     async def prompt_tokens(self, dep: DeploymentRoute, usable: list[ReplicaRoute], prompt: Any) -> list[int] | None:
         """``routing.policy: kv_events``: the prompt's token ids as the engine will see them (None

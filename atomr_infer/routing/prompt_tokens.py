@@ -19,9 +19,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from atomr_infer.log import get_logger
+from atomr_infer.task_context import outside_request
 
 log = get_logger(__name__)
 RETRY_S = 10.0  # after a failed fetch of a deployment's tokenizer
+FETCH_TIMEOUT_S = 30.0  # a replica that does not answer: try again later (another may)
 
 
 def _token_text(token: Any) -> str | None:
@@ -90,12 +92,15 @@ class TokenizerCache:
             return found
         if time.monotonic() - self._failed_at.get(deployment, -RETRY_S) < RETRY_S:
             return None
-        self._fetching[deployment] = asyncio.get_running_loop().create_task(self._fetch(deployment, replica_actor))
+        # Outside the request that asked: its caller leaving must not cancel the fetch.
+        self._fetching[deployment] = outside_request(asyncio.get_running_loop().create_task,
+                                                     self._fetch(deployment, replica_actor))
         return None
 
     async def _fetch(self, deployment: str, actor: Any) -> None:
         try:
-            files = await actor.tokenizer_files.remote()
+            files = await asyncio.wait_for(asyncio.wrap_future(actor.tokenizer_files.remote().future()),
+                                           FETCH_TIMEOUT_S)
             self._ready[deployment] = await asyncio.to_thread(PromptTokenizer, files)
             log.info("prompt_tokenizer_ready", deployment=deployment)
         except Exception as exc:  # noqa: BLE001 - routing goes on without it (prefix_affinity)

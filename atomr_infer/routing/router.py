@@ -196,6 +196,7 @@ class Router:
         if newer is not None:
             self._table = newer
             self._forget_exclusions(newer)
+            self._picker.table_changed(newer)
         return self._table
 
     def exclude(self, actor_name: str, permanent: bool) -> None:
@@ -279,7 +280,8 @@ class Router:
                         raise CapacityExhausted(name, dep.max_concurrent, retry_after_s=1.0)
                 # A deployment that may scale to zero waits as long as a replica may take to start;
                 # an adapter a replica is loading, as long as loading may take.
-                loading = adapter is not None and any(adapter in r.adapters_loading for r in dep.replicas)
+                loading = adapter is not None and any(
+                    adapter in r.adapters_loading and r.actor_name not in self._excluded for r in dep.replicas)
                 patience = max(self._wait_s, dep.cold_start_timeout_s or 0.0, ADAPTER_LOAD_WAIT_S if loading else 0.0)
                 remaining = appear_from + patience - now
                 if remaining <= 0:

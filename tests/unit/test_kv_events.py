@@ -179,38 +179,41 @@ def test_kv_events_is_refused_where_the_replicas_cannot_publish_for_atomr(runtim
 
 
 def test_a_gap_asks_for_a_replay_from_the_first_missing_batch_and_a_lost_one_rebuilds():
-    """The listener's sequence logic without sockets: batch 1 lost between 0 and 2."""
+    """The listener's sequence logic, fed by hand (batch 1 lost between 0 and 2); its replay
+    requests go to a port nothing listens on."""
     import msgspec
+    import zmq
 
     from atomr_infer.routing.kv_index import BlockStored, KVEventBatch
     from atomr_infer.routing.kv_subscriber import END_SEQ, _Follower
-
-    class Dealer:
-        def __init__(self):
-            self.asked = []
-
-        def send_multipart(self, frames):
-            self.asked.append(int.from_bytes(frames[1], "big"))
 
     def frame(seq, first, count, parent):
         hashes = list(range(1000 + first, 1000 + first + count))
         batch = KVEventBatch(0.0, [BlockStored(hashes, parent, DOC[first * BLOCK:(first + count) * BLOCK], BLOCK)])
         return seq.to_bytes(8, "big"), msgspec.msgpack.Encoder().encode(batch)
 
+    def end(follower):
+        hub._on_replay(follower, [b"", b"", END_SEQ, b""])
+
     doc = chain(DOC, BLOCK)
     hub = KvEventsHub()
-    follower = _Follower("d", "r0", "tcp://e", "tcp://r", dealer=Dealer())
+    hub._context, hub._poller = zmq.Context.instance(), zmq.Poller()
+    follower = _Follower("d", "r0", "tcp://127.0.0.1:9", "tcp://127.0.0.1:9")
     batches = [frame(0, 0, 1, None), frame(1, 1, 1, 1000), frame(2, 2, 1, 1001)]
     hub._on_sub(follower, [b"", *batches[0]])
     hub._on_sub(follower, [b"", *batches[2]])  # 1 is missing: held, and a replay asked from 1
-    assert follower.dealer.asked == [1] and hub.gaps == 1 and hub.index("d").depths(doc) == {"r0": 1}
+    assert follower.replay_from == 1 and hub.gaps == 1 and hub.index("d").depths(doc) == {"r0": 1}
     hub._on_replay(follower, [b"", b"", *batches[1]])
-    hub._on_replay(follower, [b"", b"", END_SEQ, b""])
-    assert follower.last == 2 and hub.index("d").depths(doc) == {"r0": 3}
+    end(follower)
+    assert follower.last == 2 and hub.index("d").depths(doc) == {"r0": 3} and hub.partial == 0
 
-    # The same gap when the replay no longer has batch 4: what came after is applied, from scratch.
+    # Batches 3 and 4 missing, and no replay has them: asked for twice, then lost for good.
     hub._on_sub(follower, [b"", 5 .to_bytes(8, "big"), batches[0][1]])
-    assert follower.dealer.asked == [1, 3]
-    hub._on_replay(follower, [b"", b"", END_SEQ, b""])  # nothing: 3 and 4 are gone
+    assert follower.replay_from == 3
+    end(follower)
+    assert follower.replay_from == 3 and follower.replaying_since is not None  # asked once more
+    end(follower)
     assert follower.last == 5 and hub.partial == 1
     assert hub.index("d").depths(doc) == {"r0": 1}  # rebuilt: only what batch 5 stored
+    for sock in (follower.sub, follower.dealer):
+        hub._close(sock)

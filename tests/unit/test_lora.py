@@ -102,8 +102,14 @@ def test_a_local_adapter_is_checked_against_the_base_models_modules_and_sizes(tm
         "lora.adapters.narrower": f"{str(narrower)!r} adapts model.layers.0.self_attn.v_proj for 1024 outputs; "
                                   "the base model's has 192",
     }
-    # Without the base model's weights on this node only the rank is checked.
+    # Without the base model's weights on this node only the rank is checked; a quantized base's
+    # tensors are packed (GPTQ's qweight, bitsandbytes' uint8 weight): not the modules' own names and sizes.
     assert adapter_problems(adapters, 16) == []
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    (packed / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
+    safetensors_file(packed / "model.safetensors", {"model.layers.0.self_attn.q_proj.qweight": [72, 576]})
+    assert adapter_problems(adapters, 16, base_model=packed) == []
 
 
 def test_the_spec_check_refuses_an_adapter_for_another_model_at_apply(tmp_path):
