@@ -220,11 +220,17 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
     ttfts: list[float] = []
     prompt_tokens = cached_tokens = 0
     sent = 0
+    # kv_events: the blocks of prefill each router sent each replica, not yet answered
+    queued: list[dict[str, float]] = [collections.defaultdict(float) for _ in range(cfg.routers)]
     while events and sent < total_requests:
         now, _, kind, payload = heapq.heappop(events)
         if kind == "events":
             name, batch = payload  # type: ignore[misc]
             kv.apply(name, batch, now)
+            continue
+        if kind == "answered":
+            router, name, work = payload  # type: ignore[misc]
+            queued[router][name] -= work
             continue
         if kind == "done":
             replica, conv, out_tokens = payload  # type: ignore[misc]
@@ -249,12 +255,15 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
                                              indexes[pick_rng.randrange(cfg.routers)], cfg.load_bound)
             choice = picked or min(replicas, key=lambda r: r.load)  # type: ignore[assignment]
         elif policy == "kv_events":
-            # A miss is placed as prefix affinity places it.
+            # A miss is placed as prefix affinity places it; each router knows the prefill it queued.
+            router = pick_rng.randrange(cfg.routers)
             place = functools.partial(pick_prefix_affinity, replicas, loads, cfg.max_concurrent, key,
-                                      indexes[pick_rng.randrange(cfg.routers)], cfg.load_bound)
+                                      indexes[router], cfg.load_bound)
             depths = kv.depths(chain([as_int(b) for b in blocks], 1))
-            picked, _ = pick_by_depth(replicas, loads, cfg.max_concurrent, depths, place, cfg.load_bound)
+            picked, _ = pick_by_depth(replicas, loads, cfg.max_concurrent, depths, place, cfg.load_bound,
+                                      len(blocks), queued[router])
             choice = picked or min(replicas, key=lambda r: r.load)  # type: ignore[assignment]
+            queued_work = (router, len(blocks) - depths.get(choice.actor_name, 0))  # type: ignore[union-attr]
         else:
             choice = oracle_pick(replicas, loads, cfg, key, holders)
         replica = by_name[choice.actor_name]  # type: ignore[union-attr]
@@ -265,6 +274,10 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
         start = max(now, replica.prefill_free_at)
         first_token = start + cfg.prefill_overhead_s + (tokens - hit) * cfg.prefill_s_per_token
         replica.prefill_free_at = first_token
+        if policy == "kv_events":
+            router, work = queued_work
+            queued[router][replica.actor_name] += work
+            push(first_token, "answered", (router, replica.actor_name, work))
         publish(now, replica, replica.insert(blocks, holders))
         replica.load += 1
         replica.served += 1

@@ -38,6 +38,9 @@ class ReplicaPicker:
         self.reasons: collections.Counter[tuple[str, str]] = collections.Counter()  # (deployment, reason)
         self._metrics: RouterMetrics | None = None  # built on first use: inside Ray, they are exported
         self._followed: dict[str, DeploymentRoute] = {}  # kv_events: the route whose replicas are followed
+        # kv_events: blocks of prefill this router sent each replica and had no answer to yet
+        self._queued: collections.Counter[str] = collections.Counter()
+        self._work: tuple[str, int] | None = None  # what the last pick queued
 
     @property
     def metrics(self) -> RouterMetrics:
@@ -116,7 +119,24 @@ class ReplicaPicker:
         block_size = next(iter(sources.values())).kv_events[2]  # type: ignore[index]
         blocks = chain(tokens, block_size, None if adapter is None else f"{dep.name}:{adapter}", limit=MAX_KV_BLOCKS)
         depths = {n: d for n, d in index.depths(blocks, sources).items() if not index.silent(n, now)}
-        choice, reason = pick_by_depth(usable, loads, dep.max_concurrent, depths, by_prefix, dep.load_bound)
+        choice, reason = pick_by_depth(usable, loads, dep.max_concurrent, depths, by_prefix, dep.load_bound,
+                                       len(blocks), self._queued)
         if choice is not None and depths.get(choice.actor_name, 0) < len(blocks):
             index.expect(choice.actor_name, now)  # it will store blocks: it owes us an event
+            self._queued[choice.actor_name] += len(blocks) - depths.get(choice.actor_name, 0)
+            self._work = (choice.actor_name, len(blocks) - depths.get(choice.actor_name, 0))
         return choice, reason
+
+    def take_work(self, actor_name: str) -> int:
+        """The blocks of prefill the last pick queued on ``actor_name`` (0: none), for the router
+        to hand back with ``answered`` once the replica answers."""
+        work, self._work = self._work, None
+        return work[1] if work is not None and work[0] == actor_name else 0
+
+    def answered(self, actor_name: str, work: int) -> None:
+        """A request's first answer came (or it ended): its prefill is no longer queued there."""
+        left = self._queued[actor_name] - work
+        if left > 0:
+            self._queued[actor_name] = left
+        else:
+            self._queued.pop(actor_name, None)

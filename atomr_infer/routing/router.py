@@ -224,9 +224,9 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - the manager is away: routing goes on
             log.warning("demand_report_failed", deployment=name, error=f"{type(exc).__name__}: {exc}")
 
-    async def _route(self, facts: RoutingFacts) -> tuple[DeploymentRoute, ReplicaRoute, str | None]:
+    async def _route(self, facts: RoutingFacts) -> tuple[DeploymentRoute, ReplicaRoute, str | None, int]:
         """The deployment, the replica and the LoRA adapter for ``facts`` (waiting for a
-        replica if need be)."""
+        replica if need be), and the blocks of prefill it queued there (kv_events)."""
         name = facts.deployment
         started = appear_from = time.monotonic()  # the wait for a ready replica runs from appear_from
         queue_deadline = None if self._queue_timeout_s is None else started + self._queue_timeout_s
@@ -266,7 +266,7 @@ class Router:
                     loads = {r.actor_name: self.load(r.actor_name) for r in usable}
                     choice = self._picker.pick(dep, usable, loads, key, adapter, tokens[0])
                     if choice is not None:
-                        return dep, choice, adapter
+                        return dep, choice, adapter, self._picker.take_work(choice.actor_name)
                     if dep.on_capacity_exhausted == "reject":
                         raise CapacityExhausted(name, dep.max_concurrent)
                 now = time.monotonic()
@@ -309,7 +309,7 @@ class Router:
         if facts.resumable:
             request = migration.named(request)
         while True:
-            dep, route, adapter = await self._route(facts)
+            dep, route, adapter, work = await self._route(facts)
             attempt += 1
             last_try = attempt >= MAX_ATTEMPTS
             self._in_flight[route.actor_name] += 1
@@ -325,6 +325,9 @@ class Router:
             try:
                 answer = items if resume is None else migration.seam(facts.kind, items, body_sent)
                 async for chunk in answer:
+                    if work:  # its prefill is done
+                        self._picker.answered(route.actor_name, work)
+                        work = 0
                     if failed_at:
                         migration.log_moved(dep.name, route.actor_name, failed_at, len(generated))
                         failed_at = 0.0
@@ -357,6 +360,8 @@ class Router:
                 else:
                     raise failure.cause from None
             finally:
+                if work:
+                    self._picker.answered(route.actor_name, work)
                 self._in_flight[route.actor_name] -= 1
                 self._released.set()
                 if not finished:  # consumer went away or was cancelled: abort in the engine

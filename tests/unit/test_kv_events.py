@@ -217,3 +217,18 @@ def test_a_gap_asks_for_a_replay_from_the_first_missing_batch_and_a_lost_one_reb
     assert hub.index("d").depths(doc) == {"r0": 1}  # rebuilt: only what batch 5 stored
     for sock in (follower.sub, follower.dealer):
         hub._close(sock)
+
+
+def test_a_holder_busy_prefilling_loses_to_a_replica_that_would_finish_sooner():
+    from atomr_infer.routing.kv_policy import QUEUED_BLOCK_WEIGHT, pick_by_depth
+    from atomr_infer.routing.table import ReplicaRoute
+
+    a, b = (ReplicaRoute(n, n, None) for n in ("a", "b"))
+
+    def place():
+        raise AssertionError("a replica holds the prompt: nothing to place")
+
+    # 10 blocks, 4 held on a: a costs 6 blocks of prefill plus what waits there, b all 10.
+    assert pick_by_depth([a, b], {}, 8, {"a": 4}, place, blocks=10) == (a, "kv_hit")
+    busy = {"a": (4 + 1) / QUEUED_BLOCK_WEIGHT}  # prefill queued at a: more than the 4 blocks it saves
+    assert pick_by_depth([a, b], {}, 8, {"a": 4}, place, blocks=10, queued=busy) == (b, "kv_overflow")
