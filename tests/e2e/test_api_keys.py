@@ -182,6 +182,16 @@ def test_a_deployment_rate_limit_changes_in_place_and_holds_for_every_key(keyed,
         assert int(answer.headers["retry-after"]) >= 1
     finally:
         ray_cluster.get(manager.apply.remote(base))
+        # The limit is gone once the new table reaches both ingress replicas (each caches it by
+        # long poll): the next test's first request must not meet the old limit (a fresh-clone
+        # run failed so). Requests refused meanwhile consume nothing.
+        deadline, passed = time.monotonic() + 30, 0
+        while passed < 4 and time.monotonic() < deadline:
+            answer = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {BOB}"},
+                                timeout=60)
+            passed = passed + 1 if answer.status_code == 200 else 0
+            if not passed:
+                time.sleep(0.2)
 
 
 def test_every_request_has_an_access_log_line_and_counts_by_key_name(keyed):
