@@ -163,22 +163,19 @@ class KvIndex:
             return
         for vllm_hash in hashes:
             ours = mine.pop(vllm_hash, None)
-            if ours is None:
-                continue  # stored before we listened
-            holders = self._holders.get(ours)
-            if holders is not None:
-                holders.discard(replica)
-                if not holders:
-                    del self._holders[ours]
+            if ours is not None:  # else stored before we listened
+                self._unhold(ours, replica)
 
     def _drop(self, replica: str) -> None:
-        mine = self._blocks.pop(replica, {})
-        for ours in mine.values():
-            holders = self._holders.get(ours)
-            if holders is not None:
-                holders.discard(replica)
-                if not holders:
-                    del self._holders[ours]
+        for ours in self._blocks.pop(replica, {}).values():
+            self._unhold(ours, replica)
+
+    def _unhold(self, ours: int, replica: str) -> None:
+        holders = self._holders.get(ours)
+        if holders is not None:
+            holders.discard(replica)
+            if not holders:
+                del self._holders[ours]
 
     def drop(self, replica: str) -> None:
         """Forget everything ``replica`` held (it left, restarted, or its events were lost)."""

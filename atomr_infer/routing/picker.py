@@ -104,9 +104,9 @@ class ReplicaPicker:
         self, dep: DeploymentRoute, usable: list[ReplicaRoute], loads: Mapping[str, int], adapter: str | None,
         tokens: list[int] | None, by_prefix: Callable[[], tuple[Any, str]],
     ) -> tuple[Any, str]:
-        """The holder of the most leading blocks (routing/kv_policy.py); prefix affinity, its
-        reason marked ``fallback_``, while no usable replica's events are fresh or the prompt's
-        tokens are unknown here (the tokenizer not fetched yet)."""
+        """The replica whose request would cost least by what it holds and what waits there
+        (routing/kv_policy.py); prefix affinity, its reason marked ``fallback_``, while no usable
+        replica's events are fresh or the prompt's tokens are unknown here (no tokenizer yet)."""
         events = kv_hub()
         if self._followed.get(dep.name) is not dep:  # a new table: the replicas to listen to
             events.follow(dep.name, {r.actor_name: r.kv_events[:2] for r in dep.replicas if r.kv_events})
