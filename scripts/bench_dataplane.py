@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/bench_dataplane.py [--streams 64,256,1024] [--step-ms 10]
         [--tokens 200] [--paths local,backend,router,client,http,vllm] [--core-process]
+        [--ttft C:N[:ROUNDS]]
 
 The replica runs ``atomr_infer.engine.vllm.emulated``: vLLM's real front half (tokenizer, output
 processing, and vLLM's OpenAI server in the replica) over a core that steps every
@@ -34,6 +35,8 @@ parsing, tokenizing and input processing, per request, plus the transport's open
 streaming/ideal: the same ratio without that time, (tokens x step) / (wall - admission), the
 rate once every stream runs, i.e. the cost per token alone; and how much of a core this process
 (the arm's client) used, which the replica does not have on a small machine.
+``--ttft C:N`` measures time to first token instead, closed loop (C clients, each sending its next
+request when its last ends, N requests in all), on the remote arms, interleaved by round.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import gc
 import json
 import os
@@ -52,12 +56,18 @@ sys.path.insert(0, REPO)
 
 NAME = "emulated"
 FIRST_OUTPUT_AT: list[float] = []  # per stream of the current measure(): when its first output came
+SENT_AT: contextvars.ContextVar[float | None] = contextvars.ContextVar("sent_at", default=None)
+TTFTS: list[float] = []  # closed_loop(): each request's time from its sending to its first output
 
 
 def arrived(first: bool) -> bool:
     """Record a stream's first output (call with True once); returns False for the next call."""
     if first:
-        FIRST_OUTPUT_AT.append(time.perf_counter())
+        now = time.perf_counter()
+        FIRST_OUTPUT_AT.append(now)
+        sent = SENT_AT.get()
+        if sent is not None:
+            TTFTS.append(now - sent)
     return False
 
 
@@ -198,6 +208,45 @@ async def measure(one, streams: int, tokens: int, step_s: float) -> float:
     return (tokens * step_s) / elapsed
 
 
+async def ttft_rounds(arms: dict, paths: list[str], load: str, tokens: int) -> None:
+    """``--ttft C:N[:ROUNDS]``: each arm's TTFT p50/p90, the arms interleaved round by round; the
+    medians over rounds, and each atomr arm against ``vllm`` where it ran."""
+    concurrency, total, *more = (int(x) for x in load.split(":"))
+    got: dict[str, list[tuple[float, float]]] = {p: [] for p in paths}
+    for round_no in range(more[0] if more else 2):
+        for path in paths:
+            p50, p90 = await closed_loop(arms[path], concurrency, total, tokens)
+            got[path].append((p50, p90))
+            print(f"round {round_no + 1} {path:>7} c={concurrency}: TTFT p50 {p50:6.1f} ms, p90 {p90:6.1f} ms",
+                  flush=True)
+    from atomr_infer.engine.cpu import machine_line
+
+    print(f"\nCPU: {machine_line()}")
+    median = {p: sorted(r[0] for r in rows)[len(rows) // 2] for p, rows in got.items()}
+    for path in paths:
+        print(f"ratio {path} TTFT p50 ms @ c={concurrency}: {median[path]:.1f}")
+    if "vllm" in paths:
+        for path in (p for p in paths if p != "vllm"):
+            print(f"ratio {path}/vllm TTFT p50 @ c={concurrency}: {median[path] / median['vllm']:.3f}")
+
+
+async def closed_loop(one, concurrency: int, total: int, tokens: int) -> tuple[float, float]:
+    """TTFT p50 and p90 (ms) of ``total`` requests sent by ``concurrency`` clients, each sending
+    its next request when its last one ends (as ``vllm bench serve --max-concurrency``)."""
+    TTFTS.clear()
+    numbers = iter(range(total))
+
+    async def client() -> None:
+        for i in numbers:
+            SENT_AT.set(time.perf_counter())
+            assert await one(i, tokens) == tokens
+        SENT_AT.set(None)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    ordered = sorted(TTFTS)
+    return ordered[len(ordered) // 2] * 1000, ordered[int(len(ordered) * 0.9)] * 1000
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", default="64,256,1024")
@@ -207,6 +256,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--core-process", action="store_true",
                     help="the emulated core in a process of its own (vLLM's SyncMPClient/AsyncMPClient), as on a GPU")
+    ap.add_argument("--ttft", default="", metavar="C:N[:ROUNDS]",
+                    help="instead of the burst: TTFT at concurrency C, N requests of --tokens tokens, "
+                         "closed loop, the remote arms interleaved ROUNDS times (default 2)")
     opts = ap.parse_args()
     sizes = [int(s) for s in opts.streams.split(",")]
     paths = opts.paths.split(",")
@@ -269,6 +321,9 @@ def main() -> None:
                 }
                 for path in remote:  # warm up every path once
                     await measure(arms[path], 4, 8, step_s)
+                if opts.ttft:
+                    await ttft_rounds(arms, remote, opts.ttft, opts.tokens)
+                    return {}
                 out: dict[str, dict[int, float]] = {p: {} for p in remote}
                 for n in sizes:
                     for path in remote:
@@ -288,6 +343,8 @@ def main() -> None:
                 return out
 
         results.update(asyncio.run(run_all()))
+        if opts.ttft:
+            return
     finally:
         if server is not None:
             from atomr_infer.serve.server import stop_server

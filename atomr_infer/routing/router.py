@@ -1,32 +1,25 @@
 """Route a request to a ready replica of the named deployment and stream its answer back.
 
-A request that names a stored Responses-API response goes to the replica holding it, and a new
-one is named after the replica it goes to (routing/response_ids.py).
+A ``Router`` caches the manager's routing table (refreshed at most once per ``refresh_s``, and
+whenever a replica turns out dead) and picks a replica from the request's ``RoutingFacts``
+(wire.py; the policies: routing/picker.py), over one channel per replica (routing/channel.py).
+``serving.max_concurrent`` is enforced by the replica: one that is full answers ``ReplicaBusy``
+and the request is routed again; with every replica full, ``queue`` waits for a slot
+(unbounded unless ``queue_timeout_s``), ``reject`` raises ``CapacityExhausted``. A stored
+Responses-API response is served by the replica holding it (routing/response_ids.py).
 
-A ``Router`` caches the manager's routing table (refreshing it at most once per
-``refresh_s`` and whenever a replica turns out dead) and picks, from the request's
-``RoutingFacts`` (wire.py: read once at the edge), by power-of-two choices on each
-replica's load: the larger of this router's own requests there and what the replica last said
-it had open from every router (each batch of its channel carries it; trusted for
-``LOAD_FRESH_S``). Requests travel over one channel per replica (routing/channel.py).
-``serving.max_concurrent`` is the replica's own limit, enforced by the replica: one that is full
-answers ``ReplicaBusy``, which counts it as full here and routes again. With every replica
-full, ``queue`` waits for a slot (unbounded unless ``queue_timeout_s``), ``reject`` raises
-``CapacityExhausted``.
-
-If the manager cannot be reached, routing goes on with the cached table. A replica this
-router saw die, or that answered draining/stopped, leaves its picks at once (the manager's
-table may list it for a few more seconds): a dead or draining replica never serves again,
-so it stays out until the table drops it; one that was only unreachable stays out until a
-newer table arrives. A request that had not started is retried on another replica; after a
-chunk was sent it fails with ``EngineError`` (replaying would duplicate text). When the
-consumer stops early, the request is cancelled on the replica, which aborts it in the engine.
+Without the manager, routing goes on with the cached table. A replica this router saw die or
+drain leaves its picks at once, until the table drops it; one only unreachable, until a newer
+table. A request not started yet is retried on another replica; a stream already sending moves
+(routing/migration.py) or fails with ``EngineError``. A consumer that stops early cancels its
+request on the replica, which aborts it in the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -54,6 +47,7 @@ from atomr_infer.wire import HttpHead, HttpRequest, OpenRequest, RoutingFacts
 
 # fetch(since_version) -> a newer table, or None when ``since_version`` is current.
 TableSource = Callable[[int], Awaitable[RoutingTable | None]]
+TablePeek = Callable[[int], "RoutingTable | None"]
 # How long a request waits for a newer routing table when a cached one exists (a healthy manager
 # answers in milliseconds; one blocked on an absent GCS may not for seconds).
 STALE_TABLE_WAIT_S = 0.25
@@ -82,12 +76,16 @@ class Router:
         queue_timeout_s: float | None = None,
         demand: DemandReport | None = None,
         fresh_source: TableSource | None = None,
+        peek: TablePeek | None = None,
     ) -> None:
         """``fresh_source``: asks the manager itself, for a forced refresh (a name the table
         lacks, a replica found dead) when ``source`` is a local copy kept by long poll (the
-        ingress's): a deployment applied a moment ago is then found, not 404."""
+        ingress's): a deployment applied a moment ago is then found, not 404. ``peek``: that copy
+        read at once (``LookupError`` while it has none), so that a refresh that is not forced
+        costs no turn of the event loop (two per request cost 3.3 ms of TTFT under load)."""
         self._source = source
         self._fresh_source = fresh_source or source
+        self._peek = peek
         self._demand = demand
         self.id = uuid.uuid4().hex[:12]
         self._waiting: collections.Counter[str] = collections.Counter()  # requests waiting, by deployment
@@ -153,6 +151,10 @@ class Router:
         asking the manager again (1,024 requests at once made 1,024 calls). A table that is only
         old is waited for at most ``STALE_TABLE_WAIT_S``, then routed by while the fetch goes on:
         a manager slow to answer (restarting, its GCS away) holds no request up for longer."""
+        if not force and self._peek is not None and self._table.version >= 0:
+            with contextlib.suppress(LookupError):
+                self._adopt(self._peek(self._table.version))
+                return self._table
         if not force and self._table.version >= 0:
             if time.monotonic() - self._fetched_at >= self._refresh_s:
                 task = self._background
@@ -192,12 +194,16 @@ class Router:
             # Keep routing by the cached table: replicas serve while the manager restarts.
             log.warning("routing_table_refresh_failed", error=f"{type(exc).__name__}: {exc}")
             newer = None
+        self._adopt(newer)
+        return self._table
+
+    def _adopt(self, newer: RoutingTable | None) -> None:
+        """Route by ``newer`` from now on (``None``: the table is still current)."""
         self._fetched_at = time.monotonic()
         if newer is not None:
             self._table = newer
             self._forget_exclusions(newer)
             self._picker.table_changed(newer)
-        return self._table
 
     def exclude(self, actor_name: str, permanent: bool) -> None:
         """Stop picking ``actor_name``: for good (dead, draining) or until a newer table."""

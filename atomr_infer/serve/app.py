@@ -113,7 +113,7 @@ class OpenAIIngress:
         self._router = Router(
             self._tables.get, wait_for_replica_s=replica_wait_s, refresh_s=0.0,
             demand=lambda *report: self._tables.manager().report_demand.remote(*report),
-            fresh_source=self._tables.fetch,
+            fresh_source=self._tables.fetch, peek=self._tables.peek,
         )
         self._listener = None
         if listen_on is not None:  # bound here, so that a taken port fails the replica at once

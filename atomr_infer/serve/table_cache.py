@@ -79,6 +79,13 @@ class TableCache:
                 raise ManagerUnreachable(self._last_error or "no routing table yet") from None
         return self._table if self._table.version != since_version else None
 
+    def peek(self, since_version: int) -> RoutingTable | None:
+        """What ``get`` answers, at once: ``LookupError`` while no table has come yet."""
+        self.start()
+        if not self._loaded.is_set():
+            raise LookupError("no routing table yet")
+        return self._table if self._table.version != since_version else None
+
     async def fetch(self, since_version: int) -> RoutingTable | None:
         """Ask the manager now, not the local copy (which lags it by the long poll's round
         trip): the table if it differs from ``since_version``, and the cache takes it too."""

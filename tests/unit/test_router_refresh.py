@@ -76,3 +76,44 @@ def test_a_cancelled_fetch_leaves_the_others_to_fetch_again():
             await first
 
     asyncio.run(main())
+
+
+class SilentManager:
+    """A manager whose long poll never answers: the cache keeps the tables the test gives it."""
+
+    class routing_table:  # noqa: N801 - stands for an actor method (``.remote``)
+        @staticmethod
+        async def remote(version: int, timeout_s: float) -> None:
+            await asyncio.Event().wait()
+
+
+def test_the_ingress_copy_of_the_table_is_read_without_a_turn_of_the_event_loop():
+    """The ingress's copy (kept current by long poll) is read at once: a refresh that is not
+    forced neither starts a task nor waits, so it never suspends the request (each turn of a
+    busy event loop cost TTFT), and a newer copy is taken as a fetched table is."""
+    from atomr_infer.serve.table_cache import TableCache
+
+    first = SlowSource(FakeReplica("r0")).table
+    newer = RoutingTable(2, {"d": DeploymentRoute("d", 4096, "queue", (route(FakeReplica("r1")),))})
+
+    async def main():
+        cache = TableCache(lookup=SilentManager)
+        router = Router(cache.get, refresh_s=0.0, fresh_source=cache.fetch, peek=cache.peek)
+        try:
+            with pytest.raises(LookupError):
+                cache.peek(-1)  # nothing yet: the router waits for the first table instead
+            cache._take(first)
+            assert await router.refresh() is first
+            results = []
+            for table in (first, newer):  # unchanged, then changed by the long poll
+                cache._take(table)
+                step = router.refresh()
+                with pytest.raises(StopIteration) as done:
+                    step.send(None)  # ran to its end without suspending once
+                results.append(done.value.value)
+            assert results == [first, newer] and router.table is newer
+            assert router._background is None  # no task was started for it
+        finally:
+            cache.stop()
+
+    asyncio.run(main())
