@@ -23,6 +23,7 @@ from vllm.engine.protocol import EngineClient
 from vllm.renderers.inputs.preprocess import extract_prompt_components
 from vllm.v1.engine import EngineCoreRequest
 
+from atomr_infer.engine.vllm.inline_tokenize import tokenize_short_prompts_inline
 from atomr_infer.engine.vllm.resume import RESUME, TOKENS, as_whole, extend_request
 from atomr_infer.engine.vllm.stream import RequestStream
 
@@ -46,6 +47,7 @@ class StepLoopEngineClient(EngineClient):
         self.vllm_config = engine.vllm_config
         self.model_config = engine.model_config
         self.renderer = engine.renderer
+        tokenize_short_prompts_inline(self.renderer)
         self.input_processor = engine.input_processor
         self._supported_tasks = tuple(engine.get_supported_tasks())
         self._gate = gate
