@@ -239,8 +239,9 @@ async def closed_loop(one, concurrency: int, total: int, tokens: int) -> tuple[f
     async def client() -> None:
         for i in numbers:
             SENT_AT.set(time.perf_counter())
-            assert await one(i, tokens) == tokens
-        SENT_AT.set(None)
+            count = await one(i, tokens)
+            if count != tokens:
+                raise AssertionError(f"request {i}: {count} tokens, not {tokens}")
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     ordered = sorted(TTFTS)
@@ -262,6 +263,8 @@ def main() -> None:
     opts = ap.parse_args()
     sizes = [int(s) for s in opts.streams.split(",")]
     paths = opts.paths.split(",")
+    if opts.ttft and any(p in ("local", "backend", "router-nomig") for p in paths):
+        ap.error("--ttft measures the remote arms router, client, http and vllm")
     step_s = opts.step_ms / 1000
 
     import aiohttp
@@ -310,7 +313,9 @@ def main() -> None:
 
         async def run_all() -> dict[str, dict[int, float]]:
             router = Router(lambda v: manager.routing_table.remote(v))
-            connector = aiohttp.TCPConnector(limit=max(sizes) + 8)
+            # More connections than requests at once: none queues in aiohttp after its clock started.
+            connector = aiohttp.TCPConnector(limit=max(sizes + [int(opts.ttft.split(":")[0] or 0)]) + 8
+                                             if opts.ttft else max(sizes) + 8)
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
                 arms = {
                     "router": lambda i, t: via_router(router, i, t),

@@ -29,7 +29,8 @@ from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTabl
 
 log = get_logger(__name__)
 MAX_KV_BLOCKS = 256  # a prompt's leading blocks matched by kv_events (32k tokens of 128)
-INLINE_TOKENIZE_CHARS = 4000  # shorter prompts are tokenized in the event loop (a thread hop costs more)
+# Shorter prompts are tokenized on the event loop, here and in replicas: a thread hop costs more.
+INLINE_TOKENIZE_CHARS = 4000
 
 
 class ReplicaPicker:

@@ -47,9 +47,9 @@ from atomr_infer.wire import HttpHead, HttpRequest, OpenRequest, RoutingFacts
 
 # fetch(since_version) -> a newer table, or None when ``since_version`` is current.
 TableSource = Callable[[int], Awaitable[RoutingTable | None]]
-TablePeek = Callable[[int], "RoutingTable | None"]
-# How long a request waits for a newer routing table when a cached one exists (a healthy manager
-# answers in milliseconds; one blocked on an absent GCS may not for seconds).
+TablePeek = Callable[[int], "RoutingTable | None"]  # the same, read at once from a local copy
+# How long a request waits for a newer routing table when a cached one exists and no local copy
+# is peeked (a healthy manager answers in milliseconds; one blocked on an absent GCS may not).
 STALE_TABLE_WAIT_S = 0.25
 # Tries for one request that fails before its first chunk (each on a replica not yet tried).
 MAX_ATTEMPTS = 4
@@ -150,7 +150,8 @@ class Router:
         at a time of each kind: requests that arrive while one runs wait for it instead of
         asking the manager again (1,024 requests at once made 1,024 calls). A table that is only
         old is waited for at most ``STALE_TABLE_WAIT_S``, then routed by while the fetch goes on:
-        a manager slow to answer (restarting, its GCS away) holds no request up for longer."""
+        a manager slow to answer (restarting, its GCS away) holds no request up for longer.
+        With ``peek``, a refresh that is not forced reads the local copy and waits for nothing."""
         if not force and self._peek is not None and self._table.version >= 0:
             with contextlib.suppress(LookupError):
                 self._adopt(self._peek(self._table.version))

@@ -115,3 +115,15 @@ def test_a_replica_reports_the_routes_its_model_serves(manager, smollm2, ray_clu
     routes = status.replicas[0].routes
     assert "POST /v1/chat/completions" in routes and "POST /v1/responses" in routes
     assert "POST /v1/embeddings" not in routes  # a generating model: no pooling routes
+
+
+def test_the_replica_tokenizes_short_text_prompts_on_its_event_loop(smollm2_replica):
+    """The bundled model's renderer holds vLLM's thread-safe tokenizer pool, so the replica's
+    engine client tokenizes short text prompts inline (engine/vllm/inline_tokenize.py), and a
+    completion still answers."""
+    inline = ray.get(smollm2_replica.__ray_call__.remote(
+        lambda replica: getattr(replica._backend._client.renderer._tokenize_prompt_async, "atomr_inline", False)
+    ))
+    assert inline is True
+    head, raw = call(smollm2_replica, "/v1/completions", {"model": "smollm2", "prompt": "Paris is", "max_tokens": 4})
+    assert head.status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4

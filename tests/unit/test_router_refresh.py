@@ -104,6 +104,7 @@ def test_the_ingress_copy_of_the_table_is_read_without_a_turn_of_the_event_loop(
                 cache.peek(-1)  # nothing yet: the router waits for the first table instead
             cache._take(first)
             assert await router.refresh() is first
+            router.exclude("atomr:d:r0", permanent=False)  # until a newer table
             results = []
             for table in (first, newer):  # unchanged, then changed by the long poll
                 cache._take(table)
@@ -112,6 +113,7 @@ def test_the_ingress_copy_of_the_table_is_read_without_a_turn_of_the_event_loop(
                     step.send(None)  # ran to its end without suspending once
                 results.append(done.value.value)
             assert results == [first, newer] and router.table is newer
+            assert router._excluded == {}  # taken as a fetched table is: the exclusion is over
             assert router._background is None  # no task was started for it
         finally:
             cache.stop()
