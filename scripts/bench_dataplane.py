@@ -208,12 +208,12 @@ async def measure(one, streams: int, tokens: int, step_s: float) -> float:
     return (tokens * step_s) / elapsed
 
 
-async def ttft_rounds(arms: dict, paths: list[str], load: str, tokens: int) -> None:
+async def ttft_rounds(arms: dict, paths: list[str], load: tuple[int, int, int], tokens: int) -> None:
     """``--ttft C:N[:ROUNDS]``: each arm's TTFT p50/p90, the arms interleaved round by round; the
     medians over rounds, and each atomr arm against ``vllm`` where it ran."""
-    concurrency, total, *more = (int(x) for x in load.split(":"))
+    concurrency, total, rounds = load
     got: dict[str, list[tuple[float, float]]] = {p: [] for p in paths}
-    for round_no in range(more[0] if more else 2):
+    for round_no in range(rounds):
         for path in paths:
             p50, p90 = await closed_loop(arms[path], concurrency, total, tokens)
             got[path].append((p50, p90))
@@ -265,6 +265,8 @@ def main() -> None:
     paths = opts.paths.split(",")
     if opts.ttft and any(p in ("local", "backend", "router-nomig") for p in paths):
         ap.error("--ttft measures the remote arms router, client, http and vllm")
+    concurrency, total, *more = (int(x) for x in opts.ttft.split(":")) if opts.ttft else (0, 0)
+    ttft = (concurrency, total, more[0] if more else 2)
     step_s = opts.step_ms / 1000
 
     import aiohttp
@@ -314,8 +316,7 @@ def main() -> None:
         async def run_all() -> dict[str, dict[int, float]]:
             router = Router(lambda v: manager.routing_table.remote(v))
             # More connections than requests at once: none queues in aiohttp after its clock started.
-            connector = aiohttp.TCPConnector(limit=max(sizes + [int(opts.ttft.split(":")[0] or 0)]) + 8
-                                             if opts.ttft else max(sizes) + 8)
+            connector = aiohttp.TCPConnector(limit=max(*sizes, concurrency) + 8)
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
                 arms = {
                     "router": lambda i, t: via_router(router, i, t),
@@ -327,7 +328,7 @@ def main() -> None:
                 for path in remote:  # warm up every path once
                     await measure(arms[path], 4, 8, step_s)
                 if opts.ttft:
-                    await ttft_rounds(arms, remote, opts.ttft, opts.tokens)
+                    await ttft_rounds(arms, remote, ttft, opts.tokens)
                     return {}
                 out: dict[str, dict[int, float]] = {p: {} for p in remote}
                 for n in sizes:

@@ -77,7 +77,7 @@ class TableCache:
                 await asyncio.wait_for(self._loaded.wait(), self._first_load_timeout_s)
             except asyncio.TimeoutError:
                 raise ManagerUnreachable(self._last_error or "no routing table yet") from None
-        return self._table if self._table.version != since_version else None
+        return self.peek(since_version)
 
     def peek(self, since_version: int) -> RoutingTable | None:
         """What ``get`` answers, at once: ``LookupError`` while no table has come yet."""
