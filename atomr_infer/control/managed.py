@@ -112,7 +112,7 @@ class ManagedDeployment:
         wanted = self.spec.lora.adapters if self.spec.lora is not None else {}
         ready = tuple(
             ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor(), *adapter_routes(r.handle, wanted),
-                         kv_events=kv_source(r.handle.placement().get("kv_events")))
+                         kv_events=kv_source(r.handle.placement().get("kv_events")), runtime_key=r.runtime_key)
             for r in self.reconciler.ready_replicas()
         )
         s = self.spec.serving

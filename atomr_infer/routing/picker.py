@@ -33,6 +33,12 @@ MAX_KV_BLOCKS = 256  # a prompt's leading blocks matched by kv_events (32k token
 INLINE_TOKENIZE_CHARS = 4000
 
 
+def tokenizer_source(usable: list[ReplicaRoute]) -> ReplicaRoute | None:
+    """kv_events: the replica whose spec's tokenizer a prompt is tokenized with (the first that
+    publishes events); during a roll, the other spec's replicas are not matched by those tokens."""
+    return next((r for r in usable if r.kv_events is not None), None)
+
+
 class ReplicaPicker:
     def __init__(self) -> None:
         self._prefixes: collections.defaultdict[str, PrefixIndex] = collections.defaultdict(PrefixIndex)
@@ -62,10 +68,10 @@ class ReplicaPicker:
         """``routing.policy: kv_events``: the prompt's token ids as the engine will see them (None
         where unknown here: another policy, no tokenizer fetched yet). A long prompt is tokenized
         in a thread (milliseconds for thousands of tokens) while the event loop routes others."""
-        source = next((r for r in usable if r.kv_events is not None), None)
+        source = tokenizer_source(usable)
         if dep.policy != "kv_events" or prompt is None or source is None:
             return None
-        tokenizer = tokenizers().get(dep.name, source.actor)
+        tokenizer = tokenizers().get(dep.name, source.actor, source.runtime_key)
         if tokenizer is None:
             return None
         if len(str(prompt)) < INLINE_TOKENIZE_CHARS:
@@ -113,7 +119,9 @@ class ReplicaPicker:
             events.follow(dep.name, {r.actor_name: r.kv_events[:2] for r in dep.replicas if r.kv_events})
             self._followed[dep.name] = dep
         index, now = events.index(dep.name), time.monotonic()
-        sources = {r.actor_name: r for r in usable if r.kv_events is not None}
+        source = tokenizer_source(usable)  # whose tokenizer gave ``tokens``: only its spec's replicas match
+        spec = None if source is None else source.runtime_key
+        sources = {r.actor_name: r for r in usable if r.kv_events is not None and r.runtime_key == spec}
         if not tokens or not any(not index.silent(name, now) for name in sources):
             choice, reason = by_prefix()
             return choice, f"fallback_{reason}"

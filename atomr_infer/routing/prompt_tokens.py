@@ -3,8 +3,8 @@ kv_events`` matches them against what each replica's KV-cache events say it hold
 
 With the ``tokenizers`` library and the model's own chat template rendered by jinja2 as
 Hugging Face renders it: no torch, no transformers, no vLLM (issue 20: only replicas load
-them). The files come from a replica (``VllmReplica.tokenizer_files``), once per deployment per
-process. Measured against a round trip to the replica to tokenize there: see
+them). The files come from a replica (``VllmReplica.tokenizer_files``), once per deployment and
+spec (a roll may change the model) per process. Measured against a round trip to the replica to tokenize there: see
 docs/performance.md (``scripts/bench_kv_index.py``). A template this cannot render, or content
 it renders differently from vLLM, costs only cache hits: the router then finds no blocks held.
 """
@@ -78,36 +78,42 @@ class PromptTokenizer:
 
 
 class TokenizerCache:
-    """Each deployment's ``PromptTokenizer`` in this process, fetched from a replica in the
-    background the first time it is asked for (None until then)."""
+    """Each deployment's ``PromptTokenizer`` in this process, by the spec its replicas run
+    (``ReplicaRoute.runtime_key``: a roll to another model tokenizes differently), fetched from
+    a replica of that spec in the background the first time it is asked for (None until then).
+    One spec's is kept per deployment: a newer one replaces it."""
 
     def __init__(self) -> None:
-        self._ready: dict[str, PromptTokenizer] = {}
-        self._fetching: dict[str, asyncio.Task[None]] = {}
-        self._failed_at: dict[str, float] = {}
+        self._ready: dict[tuple[str, str], PromptTokenizer] = {}
+        self._fetching: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._failed_at: dict[tuple[str, str], float] = {}
 
-    def get(self, deployment: str, replica_actor: Any) -> PromptTokenizer | None:
-        found = self._ready.get(deployment)
-        if found is not None or deployment in self._fetching:
+    def get(self, deployment: str, replica_actor: Any, spec_key: str = "") -> PromptTokenizer | None:
+        key = (deployment, spec_key)
+        found = self._ready.get(key)
+        if found is not None or key in self._fetching:
             return found
-        if time.monotonic() - self._failed_at.get(deployment, -RETRY_S) < RETRY_S:
+        if time.monotonic() - self._failed_at.get(key, -RETRY_S) < RETRY_S:
             return None
         # Outside the request that asked: its caller leaving must not cancel the fetch.
-        self._fetching[deployment] = outside_request(asyncio.get_running_loop().create_task,
-                                                     self._fetch(deployment, replica_actor))
+        self._fetching[key] = outside_request(asyncio.get_running_loop().create_task, self._fetch(key, replica_actor))
         return None
 
-    async def _fetch(self, deployment: str, actor: Any) -> None:
+    async def _fetch(self, key: tuple[str, str], actor: Any) -> None:
+        deployment = key[0]
         try:
             files = await asyncio.wait_for(asyncio.wrap_future(actor.tokenizer_files.remote().future()),
                                            FETCH_TIMEOUT_S)
-            self._ready[deployment] = await asyncio.to_thread(PromptTokenizer, files)
-            log.info("prompt_tokenizer_ready", deployment=deployment)
+            tokenizer = await asyncio.to_thread(PromptTokenizer, files)
+            for old in [k for k in self._ready if k[0] == deployment]:  # another spec's: rolled away
+                del self._ready[old]
+            self._ready[key] = tokenizer
+            log.info("prompt_tokenizer_ready", deployment=deployment, spec=key[1])
         except Exception as exc:  # noqa: BLE001 - routing goes on without it (prefix_affinity)
-            self._failed_at[deployment] = time.monotonic()
+            self._failed_at[key] = time.monotonic()
             log.warning("prompt_tokenizer_failed", deployment=deployment, error=f"{type(exc).__name__}: {exc}")
         finally:
-            del self._fetching[deployment]
+            del self._fetching[key]
 
 
 _CACHE: TokenizerCache | None = None

@@ -15,6 +15,9 @@ class ReplicaRoute:
     adapters_loading: frozenset[str] = frozenset()  # lora.adapters it has not loaded yet (nor failed to)
     # Where it publishes its KV-cache events: (endpoint, replay endpoint, block size); None: it does not.
     kv_events: tuple[str, str | None, int] | None = None
+    # Which spec it runs (a roll or restart changes it): kv_events routers tokenize with the
+    # tokenizer of that spec's model, so replicas of another key are not matched by those tokens.
+    runtime_key: str = ""
 
 
 @dataclass(frozen=True)

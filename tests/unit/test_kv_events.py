@@ -232,3 +232,71 @@ def test_a_holder_busy_prefilling_loses_to_a_replica_that_would_finish_sooner():
     assert pick_by_depth([a, b], {}, 8, {"a": 4}, place, blocks=10) == (a, "kv_hit")
     busy = {"a": (4 + 1) / QUEUED_BLOCK_WEIGHT}  # prefill queued at a: more than the 4 blocks it saves
     assert pick_by_depth([a, b], {}, 8, {"a": 4}, place, blocks=10, queued=busy) == (b, "kv_overflow")
+
+
+def test_replicas_of_another_spec_are_not_matched_by_this_specs_tokens():
+    """Mid-roll to another model: the prompt is tokenized with the first publisher's spec's
+    tokenizer, so a replica of the old spec holding those ids is no holder (its model's ids
+    would differ): placed, not sent to it."""
+    from atomr_infer.routing.kv_index import BlockStored, KVEventBatch
+    from atomr_infer.routing.kv_subscriber import hub
+    from atomr_infer.routing.picker import ReplicaPicker
+    from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
+
+    source = ("tcp://127.0.0.1:9", None, BLOCK)  # nothing listens there: events go into the index directly
+    new = ReplicaRoute("n", "atomr:kvroll:n", None, kv_events=source, runtime_key="spec-2")
+    old = ReplicaRoute("o", "atomr:kvroll:o", None, kv_events=source, runtime_key="spec-1")
+    dep = DeploymentRoute("kvroll", 8, "queue", (new, old), policy="kv_events")
+    hub().index("kvroll").apply(old.actor_name, KVEventBatch(0.0, [BlockStored([1, 2, 3], None, DOC[:3 * BLOCK],
+                                                                               BLOCK)]))
+    picker = ReplicaPicker()
+    loads = {new.actor_name: 0, old.actor_name: 1}
+    assert picker.pick(dep, [new, old], loads, lambda: None, tokens=DOC) is new
+    assert dict(picker.reasons) == {("kvroll", "kv_miss"): 1}
+    # Once the old spec's replica is the tokenizer's (listed first), it is the holder again.
+    assert picker.pick(dep, [old, new], {new.actor_name: 0, old.actor_name: 0}, lambda: None, tokens=DOC) is old
+
+
+def test_a_deployments_tokenizer_is_fetched_again_for_a_new_spec_and_the_old_one_dropped():
+    import asyncio
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from atomr_infer.routing.prompt_tokens import TokenizerCache
+
+    def files(first_id: int) -> dict[str, str]:
+        tokenizer = Tokenizer(models.WordLevel({"hello": first_id, "[UNK]": first_id + 1}, unk_token="[UNK]"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        return {"tokenizer.json": tokenizer.to_str()}
+
+    fetched: list[int] = []
+
+    def replica(first_id: int):
+        def remote():
+            fetched.append(first_id)
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(files(first_id))
+            return SimpleNamespace(future=lambda: done)
+
+        return SimpleNamespace(tokenizer_files=SimpleNamespace(remote=remote))
+
+    async def ready(cache, actor, spec):
+        for _ in range(200):
+            found = cache.get("d", actor, spec)
+            if found is not None:
+                return found
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"no tokenizer for {spec}")
+
+    async def main():
+        cache = TokenizerCache()
+        old, new = replica(5), replica(50)
+        assert (await ready(cache, old, "spec-1")).tokens("hello") == [5]
+        assert (await ready(cache, new, "spec-2")).tokens("hello") == [50]  # a roll: fetched from the new spec's
+        assert (await ready(cache, new, "spec-2")).tokens("hello") == [50] and fetched == [5, 50]  # kept
+        assert cache.get("d", old, "spec-1") is None  # the old spec's was dropped: asked for, it is fetched again
+        assert (await ready(cache, old, "spec-1")).tokens("hello") == [5] and fetched == [5, 50, 5]
+
+    asyncio.run(main())
