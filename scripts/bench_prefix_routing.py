@@ -28,6 +28,7 @@ ingress replicas). Each round starts with every replica's prefix cache reset.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import random
 import statistics
@@ -104,6 +105,15 @@ def replica_cache(cp, ray) -> tuple[int, int]:
     return total, cached
 
 
+def route_reasons(clients) -> collections.Counter:
+    """How the routers of ``clients`` decided so far (reason -> requests), summed."""
+    total: collections.Counter = collections.Counter()
+    for client in clients:
+        for router in client._routers.values():  # one per event loop the Client ran on
+            total.update({reason: n for (_, reason), n in router.route_reasons.items()})
+    return total
+
+
 def run_round(cp, clients, ray, policy: str, salt: int, args) -> dict:
     cp.apply(spec(policy, args.max_batched_tokens, args.kv_gb))  # in place: the same replicas, another policy
     rng = random.Random(salt)
@@ -112,7 +122,7 @@ def run_round(cp, clients, ray, policy: str, salt: int, args) -> dict:
     if args.workload == "shared":
         cp.reset_prefix_cache(NAME)  # every policy starts cold
         time.sleep(1.0)
-    before = replica_cache(cp, ray)
+    before, reasons = replica_cache(cp, ray), route_reasons(clients)
     ttfts: list[float] = []
     started = time.perf_counter()
 
@@ -135,7 +145,8 @@ def run_round(cp, clients, ray, policy: str, salt: int, args) -> dict:
     ttfts.sort()
     return {"policy": policy, "ttft_p50": statistics.median(ttfts), "ttft_mean": statistics.mean(ttfts),
             "ttft_p90": ttfts[int(0.9 * len(ttfts))],
-            "hit_rate": cached / max(1, prompt), "rps": len(ttfts) / wall, "requests": len(ttfts)}
+            "hit_rate": cached / max(1, prompt), "rps": len(ttfts) / wall, "requests": len(ttfts),
+            "reasons": dict(route_reasons(clients) - reasons)}
 
 
 def main() -> int:
@@ -187,7 +198,7 @@ def main() -> int:
                 print(f"round {round_ + 1} {policy:>16}: TTFT p50 {r['ttft_p50'] * 1000:7.1f} ms, "
                       f"mean {r['ttft_mean'] * 1000:7.1f} ms, "
                       f"p90 {r['ttft_p90'] * 1000:7.1f} ms, prefix-cache hit rate {r['hit_rate']:.3f}, "
-                      f"{r['rps']:.2f} requests/s ({r['requests']} requests)", flush=True)
+                      f"{r['rps']:.2f} requests/s ({r['requests']} requests); routed {r['reasons']}", flush=True)
         for client in clients:
             client.close()
         by = {p: [r for r in results if r["policy"] == p] for p in args.policies}
