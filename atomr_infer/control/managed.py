@@ -112,8 +112,9 @@ class ManagedDeployment:
         wanted = self.spec.lora.adapters if self.spec.lora is not None else {}
         ready = tuple(
             ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor(), *adapter_routes(r.handle, wanted),
-                         kv_events=kv_source(r.handle.placement().get("kv_events")), runtime_key=r.runtime_key)
+                         kv_events=kv_source(facts.get("kv_events")), model=facts.get("model") or "")
             for r in self.reconciler.ready_replicas()
+            for facts in (r.handle.placement(),)
         )
         s = self.spec.serving
         aliases = tuple(s.openai.served_model_name)
@@ -129,6 +130,7 @@ class ManagedDeployment:
             s.migration.max_tries if s.migration.enabled else 0,
             # A tool-call parser reads only requests with tools (which move only unstarted).
             s.openai.reasoning_parser is not None,
+            model=self.spec.model,
         )
 
 

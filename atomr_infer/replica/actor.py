@@ -175,7 +175,8 @@ class VllmReplica:
         """Resolve once the engine and its serving layer have started; raise ``EngineError``
         (``EngineStartFailed``) if either failed or timed out."""
         await self._wait_ready(timeout)
-        return {"replica_id": self._replica_id, "device": self._device, **self._facts, **_placement()}
+        return {"replica_id": self._replica_id, "device": self._device, "model": self._deployment.model,
+                **self._facts, **_placement()}
 
     async def health(self, adapters: dict[str, str] | None = None) -> ReplicaHealth:
         """The replica's health report; raises ``EngineError`` once it is unhealthy.

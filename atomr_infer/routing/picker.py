@@ -14,6 +14,7 @@ import collections
 import functools
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from atomr_infer.log import get_logger
@@ -33,10 +34,21 @@ MAX_KV_BLOCKS = 256  # a prompt's leading blocks matched by kv_events (32k token
 INLINE_TOKENIZE_CHARS = 4000
 
 
-def tokenizer_source(usable: list[ReplicaRoute]) -> ReplicaRoute | None:
-    """kv_events: the replica whose spec's tokenizer a prompt is tokenized with (the first that
-    publishes events); during a roll, the other spec's replicas are not matched by those tokens."""
-    return next((r for r in usable if r.kv_events is not None), None)
+@dataclass(frozen=True, slots=True)
+class PromptIds:
+    """A prompt's token ids and the model whose tokenizer made them: only replicas serving that
+    model are matched by them (mid-roll to another model, the others hold other ids)."""
+
+    model: str
+    ids: list[int]
+
+
+def tokenizer_source(dep: DeploymentRoute, usable: list[ReplicaRoute]) -> ReplicaRoute | None:
+    """kv_events: the replica whose model's tokenizer a prompt is tokenized with: one serving the
+    deployment's model (the one a roll goes to), else (no such replica usable yet) the first that
+    publishes events. Per deployment, not per request, so routers do not fetch by turns."""
+    publishing = [r for r in usable if r.kv_events is not None]
+    return next((r for r in publishing if r.model == dep.model), publishing[0] if publishing else None)
 
 
 class ReplicaPicker:
@@ -63,24 +75,29 @@ class ReplicaPicker:
             if dep is None or dep.policy != "kv_events":
                 kv_hub().follow(name, {})
                 del self._followed[name]
+        # Tokenizers of models no replica serves any more (rolled away, or the deployment gone).
+        tokenizers().retain({name: {dep.model, *(r.model for r in dep.replicas)}
+                             for name, dep in table.deployments.items() if dep.policy == "kv_events"})
 
-    async def prompt_tokens(self, dep: DeploymentRoute, usable: list[ReplicaRoute], prompt: Any) -> list[int] | None:
+    async def prompt_tokens(self, dep: DeploymentRoute, usable: list[ReplicaRoute], prompt: Any) -> PromptIds | None:
         """``routing.policy: kv_events``: the prompt's token ids as the engine will see them (None
         where unknown here: another policy, no tokenizer fetched yet). A long prompt is tokenized
         in a thread (milliseconds for thousands of tokens) while the event loop routes others."""
-        source = tokenizer_source(usable)
+        source = tokenizer_source(dep, usable)
         if dep.policy != "kv_events" or prompt is None or source is None:
             return None
-        tokenizer = tokenizers().get(dep.name, source.actor, source.runtime_key)
+        tokenizer = tokenizers().get(dep.name, source.actor, source.model)
         if tokenizer is None:
             return None
         if len(str(prompt)) < INLINE_TOKENIZE_CHARS:
-            return tokenizer.tokens(prompt)
-        return await asyncio.to_thread(tokenizer.tokens, prompt)
+            ids = tokenizer.tokens(prompt)
+        else:
+            ids = await asyncio.to_thread(tokenizer.tokens, prompt)
+        return None if ids is None else PromptIds(source.model, ids)
 
     def pick(
         self, dep: DeploymentRoute, usable: list[ReplicaRoute], loads: Mapping[str, int], key: Callable[[], Any],
-        adapter: str | None = None, tokens: list[int] | None = None,
+        adapter: str | None = None, tokens: PromptIds | None = None,
     ) -> ReplicaRoute | None:
         """The replica of ``usable`` (each with its ``loads``) for a request for ``adapter`` (None:
         the base model) whose prompt key ``key`` gives (read only where a policy needs it) and
@@ -109,7 +126,7 @@ class ReplicaPicker:
 
     def _by_kv_events(
         self, dep: DeploymentRoute, usable: list[ReplicaRoute], loads: Mapping[str, int], adapter: str | None,
-        tokens: list[int] | None, by_prefix: Callable[[], tuple[Any, str]],
+        tokens: PromptIds | None, by_prefix: Callable[[], tuple[Any, str]],
     ) -> tuple[Any, str]:
         """The replica whose request would cost least by what it holds and what waits there
         (routing/kv_policy.py); prefix affinity, its reason marked ``fallback_``, while no usable
@@ -119,14 +136,15 @@ class ReplicaPicker:
             events.follow(dep.name, {r.actor_name: r.kv_events[:2] for r in dep.replicas if r.kv_events})
             self._followed[dep.name] = dep
         index, now = events.index(dep.name), time.monotonic()
-        source = tokenizer_source(usable)  # whose tokenizer gave ``tokens``: only its spec's replicas match
-        spec = None if source is None else source.runtime_key
-        sources = {r.actor_name: r for r in usable if r.kv_events is not None and r.runtime_key == spec}
-        if not tokens or not any(not index.silent(name, now) for name in sources):
+        # Only the replicas serving the model whose tokenizer gave ``tokens`` are matched by them.
+        sources = {r.actor_name: r for r in usable
+                   if r.kv_events is not None and tokens is not None and r.model == tokens.model}
+        if not tokens or not tokens.ids or not any(not index.silent(name, now) for name in sources):
             choice, reason = by_prefix()
             return choice, f"fallback_{reason}"
         block_size = next(iter(sources.values())).kv_events[2]  # type: ignore[index]
-        blocks = chain(tokens, block_size, None if adapter is None else f"{dep.name}:{adapter}", limit=MAX_KV_BLOCKS)
+        root = None if adapter is None else f"{dep.name}:{adapter}"
+        blocks = chain(tokens.ids, block_size, root, limit=MAX_KV_BLOCKS)
         depths = {n: d for n, d in index.depths(blocks, sources).items() if not index.silent(n, now)}
         choice, reason = pick_by_depth(usable, loads, dep.max_concurrent, depths, by_prefix, dep.load_bound,
                                        len(blocks), self._queued)

@@ -4,7 +4,7 @@ kv_events`` matches them against what each replica's KV-cache events say it hold
 With the ``tokenizers`` library and the model's own chat template rendered by jinja2 as
 Hugging Face renders it: no torch, no transformers, no vLLM (issue 20: only replicas load
 them). The files come from a replica (``VllmReplica.tokenizer_files``), once per deployment and
-spec (a roll may change the model) per process. Measured against a round trip to the replica to tokenize there: see
+model (a roll may change it) per process. Measured against a round trip to the replica to tokenize there: see
 docs/performance.md (``scripts/bench_kv_index.py``). A template this cannot render, or content
 it renders differently from vLLM, costs only cache hits: the router then finds no blocks held.
 """
@@ -22,7 +22,7 @@ from atomr_infer.log import get_logger
 from atomr_infer.task_context import outside_request
 
 log = get_logger(__name__)
-RETRY_S = 10.0  # after a failed fetch of a deployment's tokenizer
+RETRY_S = 10.0  # after a failed fetch of a deployment's model's tokenizer
 FETCH_TIMEOUT_S = 30.0  # a replica that does not answer: try again later (another may)
 
 
@@ -78,18 +78,17 @@ class PromptTokenizer:
 
 
 class TokenizerCache:
-    """Each deployment's ``PromptTokenizer`` in this process, by the spec its replicas run
-    (``ReplicaRoute.runtime_key``: a roll to another model tokenizes differently), fetched from
-    a replica of that spec in the background the first time it is asked for (None until then).
-    One spec's is kept per deployment: a newer one replaces it."""
+    """Each deployment's ``PromptTokenizer`` in this process, per model its replicas serve (a
+    roll may change the model), fetched from a replica serving it in the background the first
+    time it is asked for (None until then); ``retain`` forgets the models no replica serves."""
 
     def __init__(self) -> None:
         self._ready: dict[tuple[str, str], PromptTokenizer] = {}
         self._fetching: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._failed_at: dict[tuple[str, str], float] = {}
 
-    def get(self, deployment: str, replica_actor: Any, spec_key: str = "") -> PromptTokenizer | None:
-        key = (deployment, spec_key)
+    def get(self, deployment: str, replica_actor: Any, model: str) -> PromptTokenizer | None:
+        key = (deployment, model)
         found = self._ready.get(key)
         if found is not None or key in self._fetching:
             return found
@@ -99,19 +98,23 @@ class TokenizerCache:
         self._fetching[key] = outside_request(asyncio.get_running_loop().create_task, self._fetch(key, replica_actor))
         return None
 
+    def retain(self, models: dict[str, set[str]]) -> None:
+        """Keep only the tokenizers of ``models`` (deployment -> the models its replicas serve)."""
+        for held in (self._ready, self._failed_at):
+            for key in [k for k in held if k[1] not in models.get(k[0], ())]:
+                del held[key]
+
     async def _fetch(self, key: tuple[str, str], actor: Any) -> None:
-        deployment = key[0]
+        deployment, model = key
         try:
             files = await asyncio.wait_for(asyncio.wrap_future(actor.tokenizer_files.remote().future()),
                                            FETCH_TIMEOUT_S)
-            tokenizer = await asyncio.to_thread(PromptTokenizer, files)
-            for old in [k for k in self._ready if k[0] == deployment]:  # another spec's: rolled away
-                del self._ready[old]
-            self._ready[key] = tokenizer
-            log.info("prompt_tokenizer_ready", deployment=deployment, spec=key[1])
+            self._ready[key] = await asyncio.to_thread(PromptTokenizer, files)
+            log.info("prompt_tokenizer_ready", deployment=deployment, model=model)
         except Exception as exc:  # noqa: BLE001 - routing goes on without it (prefix_affinity)
             self._failed_at[key] = time.monotonic()
-            log.warning("prompt_tokenizer_failed", deployment=deployment, error=f"{type(exc).__name__}: {exc}")
+            log.warning("prompt_tokenizer_failed", deployment=deployment, model=model,
+                        error=f"{type(exc).__name__}: {exc}")
         finally:
             del self._fetching[key]
 

@@ -39,7 +39,7 @@ from atomr_infer.log import get_logger
 from atomr_infer.replica_calls import Failure, replica_failure
 from atomr_infer.routing import migration, response_ids
 from atomr_infer.routing.channel import ReplicaChannel
-from atomr_infer.routing.picker import ReplicaPicker
+from atomr_infer.routing.picker import PromptIds, ReplicaPicker
 from atomr_infer.routing.prefix import prompt_key
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 from atomr_infer.task_context import outside_request
@@ -243,7 +243,7 @@ class Router:
             table, forced = await self.refresh(force=True), True
         waiting_for: str | None = None  # the deployment this request is counted waiting for
         keys: list[Any] = []  # the request's prefix key, read once however long it waits
-        tokens: list[list[int] | None] = []  # kv_events: its token ids, likewise
+        tokens: list[PromptIds | None] = []  # kv_events: its token ids (and whose tokenizer's), likewise
 
         def key() -> Any:
             if not keys:

@@ -15,9 +15,9 @@ class ReplicaRoute:
     adapters_loading: frozenset[str] = frozenset()  # lora.adapters it has not loaded yet (nor failed to)
     # Where it publishes its KV-cache events: (endpoint, replay endpoint, block size); None: it does not.
     kv_events: tuple[str, str | None, int] | None = None
-    # Which spec it runs (a roll or restart changes it): kv_events routers tokenize with the
-    # tokenizer of that spec's model, so replicas of another key are not matched by those tokens.
-    runtime_key: str = ""
+    # The model it serves (spec.model): a kv_events router matches it only by the ids of that
+    # model's tokenizer (a roll may change the model).
+    model: str = ""
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class DeploymentRoute:
     adapter_affinity: bool = True  # routing.adapter_affinity
     migration_tries: int = 2  # serving.migration.max_tries; 0: not enabled
     parses_output: bool = False  # a reasoning parser reads the output (streams move only unstarted)
+    model: str = ""  # spec.model, the one a roll goes to: kv_events tokenizes with its tokenizer
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,7 @@ def test_the_picker_takes_the_deepest_holder_within_the_load_bound_and_falls_bac
 ):
     from atomr_infer.routing.kv_index import BlockStored, KVEventBatch
     from atomr_infer.routing.kv_subscriber import hub
-    from atomr_infer.routing.picker import ReplicaPicker
+    from atomr_infer.routing.picker import PromptIds, ReplicaPicker
     from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
 
     source = ("tcp://127.0.0.1:9", None, BLOCK)  # nothing listens there: events go into the index directly
@@ -141,7 +141,7 @@ def test_the_picker_takes_the_deepest_holder_within_the_load_bound_and_falls_bac
 
     def pick(loads, tokens=DOC):
         choice = picker.pick(dep, routes, {r.actor_name: loads.get(r.actor_name, 0) for r in routes},
-                             lambda: None, tokens=tokens)
+                             lambda: None, tokens=None if tokens is None else PromptIds("", tokens))
         return choice.actor_name
 
     assert pick({}) == r1  # 3 blocks held
@@ -234,30 +234,33 @@ def test_a_holder_busy_prefilling_loses_to_a_replica_that_would_finish_sooner():
     assert pick_by_depth([a, b], {}, 8, {"a": 4}, place, blocks=10, queued=busy) == (b, "kv_overflow")
 
 
-def test_replicas_of_another_spec_are_not_matched_by_this_specs_tokens():
-    """Mid-roll to another model: the prompt is tokenized with the first publisher's spec's
-    tokenizer, so a replica of the old spec holding those ids is no holder (its model's ids
-    would differ): placed, not sent to it."""
+def test_mid_roll_to_another_model_the_new_models_tokenizer_and_replicas_are_used():
+    """A prompt is tokenized with the tokenizer of the model the deployment rolls to, wherever its
+    replica is listed, and only replicas serving that model are matched: an old one holding the
+    same ids is no holder (its model's ids would differ). Where only old replicas are usable, the
+    old model's tokenizer and replicas."""
     from atomr_infer.routing.kv_index import BlockStored, KVEventBatch
     from atomr_infer.routing.kv_subscriber import hub
-    from atomr_infer.routing.picker import ReplicaPicker
+    from atomr_infer.routing.picker import PromptIds, ReplicaPicker, tokenizer_source
     from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
 
     source = ("tcp://127.0.0.1:9", None, BLOCK)  # nothing listens there: events go into the index directly
-    new = ReplicaRoute("n", "atomr:kvroll:n", None, kv_events=source, runtime_key="spec-2")
-    old = ReplicaRoute("o", "atomr:kvroll:o", None, kv_events=source, runtime_key="spec-1")
-    dep = DeploymentRoute("kvroll", 8, "queue", (new, old), policy="kv_events")
+    old = ReplicaRoute("o", "atomr:kvroll:o", None, kv_events=source, model="org/model-1")
+    new = ReplicaRoute("n", "atomr:kvroll:n", None, kv_events=source, model="org/model-2")
+    dep = DeploymentRoute("kvroll", 8, "queue", (old, new), policy="kv_events", model="org/model-2")
+    assert tokenizer_source(dep, [old, new]) is new and tokenizer_source(dep, [old]) is old
     hub().index("kvroll").apply(old.actor_name, KVEventBatch(0.0, [BlockStored([1, 2, 3], None, DOC[:3 * BLOCK],
                                                                                BLOCK)]))
     picker = ReplicaPicker()
     loads = {new.actor_name: 0, old.actor_name: 1}
-    assert picker.pick(dep, [new, old], loads, lambda: None, tokens=DOC) is new
+    assert picker.pick(dep, [old, new], loads, lambda: None, tokens=PromptIds("org/model-2", DOC)) is new
     assert dict(picker.reasons) == {("kvroll", "kv_miss"): 1}
-    # Once the old spec's replica is the tokenizer's (listed first), it is the holder again.
-    assert picker.pick(dep, [old, new], {new.actor_name: 0, old.actor_name: 0}, lambda: None, tokens=DOC) is old
+    # The same ids from the old model's tokenizer: its replica holds them.
+    assert picker.pick(dep, [old, new], loads, lambda: None, tokens=PromptIds("org/model-1", DOC)) is old
+    assert picker.reasons["kvroll", "kv_hit"] == 1
 
 
-def test_a_deployments_tokenizer_is_fetched_again_for_a_new_spec_and_the_old_one_dropped():
+def test_a_tokenizer_per_model_fetched_from_a_replica_serving_it_and_forgotten_once_none_does():
     import asyncio
     import concurrent.futures
     from types import SimpleNamespace
@@ -282,21 +285,23 @@ def test_a_deployments_tokenizer_is_fetched_again_for_a_new_spec_and_the_old_one
 
         return SimpleNamespace(tokenizer_files=SimpleNamespace(remote=remote))
 
-    async def ready(cache, actor, spec):
+    async def ready(cache, actor, model):
         for _ in range(200):
-            found = cache.get("d", actor, spec)
+            found = cache.get("d", actor, model)
             if found is not None:
                 return found
             await asyncio.sleep(0.01)
-        raise AssertionError(f"no tokenizer for {spec}")
+        raise AssertionError(f"no tokenizer for {model}")
 
     async def main():
         cache = TokenizerCache()
         old, new = replica(5), replica(50)
-        assert (await ready(cache, old, "spec-1")).tokens("hello") == [5]
-        assert (await ready(cache, new, "spec-2")).tokens("hello") == [50]  # a roll: fetched from the new spec's
-        assert (await ready(cache, new, "spec-2")).tokens("hello") == [50] and fetched == [5, 50]  # kept
-        assert cache.get("d", old, "spec-1") is None  # the old spec's was dropped: asked for, it is fetched again
-        assert (await ready(cache, old, "spec-1")).tokens("hello") == [5] and fetched == [5, 50, 5]
+        assert (await ready(cache, old, "m1")).tokens("hello") == [5]
+        assert (await ready(cache, new, "m2")).tokens("hello") == [50]  # a roll: from a replica of the new model
+        # Mid-roll both are kept: requests that can use only an old replica do not fetch again.
+        assert cache.get("d", old, "m1").tokens("hello") == [5] and fetched == [5, 50]
+        cache.retain({"d": {"m2"}})  # the roll is done: no replica serves m1
+        assert cache.get("d", new, "m2") is not None and cache.get("d", old, "m1") is None  # forgotten: fetched again
+        assert (await ready(cache, old, "m1")).tokens("hello") == [5] and fetched == [5, 50, 5]
 
     asyncio.run(main())
