@@ -63,7 +63,7 @@ class ReplicaStatus:
     routes: tuple[str, ...] = ()  # its server's routes for its model, "METHOD /path"
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> loading | loaded | failed: why
     kv_events: dict[str, Any] | None = None  # where it publishes KV-cache events (endpoint, replay, block size)
-    model: str | None = None  # the spec's model it was started with (mid-roll, the old one or the new)
+    model: str | None = None  # the spec's model it was started with (mid-roll: the old spec's or the new)
 
 
 @dataclass(frozen=True)

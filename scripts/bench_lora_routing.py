@@ -52,8 +52,8 @@ class Routed:
         self.choices: list[tuple[str, str | None]] = []
         pick = ReplicaPicker.pick
 
-        def recording(picker, dep, usable, loads, key, adapter=None):  # noqa: ANN001, ANN202
-            choice = pick(picker, dep, usable, loads, key, adapter)
+        def recording(picker, dep, usable, loads, key, adapter=None, tokens=None):  # noqa: ANN001, ANN202
+            choice = pick(picker, dep, usable, loads, key, adapter, tokens)
             if choice is not None:
                 self.choices.append((choice.actor_name, adapter))
             return choice

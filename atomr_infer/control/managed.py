@@ -107,12 +107,17 @@ class ManagedDeployment:
         managed._follow_autoscaling(scaled if scaled is not None else spec.replicas)
         return managed
 
+    def _served_model(self, facts: dict[str, Any], runtime_key: str) -> str:
+        """The model a replica serves, as it reported it; one started before replicas reported it
+        (adopted after a manager restart) serves this spec's model if it runs this spec."""
+        return facts.get("model") or (self.spec.model if runtime_key == self.record.runtime_key else "")
+
     def route(self) -> DeploymentRoute:
         """Its entry in the routing table: the ready replicas and the serving limits."""
         wanted = self.spec.lora.adapters if self.spec.lora is not None else {}
         ready = tuple(
             ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor(), *adapter_routes(r.handle, wanted),
-                         kv_events=kv_source(facts.get("kv_events")), model=facts.get("model") or "")
+                         kv_events=kv_source(facts.get("kv_events")), model=self._served_model(facts, r.runtime_key))
             for r in self.reconciler.ready_replicas()
             for facts in (r.handle.placement(),)
         )

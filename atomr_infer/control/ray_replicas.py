@@ -74,7 +74,7 @@ class RayReplicaHandle:
             "kv_cache_tokens": self._info.get("kv_cache_tokens"),
             "routes": tuple(self._info.get("routes") or ()),
             "kv_events": self._info.get("kv_events"),
-            "model": self._info.get("model"),  # the spec's it was started with (a roll may change it)
+            "model": self._info.get("model"),  # the spec's model it was started with
         }
 
     def poll_ready(self) -> Poll:

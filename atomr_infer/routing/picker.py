@@ -45,8 +45,9 @@ class PromptIds:
 
 def tokenizer_source(dep: DeploymentRoute, usable: list[ReplicaRoute]) -> ReplicaRoute | None:
     """kv_events: the replica whose model's tokenizer a prompt is tokenized with: one serving the
-    deployment's model (the one a roll goes to), else (no such replica usable yet) the first that
-    publishes events. Per deployment, not per request, so routers do not fetch by turns."""
+    deployment's model (the one a roll goes to), else (none of those usable for this request) the
+    first that publishes events. By the deployment's model first, so requests do not alternate
+    between two models' tokenizers mid-roll."""
     publishing = [r for r in usable if r.kv_events is not None]
     return next((r for r in publishing if r.model == dep.model), publishing[0] if publishing else None)
 
@@ -83,8 +84,10 @@ class ReplicaPicker:
         """``routing.policy: kv_events``: the prompt's token ids as the engine will see them (None
         where unknown here: another policy, no tokenizer fetched yet). A long prompt is tokenized
         in a thread (milliseconds for thousands of tokens) while the event loop routes others."""
+        if dep.policy != "kv_events" or prompt is None:
+            return None
         source = tokenizer_source(dep, usable)
-        if dep.policy != "kv_events" or prompt is None or source is None:
+        if source is None:
             return None
         tokenizer = tokenizers().get(dep.name, source.actor, source.model)
         if tokenizer is None:

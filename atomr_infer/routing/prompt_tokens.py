@@ -86,6 +86,7 @@ class TokenizerCache:
         self._ready: dict[tuple[str, str], PromptTokenizer] = {}
         self._fetching: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._failed_at: dict[tuple[str, str], float] = {}
+        self._served: dict[str, set[str]] = {}  # deployment -> the models its replicas serve (retain)
 
     def get(self, deployment: str, replica_actor: Any, model: str) -> PromptTokenizer | None:
         key = (deployment, model)
@@ -99,17 +100,25 @@ class TokenizerCache:
         return None
 
     def retain(self, models: dict[str, set[str]]) -> None:
-        """Keep only the tokenizers of ``models`` (deployment -> the models its replicas serve)."""
+        """For each deployment named, keep only the tokenizers of ``models[deployment]`` (the
+        models its replicas serve), including those still being fetched; others are left alone
+        (routers of this process may follow other tables)."""
+        self._served.update(models)
         for held in (self._ready, self._failed_at):
-            for key in [k for k in held if k[1] not in models.get(k[0], ())]:
-                del held[key]
+            for key in list(held):  # a copy: a Client's thread may add meanwhile
+                if key[0] in models and key[1] not in models[key[0]]:
+                    held.pop(key, None)
 
     async def _fetch(self, key: tuple[str, str], actor: Any) -> None:
         deployment, model = key
         try:
             files = await asyncio.wait_for(asyncio.wrap_future(actor.tokenizer_files.remote().future()),
                                            FETCH_TIMEOUT_S)
-            self._ready[key] = await asyncio.to_thread(PromptTokenizer, files)
+            tokenizer = await asyncio.to_thread(PromptTokenizer, files)
+            if model not in self._served.get(deployment, {model}):  # no replica serves it (any more)
+                self._failed_at[key] = time.monotonic()  # not asked for again at once
+                return
+            self._ready[key] = tokenizer
             log.info("prompt_tokenizer_ready", deployment=deployment, model=model)
         except Exception as exc:  # noqa: BLE001 - routing goes on without it (prefix_affinity)
             self._failed_at[key] = time.monotonic()

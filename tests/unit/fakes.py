@@ -65,7 +65,7 @@ class FakeHandle:
     load: int = 0  # what its health checks say is in flight
 
     def placement(self):
-        return {"actor_id": f"id-{self.actor_name}", "node_id": "n0", "gpu_ids": []}
+        return {"actor_id": f"id-{self.actor_name}", "node_id": "n0", "gpu_ids": [], "model": self.spec_model}
 
     def poll_ready(self):
         return self.ready

@@ -300,8 +300,14 @@ def test_a_tokenizer_per_model_fetched_from_a_replica_serving_it_and_forgotten_o
         assert (await ready(cache, new, "m2")).tokens("hello") == [50]  # a roll: from a replica of the new model
         # Mid-roll both are kept: requests that can use only an old replica do not fetch again.
         assert cache.get("d", old, "m1").tokens("hello") == [5] and fetched == [5, 50]
-        cache.retain({"d": {"m2"}})  # the roll is done: no replica serves m1
-        assert cache.get("d", new, "m2") is not None and cache.get("d", old, "m1") is None  # forgotten: fetched again
-        assert (await ready(cache, old, "m1")).tokens("hello") == [5] and fetched == [5, 50, 5]
+        elsewhere = cache._ready[("e", "m9")] = object()  # another table's deployment: not named, left alone
+        cache.retain({"d": {"m2"}, "other": set()})  # the roll is done: no replica serves m1
+        assert cache._ready[("e", "m9")] is elsewhere
+        assert cache.get("d", new, "m2") is not None and cache.get("d", old, "m1") is None  # forgotten
+        await asyncio.sleep(0.1)  # a router on an older table asked for m1 again: fetched, not kept
+        assert cache.get("d", old, "m1") is None and fetched == [5, 50, 5]
+        cache.retain({"d": {"m1", "m2"}})  # served again (a roll back)
+        cache._failed_at.clear()  # as RETRY_S later
+        assert (await ready(cache, old, "m1")).tokens("hello") == [5] and fetched == [5, 50, 5, 5]
 
     asyncio.run(main())

@@ -155,6 +155,31 @@ def test_the_routing_table_lists_ready_replicas_and_takes_serving_limits_in_plac
     assert len(h.launcher.started) == 2  # in place: nothing restarted
 
 
+def test_mid_roll_the_routing_table_says_which_model_each_replica_serves_and_which_the_roll_goes_to() -> None:
+    # kv_events routers tokenize with the model a roll goes to and match only its replicas.
+    h = Harness()  # GPUs to spare: a new replica starts, then an old one drains, one at a time
+    h.call("apply", spec(replicas=2))
+    h.converge()
+    h.call("apply", spec(replicas=2, model="org/other"))
+    h.manager.reconcile_once()
+    h.launcher.make_ready()
+    h.manager.reconcile_once()
+    dep = h.call("routing_table", -1).deployments["demo"]
+    assert dep.model == "org/other"
+    served = {r.actor_name: r.model for r in dep.replicas}
+    assert sorted(served.values()) == ["org/model", "org/other"], served  # one of each, mid-roll
+    assert served["atomr:demo:r2"] == "org/other"
+
+
+def test_a_replica_started_before_replicas_reported_their_model_serves_the_spec_it_runs() -> None:
+    h = Harness()
+    h.call("apply", spec())
+    h.converge()
+    h.launcher.started[0].spec_model = ""  # adopted from older atomr: its ready facts name no model
+    h.call("apply", spec(serving={"max_concurrent": 4}))  # a new table, the same replica
+    assert [r.model for r in h.call("routing_table", -1).deployments["demo"].replicas] == ["org/model"]
+
+
 def test_a_restarted_manager_never_reuses_the_name_of_a_stopped_replica() -> None:
     first = Harness()
     first.call("apply", spec(replicas=2))
