@@ -99,6 +99,7 @@ def replica_rows(
                     "reason": r.reason,
                     "phase": st.phase if st is not None else (waiting or {}).get(r.actor_name),
                     "generation": r.generation,
+                    "model": r.model,  # mid-roll, the old spec's or the new
                     "node_id": r.node_id,
                     "node": nodes.get(r.node_id or ""),
                     "device": r.device,

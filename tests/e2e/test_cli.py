@@ -194,6 +194,7 @@ def test_status_shows_the_deployment_ready(cli, smollm2):
     assert status["status"] == "ready" and status["replicas_ready"] == 1
     [replica] = status["replicas"]
     assert replica["state"] == "ready" and replica["device"] == "cpu" and replica["in_flight"] == 0
+    assert replica["model"] == "bundled:smollm2-135m-instruct"  # the model it serves (a roll may mix two)
     assert replica["dashboard_url"].endswith(f"/#/actors/{replica['actor_id']}")
 
 
