@@ -164,6 +164,10 @@ def oracle_pick(replicas: list[Replica], loads: dict[str, int], cfg: Config, key
     return by_name[min(pool, key=lambda n: (loads[n], n))]
 
 
+def p99(ordered: list[float]) -> float:
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
 def simulate(cfg: Config, policy: str) -> dict[str, float]:
     rng = random.Random(cfg.seed)  # the same workload for every policy
     pick_rng = random.Random(cfg.seed + 1)
@@ -287,15 +291,16 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
         replica.busy += done_at - now
         push(done_at, "done", (replica, conv, out_tokens))
         sent += 1
-    busy = [r.busy for r in replicas]
+    busy = sorted(r.busy for r in replicas)
+    mean_busy = max(1e-9, statistics.mean(busy))
     ttfts.sort()
     return {
         "hit_rate": cached_tokens / max(1, prompt_tokens),
-        "max_mean": max(busy) / max(1e-9, statistics.mean(busy)),
+        "max_mean": busy[-1] / mean_busy,
         # The max is one replica of many: the 99th percentile says whether the tail is the policy's.
-        "p99_mean": sorted(busy)[min(len(busy) - 1, int(len(busy) * 0.99))] / max(1e-9, statistics.mean(busy)),
+        "p99_mean": p99(busy) / mean_busy,
         "ttft_p50": ttfts[len(ttfts) // 2],
-        "ttft_p99": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))],
+        "ttft_p99": p99(ttfts),
         "requests": len(ttfts),
     }
 

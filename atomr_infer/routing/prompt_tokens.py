@@ -4,8 +4,8 @@ kv_events`` matches them against what each replica's KV-cache events say it hold
 With the ``tokenizers`` library and the model's own chat template rendered by jinja2 as
 Hugging Face renders it: no torch, no transformers, no vLLM (issue 20: only replicas load
 them). The files come from a replica (``VllmReplica.tokenizer_files``), once per deployment and
-model (a roll may change it) per process. Measured against a round trip to the replica to tokenize there: see
-docs/performance.md (``scripts/bench_kv_index.py``). A template this cannot render, or content
+model (a roll may change it) per process. Measured against a round trip to the replica to
+tokenize there: see docs/performance.md (``scripts/bench_kv_index.py``). A template this cannot render, or content
 it renders differently from vLLM, costs only cache hits: the router then finds no blocks held.
 """
 
