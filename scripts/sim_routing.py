@@ -14,7 +14,9 @@ Policies: ``power_of_two`` (atomr's default), ``consistent_hash`` (rendezvous ha
 conversation, no load bound: the hot-spot baseline), ``prefix_affinity``, and ``oracle``
 (knows every replica's cache: the longest cached prefix among replicas within the same load
 bound). Reported per size: prefix hit rate (prompt tokens served from cache), max/mean and
-p99/mean load (request-seconds in flight per replica), and simulated TTFT p50/p99.
+p99/mean load (request-seconds in flight per replica while requests arrive, after a warm-up:
+the load the routers place, not the empty start nor the drain after the last request), and
+simulated TTFT p50/p99.
 
     .venv/bin/python scripts/sim_routing.py                  # 2, 10, 100 and 1,000 replicas
     .venv/bin/python scripts/sim_routing.py --replicas 1000 --turns-per-replica 30
@@ -68,6 +70,7 @@ class Config:
     utilization: float = 4.0  # of the prefill servers if nothing were cached (hits bring it under 1)
     max_concurrent: int = 64
     load_bound: float = 1.25
+    warmup: float = 0.25  # of the requests: sent before load is counted (the replicas start empty)
     event_delay_s: float = 0.05  # kv_events: from a replica storing or evicting a block to the index
     event_loss: float = 0.01  # kv_events: batches a router's socket drops, recovered by replay...
     replay_s: float = 1.0  # ...this much later
@@ -82,7 +85,7 @@ class Replica:
         self.prefill_free_at = 0.0
         self.load = 0
         self.served = 0
-        self.busy = 0.0  # request-seconds in flight: its load over the run
+        self.in_flight: list[tuple[float, float]] = []  # (sent, done) of every request it served
 
     def cached_prefix(self, blocks: tuple[bytes, ...]) -> int:
         n = 0
@@ -224,6 +227,8 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
     ttfts: list[float] = []
     prompt_tokens = cached_tokens = 0
     sent = 0
+    window_from = 0.0
+    now = 0.0
     # kv_events: the blocks of prefill each router sent each replica, not yet answered
     queued: list[dict[str, float]] = [collections.defaultdict(float) for _ in range(cfg.routers)]
     while events and sent < total_requests:
@@ -288,10 +293,15 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
         ttfts.append(first_token - now)
         out_tokens = lognormal(rng, cfg.output_tokens_median)
         done_at = first_token + out_tokens * cfg.decode_s_per_token
-        replica.busy += done_at - now
+        replica.in_flight.append((now, done_at))
+        if sent == int(total_requests * cfg.warmup):
+            window_from = now
         push(done_at, "done", (replica, conv, out_tokens))
         sent += 1
-    busy = sorted(r.busy for r in replicas)
+    # Load: request-seconds in flight per replica (the time integral of its open requests, which
+    # the load bound caps), counted from the end of the warm-up to the last request sent.
+    busy = sorted(sum(max(0.0, min(done, now) - max(sent_at, window_from)) for sent_at, done in r.in_flight)
+                  for r in replicas)
     mean_busy = max(1e-9, statistics.mean(busy))
     ttfts.sort()
     return {
@@ -318,6 +328,8 @@ def main() -> int:
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--load-bound", type=float, default=1.25, help="routing.load_bound (and the oracle's)")
+    ap.add_argument("--warmup", type=float, default=Config.warmup,
+                    help="share of the requests sent before load is counted")
     ap.add_argument("--utilization", type=float, default=Config.utilization,
                     help="offered load: of the prefill servers if nothing were cached")
     args = ap.parse_args()
@@ -325,7 +337,8 @@ def main() -> int:
           f"{'TTFT p50':>9} {'TTFT p99':>9} {'requests':>9} {'sim s':>6}")
     for n in args.replicas:
         cfg = Config(replicas=n, routers=args.routers, turns_per_replica=args.turns_per_replica, seed=args.seed,
-                     load_bound=args.load_bound, utilization=args.utilization, cache_blocks=args.cache_blocks)
+                     load_bound=args.load_bound, utilization=args.utilization, warmup=args.warmup,
+                     cache_blocks=args.cache_blocks)
         policies = [p for p in POLICIES if p in args.policies or p in ("oracle", "power_of_two", "prefix_affinity")]
         results = {}
         for policy in policies:
