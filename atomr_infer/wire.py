@@ -182,6 +182,9 @@ class OpenRequest:
     # The token ids it generated on a replica that died mid-stream: continue after them
     # (routing/migration.py), as one answer with the first part's.
     resume: list[int] | None = None
+    # kv_events: the blocks of its prompt its router expects the replica to prefill (those the
+    # replica does not hold), counted in ``Batch.prefill`` until its first output.
+    prefill_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -193,6 +196,9 @@ class Batch:
     ended: dict[str, BaseException | None] = field(default_factory=dict)  # request id -> its error, or None
     # request id -> the token ids it generated since the last batch (requests that asked).
     token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Blocks of prefill waiting on the replica (from every router): its open requests' with no
+    # output yet, as their routers estimated them (``OpenRequest.prefill_blocks``).
+    prefill: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.items or self.ended or self.token_ids)

@@ -71,7 +71,9 @@ class Config:
     max_concurrent: int = 64
     load_bound: float = 1.25
     warmup: float = 0.25  # of the requests: sent before load is counted (the replicas start empty)
-    event_delay_s: float = 0.05  # kv_events: from a replica storing or evicting a block to the index
+    # kv_events: from a replica storing or evicting a block to the index, and from its prefill
+    # waiting changing to the routers hearing it (in the batches of its next step)
+    event_delay_s: float = 0.05
     event_loss: float = 0.01  # kv_events: batches a router's socket drops, recovered by replay...
     replay_s: float = 1.0  # ...this much later
     seed: int = 1
@@ -113,6 +115,17 @@ class Replica:
             holders[old].discard(self.actor_name)
             events.append(BlockRemoved([as_int(old)]))
         return KVEventBatch(0.0, events)
+
+
+class Waiting:
+    """kv_events: the prefill waiting on each replica as a router knows it (routing/picker.py):
+    what the replica last said, or what this router sent there since, whichever is more."""
+
+    def __init__(self, mine: dict[str, float], said: dict[str, float]) -> None:
+        self.mine, self.said = mine, said
+
+    def get(self, name: str, default: float = 0.0) -> float:
+        return max(self.mine.get(name, default), self.said.get(name, default))
 
 
 def as_int(block: bytes) -> int:
@@ -229,8 +242,15 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
     sent = 0
     window_from = 0.0
     now = 0.0
-    # kv_events: the blocks of prefill each router sent each replica, not yet answered
+    # kv_events: the blocks of prefill each router sent each replica, not yet answered; every
+    # router's, as each replica says it (in its batches), and what the routers last heard it say
     queued: list[dict[str, float]] = [collections.defaultdict(float) for _ in range(cfg.routers)]
+    prefill_waiting: dict[str, float] = collections.defaultdict(float)
+    prefill_said: dict[str, float] = collections.defaultdict(float)
+
+    def report(now: float, name: str, work: float) -> None:
+        prefill_waiting[name] += work
+        push(now + cfg.event_delay_s, "report", (name, prefill_waiting[name]))
     while events and sent < total_requests:
         now, _, kind, payload = heapq.heappop(events)
         if kind == "events":
@@ -240,6 +260,11 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
         if kind == "answered":
             router, name, work = payload  # type: ignore[misc]
             queued[router][name] -= work
+            report(now, name, -work)
+            continue
+        if kind == "report":
+            name, said = payload  # type: ignore[misc]
+            prefill_said[name] = said
             continue
         if kind == "done":
             replica, conv, out_tokens = payload  # type: ignore[misc]
@@ -270,7 +295,7 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
                                       indexes[router], cfg.load_bound)
             depths = kv.depths(chain([as_int(b) for b in blocks], 1))
             picked, _ = pick_by_depth(replicas, loads, cfg.max_concurrent, depths, place, cfg.load_bound,
-                                      len(blocks), queued[router])
+                                      len(blocks), Waiting(queued[router], prefill_said))  # type: ignore[arg-type]
             choice = picked or min(replicas, key=lambda r: r.load)  # type: ignore[assignment]
             queued_work = (router, len(blocks) - depths.get(choice.actor_name, 0))  # type: ignore[union-attr]
         else:
@@ -286,6 +311,7 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
         if policy == "kv_events":
             router, work = queued_work
             queued[router][replica.actor_name] += work
+            report(now, replica.actor_name, work)
             push(first_token, "answered", (router, replica.actor_name, work))
         publish(now, replica, replica.insert(blocks, holders))
         replica.load += 1

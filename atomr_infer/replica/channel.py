@@ -2,7 +2,8 @@
 
 A router (the ingress's, a ``Client``'s) opens requests on a replica with ``open_many`` and reads
 everything those requests produce from one long-lived streaming call, ``channel``. Each object
-on that stream is a ``Batch``: the replica's load, and for every request of that router with
+on that stream is a ``Batch``: the replica's load (and the prefill its requests wait for, as
+their routers estimated it: kv_events), and for every request of that router with
 news, the items it produced since the last batch (an ``HttpHead`` and body bytes, merged:
 merging.py), the token ids it generated if its router asked, and whether it ended, with its
 error (the types are wire.py's). So the Ray cost per engine step is one object per
@@ -44,10 +45,12 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 class Channel:
-    def __init__(self, load: Callable[[], int]) -> None:
-        self._load = load
+    def __init__(self, load: Callable[[], int], prefill: Callable[[], int] = lambda: 0) -> None:
+        self._load, self._prefill = load, prefill
         self._batch = Batch(0)
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._waiting: dict[str, int] = {}  # request id -> its prefill blocks, until its first output
+        self.waiting_prefill = 0  # their sum
         self._ready = asyncio.Event()
         self._closed = False
         self.heard_at = time.monotonic()  # the router's last call: open, cancel, keepalive
@@ -66,6 +69,12 @@ class Channel:
         """Run one request: ``serve`` puts its items and returns at its end (or raises)."""
         task = asyncio.get_running_loop().create_task(self._pump(request, serve))
         self._tasks[request.request_id] = task
+        if request.prefill_blocks:
+            self._waiting[request.request_id] = request.prefill_blocks
+            self.waiting_prefill += request.prefill_blocks
+
+    def _prefilled(self, request_id: str) -> None:
+        self.waiting_prefill -= self._waiting.pop(request_id, 0)
 
     async def _pump(self, request: OpenRequest, serve: Serve) -> None:
         request_id = request.request_id
@@ -73,6 +82,8 @@ class Channel:
         def put(item: HttpHead | bytes) -> None:
             if request_id not in self._tasks:  # not after a cancel: nobody reads it
                 return
+            if self._waiting and not isinstance(item, HttpHead):  # its first output: prefilled
+                self._prefilled(request_id)
             # What the router has not been sent yet is merged: fewer, larger items per message.
             put_merged(self._batch.items.setdefault(request_id, []), item, join_bytes)  # type: ignore[arg-type]
             self._ready.set()
@@ -90,6 +101,7 @@ class Channel:
             error = _portable(exc)
         finally:
             self._tasks.pop(request_id, None)
+            self._prefilled(request_id)
         self._batch.ended[request_id] = error
         self._ready.set()
 
@@ -112,7 +124,7 @@ class Channel:
                 if self._closed:
                     return
                 batch, self._batch = self._batch, Batch(0)
-                batch.load = self._load()
+                batch.load, batch.prefill = self._load(), self._prefill()
                 yield batch
         finally:
             self.cancel(list(self._tasks))
@@ -128,12 +140,17 @@ class ChannelHub:
     def open_requests(self) -> int:
         return sum(c.open_requests for c in self._channels.values())
 
+    @property
+    def waiting_prefill(self) -> int:
+        """Blocks of prefill its requests with no output yet wait for (kv_events)."""
+        return sum(c.waiting_prefill for c in self._channels.values())
+
     def get(self, channel_id: str) -> Channel:
         """The channel ``channel_id``, created by whichever of ``open_many``, ``channel`` and
         ``keepalive`` comes first; the router was just heard from."""
         channel = self._channels.get(channel_id)
         if channel is None:
-            channel = self._channels[channel_id] = Channel(lambda: self.open_requests)
+            channel = self._channels[channel_id] = Channel(lambda: self.open_requests, lambda: self.waiting_prefill)
         channel.heard_at = time.monotonic()
         return channel
 

@@ -34,6 +34,9 @@ from atomr_infer.replica_calls import ReplicaCalls
 from atomr_infer.task_context import outside_request
 from atomr_infer.wire import KEEPALIVE_S, HttpHead, OpenRequest
 
+# How long a replica's own word on its load counts (a router that sends it nothing hears nothing).
+LOAD_FRESH_S = 1.0
+
 Item = HttpHead | bytes
 
 
@@ -58,6 +61,7 @@ class ReplicaChannel:
         self._renewer: asyncio.Task[None] | None = None
         self.error: BaseException | None = None  # set once the stream failed: the channel is dead
         self.load: int | None = None  # the replica's open requests, as it last said
+        self.prefill = 0  # kv_events: the blocks of prefill waiting there, as it last said
         self.load_at = 0.0
         self.batches = 0  # messages received (bench_dataplane reports items per message)
         self._retired = False  # no new requests; closes when its last one ends
@@ -65,9 +69,16 @@ class ReplicaChannel:
         self._opening: list[tuple[OpenRequest, asyncio.Future[Any]]] = []
         self._sends: set[asyncio.Task[None]] = set()  # open_many calls awaited (kept from the GC)
 
-    def _note_load(self, load: int) -> None:
-        self.load, self.load_at = load, time.monotonic()
+    def _note_load(self, load: int, prefill: int = 0) -> None:
+        self.load, self.prefill, self.load_at = load, prefill, time.monotonic()
         self._on_load()
+
+    def said(self) -> tuple[int, int]:
+        """(open requests, blocks of prefill waiting) on the replica by its last word, (0, 0) when
+        that is older than ``LOAD_FRESH_S`` (a router that sends it nothing hears nothing)."""
+        if self.load is None or time.monotonic() - self.load_at > LOAD_FRESH_S:
+            return 0, 0
+        return self.load, self.prefill
 
     def note_full(self, limit: int) -> None:
         """The replica refused a request at its limit: count it as full until it says otherwise."""
@@ -93,7 +104,7 @@ class ReplicaChannel:
             async for ref in gen:
                 batch = await ref
                 self.batches += 1
-                self._note_load(batch.load)
+                self._note_load(batch.load, batch.prefill)
                 for request_id, ids in batch.token_ids.items():
                     inbox = self._inboxes.get(request_id)
                     if inbox is not None:

@@ -3,11 +3,12 @@ prompt's leading blocks, as the replicas' own KV-cache events say (routing/kv_in
 the load bound prefix affinity uses (routing/prefix.py ``load_cap``).
 
 Among the replicas under the bound, the one whose request would cost least: the blocks of the
-prompt it does not hold, plus half the prefill this router already sent there and has not had
-answered. Reasons: ``kv_hit`` (it holds some of the prompt), ``kv_overflow`` (a replica
-holding none: the holders are above the bound or busy prefilling), ``kv_miss`` (no replica holds
-the first block: placed as prefix affinity places a new conversation, or at a LoRA adapter's
-home). Pure: the router and ``scripts/sim_routing.py`` run the same code.
+prompt it does not hold, plus a sixteenth of the prefill waiting there (every router's, as the
+replica says in its batches, or this router's own since, whichever is more). Reasons:
+``kv_hit`` (it holds some of the prompt), ``kv_overflow`` (a replica holding none: the holders
+are above the bound or busy prefilling), ``kv_miss`` (no replica holds the first block: placed
+as prefix affinity places a new conversation, or at a LoRA adapter's home). Pure: the router
+and ``scripts/sim_routing.py`` run the same code.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from atomr_infer.routing.prefix import Named, load_cap
 # 1.15x at the same hit rate.
 KV_SLACK = 2.5
 # What a replica costs a request: the blocks it must prefill (those it does not hold) plus this
-# much per block of prefill already sent there and not yet answered (as this router knows: its
-# own requests). Simulated (scripts/sim_routing.py, evictions, 4 routers each knowing only its
-# own, two seeds): with two replicas, preferring holders alone made p99 TTFT 1.37x prefix
-# affinity's, misses queueing behind one another at the holder; with 0.5, 0.30-0.77x, at 0.996-1.013
-# of the oracle's hit rate (0.25: the queue weighed too little with 4 routers; 1: hit rate 0.97).
-QUEUED_BLOCK_WEIGHT = 0.5
+# much per block of prefill waiting there (no first output yet). Simulated (scripts/sim_routing.py,
+# evictions, 4 seeds, 2-100 replicas, 4 and 16 routers, all of them hearing every replica's
+# waiting prefill 50 ms late): 1/16 gave the best p99 TTFT (0.26-0.74x prefix affinity's; with
+# no weight, 0.29-0.88x: misses queue behind one another at the holder) at 0.93-1.00 of the
+# oracle's hit rate; 1/8 to 1/2 sent hits away (2 replicas, 4 routers: 0.94 to 0.82 of the
+# oracle). (1/2 was right when each router knew only its own requests, a quarter of the queue.)
+QUEUED_BLOCK_WEIGHT = 0.0625
 
 
 def pick_by_depth(

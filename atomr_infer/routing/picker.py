@@ -100,11 +100,12 @@ class ReplicaPicker:
 
     def pick(
         self, dep: DeploymentRoute, usable: list[ReplicaRoute], loads: Mapping[str, int], key: Callable[[], Any],
-        adapter: str | None = None, tokens: PromptIds | None = None,
+        adapter: str | None = None, tokens: PromptIds | None = None, waiting: Callable[[str], int] | None = None,
     ) -> ReplicaRoute | None:
         """The replica of ``usable`` (each with its ``loads``) for a request for ``adapter`` (None:
         the base model) whose prompt key ``key`` gives (read only where a policy needs it) and
-        whose token ids are ``tokens`` (``prompt_tokens``); None when every one is full."""
+        whose token ids are ``tokens`` (``prompt_tokens``); None when every one is full.
+        ``waiting``: the blocks of prefill waiting on a replica, by its own word (kv_events)."""
         home = None
         if adapter is not None and dep.adapter_affinity:  # its home: fewer adapters per replica, fewer swaps
             home = functools.partial(pick_adapter_home, usable, loads, dep.max_concurrent, adapter, dep.load_bound)
@@ -114,7 +115,7 @@ class ReplicaPicker:
             return pick_prefix_affinity(usable, loads, dep.max_concurrent, key(), prefixes, dep.load_bound, home)
 
         if dep.policy == "kv_events":
-            choice, reason = self._by_kv_events(dep, usable, loads, adapter, tokens, by_prefix)
+            choice, reason = self._by_kv_events(dep, usable, loads, adapter, tokens, by_prefix, waiting)
         elif dep.policy == "prefix_affinity":
             choice, reason = by_prefix()
         elif home is not None:
@@ -130,6 +131,7 @@ class ReplicaPicker:
     def _by_kv_events(
         self, dep: DeploymentRoute, usable: list[ReplicaRoute], loads: Mapping[str, int], adapter: str | None,
         tokens: PromptIds | None, by_prefix: Callable[[], tuple[Any, str]],
+        waiting: Callable[[str], int] | None = None,
     ) -> tuple[Any, str]:
         """The replica whose request would cost least by what it holds and what waits there
         (routing/kv_policy.py); prefix affinity, its reason marked ``fallback_``, while no usable
@@ -149,8 +151,12 @@ class ReplicaPicker:
         root = None if adapter is None else f"{dep.name}:{adapter}"
         blocks = chain(tokens.ids, block_size, root, limit=MAX_KV_BLOCKS)
         depths = {n: d for n, d in index.depths(blocks, sources).items() if not index.silent(n, now)}
+        # Prefill waiting on each replica: what it last said (every router's), or what this router
+        # sent there since and has no answer to, whichever is more.
+        queued = {r.actor_name: max(self._queued.get(r.actor_name, 0), waiting(r.actor_name) if waiting else 0)
+                  for r in usable}
         choice, reason = pick_by_depth(usable, loads, dep.max_concurrent, depths, by_prefix, dep.load_bound,
-                                       len(blocks), self._queued)
+                                       len(blocks), queued)
         if choice is not None and depths.get(choice.actor_name, 0) < len(blocks):
             index.expect(choice.actor_name, now)  # it will store blocks: it owes us an event
             self._queued[choice.actor_name] += len(blocks) - depths.get(choice.actor_name, 0)

@@ -56,8 +56,6 @@ MAX_ATTEMPTS = 4
 # How long a request for a LoRA adapter that a replica is loading waits for it (a repo id is
 # fetched from the Hub first: tens of MB).
 ADAPTER_LOAD_WAIT_S = 60.0
-# How long a replica's own word on its load counts (a router that sends it nothing hears nothing).
-LOAD_FRESH_S = 1.0
 # How often a router tells the manager, while requests wait for a replica, how many wait
 # (the autoscaler's load; for a deployment scaled to zero, what starts a replica).
 DEMAND_EVERY_S = 0.5
@@ -122,11 +120,13 @@ class Router:
 
     def load(self, actor_name: str) -> int:
         """Requests open on the replica as far as this router knows (its own at least)."""
-        own = self._in_flight[actor_name]
         channel = self._channels.get(actor_name)
-        if channel is None or channel.load is None or time.monotonic() - channel.load_at > LOAD_FRESH_S:
-            return own
-        return max(own, channel.load)
+        return max(self._in_flight[actor_name], channel.said()[0] if channel is not None else 0)
+
+    def _prefill_waiting(self, actor_name: str) -> int:
+        """kv_events: blocks of prefill waiting on the replica, from every router, by its word."""
+        channel = self._channels.get(actor_name)
+        return channel.said()[1] if channel is not None else 0
 
     def _channel(self, route: ReplicaRoute) -> ReplicaChannel:
         channel = self._channels.get(route.actor_name)
@@ -271,7 +271,7 @@ class Router:
                     if not tokens or (tokens[0] is None and dep.policy == "kv_events"):
                         tokens[:] = [await self._picker.prompt_tokens(dep, usable, facts.prompt)]
                     loads = {r.actor_name: self.load(r.actor_name) for r in usable}
-                    choice = self._picker.pick(dep, usable, loads, key, adapter, tokens[0])
+                    choice = self._picker.pick(dep, usable, loads, key, adapter, tokens[0], self._prefill_waiting)
                     if choice is not None:
                         return dep, choice, adapter, self._picker.take_work(choice.actor_name)
                     if dep.on_capacity_exhausted == "reject":
@@ -326,13 +326,13 @@ class Router:
             if facts.names_response:
                 sent_request = response_ids.with_request_id(sent_request, response_ids.mint(dep.name, route.replica_id))
             want = bool(facts.resumable) and dep.migration_tries > 0
-            opening = OpenRequest("", sent_request, dep.max_concurrent, adapter, want, resume)
+            opening = OpenRequest("", sent_request, dep.max_concurrent, adapter, want, resume, work)
             items = self._channel(route).request(opening, generated if want else None)
             sent_here = finished = False
             try:
                 answer = items if resume is None else migration.seam(facts.kind, items, body_sent)
                 async for chunk in answer:
-                    if work:  # its prefill is done
+                    if work and not isinstance(chunk, HttpHead):  # its first output: its prefill is done
                         self._picker.answered(route.actor_name, work)
                         work = 0
                     if failed_at:

@@ -312,3 +312,66 @@ def test_a_tokenizer_per_model_fetched_from_a_replica_serving_it_and_forgotten_o
         assert (await ready(cache, old, "m1")).tokens("hello") == [5] and fetched == [5, 50, 5, 5]
 
     asyncio.run(main())
+
+
+def test_prefill_waiting_counts_until_the_first_output_and_every_router_hears_the_replicas_total():
+    """kv_events: a request's prefill counts as waiting on its replica until its first output (the
+    head of a stream leaves before the engine prefilled: not then), in the router that sent it
+    and in the replica, whose batches tell every router with requests there the total."""
+    import asyncio
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from atomr_infer.routing.kv_index import BlockStored, KVEventBatch
+    from atomr_infer.routing.kv_subscriber import hub
+    from atomr_infer.routing.prompt_tokens import PromptTokenizer, tokenizers
+    from atomr_infer.routing.router import Router
+    from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
+    from atomr_infer.wire import HttpHead
+
+    from .fakes import JSON, GatedReplica, request
+
+    class HeadFirst(GatedReplica):  # as a stream: the head at once, the first token once prefilled
+        async def _answer(self, put):
+            put(HttpHead(200, JSON))
+            await self.gate.wait()
+            put(f"from {self.name}".encode())
+
+    vocab = Tokenizer(models.WordLevel({f"t{i}": i for i in DOC} | {"[UNK]": 0}, unk_token="[UNK]"))
+    vocab.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizers()._ready[("kvq", "m")] = PromptTokenizer({"tokenizer.json": vocab.to_str()})
+    source = ("tcp://127.0.0.1:9", None, BLOCK)  # nothing listens there: events go into the index directly
+    holder, other = HeadFirst("h"), HeadFirst("o")
+    routes = tuple(ReplicaRoute(r.name, f"atomr:kvq:{r.name}", r, kv_events=source, model="m")
+                   for r in (holder, other))
+    table = RoutingTable(1, {"kvq": DeploymentRoute("kvq", 8, "queue", routes, policy="kv_events", model="m")})
+    hub().index("kvq").apply(routes[0].actor_name, KVEventBatch(0.0, [BlockStored([1, 2], None, DOC[:2 * BLOCK],
+                                                                                  BLOCK)]))
+    prompt = " ".join(f"t{i}" for i in DOC)  # 6 blocks, 2 held by h: 4 to prefill there
+
+    async def source_of(version):
+        return table if version != table.version else None
+
+    async def head_of(router):
+        items = router.stream(*request("kvq", prompt))
+        assert isinstance(await items.__anext__(), HttpHead)
+        return items
+
+    async def main():
+        a, b = Router(source_of, refresh_s=0.0), Router(source_of, refresh_s=0.0)
+        first = await head_of(a)
+        name = routes[0].actor_name
+        assert a.route_reasons["kvq", "kv_hit"] == 1 and holder.hub.waiting_prefill == 4
+        assert a._picker._queued[name] == 4  # the head is no answer: still prefilling
+        second = await head_of(b)  # b's own 4, and a's 4 the replica tells it of
+        assert b.route_reasons["kvq", "kv_hit"] == 1 and holder.hub.waiting_prefill == 8
+        assert b._prefill_waiting(name) == 8 and b._picker._queued[name] == 4
+        holder.gate.set()
+        assert [item async for item in first] == [b"from h"] and [item async for item in second] == [b"from h"]
+        assert holder.hub.waiting_prefill == 0 and not a._picker._queued and not b._picker._queued
+
+    try:
+        asyncio.run(main())
+    finally:
+        tokenizers()._ready.pop(("kvq", "m"), None)
+        hub().follow("kvq", {})
