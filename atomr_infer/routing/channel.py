@@ -61,24 +61,27 @@ class ReplicaChannel:
         self._renewer: asyncio.Task[None] | None = None
         self.error: BaseException | None = None  # set once the stream failed: the channel is dead
         self.load: int | None = None  # the replica's open requests, as it last said
-        self.prefill = 0  # kv_events: the blocks of prefill waiting there, as it last said
-        self.load_at = 0.0
+        self.prefill = 0  # kv_events: the blocks of prefill waiting there, as its last batch said
+        self.load_at = self.prefill_at = 0.0
         self.batches = 0  # messages received (bench_dataplane reports items per message)
         self._retired = False  # no new requests; closes when its last one ends
         # Requests to open on the replica at the end of this turn of the event loop (_open).
         self._opening: list[tuple[OpenRequest, asyncio.Future[Any]]] = []
         self._sends: set[asyncio.Task[None]] = set()  # open_many calls awaited (kept from the GC)
 
-    def _note_load(self, load: int, prefill: int = 0) -> None:
-        self.load, self.prefill, self.load_at = load, prefill, time.monotonic()
+    def _note_load(self, load: int, prefill: int | None = None) -> None:
+        """``prefill``: None where the replica did not say it (an open's answer carries only the load)."""
+        self.load, self.load_at = load, time.monotonic()
+        if prefill is not None:
+            self.prefill, self.prefill_at = prefill, self.load_at
         self._on_load()
 
     def said(self) -> tuple[int, int]:
         """(open requests, blocks of prefill waiting) on the replica by its last word, (0, 0) when
         that is older than ``LOAD_FRESH_S`` (a router that sends it nothing hears nothing)."""
-        if self.load is None or time.monotonic() - self.load_at > LOAD_FRESH_S:
-            return 0, 0
-        return self.load, self.prefill
+        now = time.monotonic()
+        load = 0 if self.load is None or now - self.load_at > LOAD_FRESH_S else self.load
+        return load, 0 if now - self.prefill_at > LOAD_FRESH_S else self.prefill
 
     def note_full(self, limit: int) -> None:
         """The replica refused a request at its limit: count it as full until it says otherwise."""

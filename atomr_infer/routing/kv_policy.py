@@ -4,7 +4,7 @@ the load bound prefix affinity uses (routing/prefix.py ``load_cap``).
 
 Among the replicas under the bound, the one whose request would cost least: the blocks of the
 prompt it does not hold, plus a sixteenth of the prefill waiting there (every router's, as the
-replica says in its batches, or this router's own since, whichever is more). Reasons:
+replica says in its batches, or this router's own not yet answered, whichever is more). Reasons:
 ``kv_hit`` (it holds some of the prompt), ``kv_overflow`` (a replica holding none: the holders
 are above the bound or busy prefilling), ``kv_miss`` (no replica holds the first block: placed
 as prefix affinity places a new conversation, or at a LoRA adapter's home). Pure: the router

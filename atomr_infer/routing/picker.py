@@ -152,7 +152,7 @@ class ReplicaPicker:
         blocks = chain(tokens.ids, block_size, root, limit=MAX_KV_BLOCKS)
         depths = {n: d for n, d in index.depths(blocks, sources).items() if not index.silent(n, now)}
         # Prefill waiting on each replica: what it last said (every router's), or what this router
-        # sent there since and has no answer to, whichever is more.
+        # sent there and has no answer to, whichever is more.
         queued = {r.actor_name: max(self._queued.get(r.actor_name, 0), waiting(r.actor_name) if waiting else 0)
                   for r in usable}
         choice, reason = pick_by_depth(usable, loads, dep.max_concurrent, depths, by_prefix, dep.load_bound,

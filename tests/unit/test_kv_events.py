@@ -366,8 +366,13 @@ def test_prefill_waiting_counts_until_the_first_output_and_every_router_hears_th
         second = await head_of(b)  # b's own 4, and a's 4 the replica tells it of
         assert b.route_reasons["kvq", "kv_hit"] == 1 and holder.hub.waiting_prefill == 8
         assert b._prefill_waiting(name) == 8 and b._picker._queued[name] == 4
+        third = await head_of(b)
+        assert holder.hub.waiting_prefill == 12 and b._prefill_waiting(name) == 12 and b._picker._queued[name] == 8
+        b._channels[name]._note_load(3)  # an open's answer (the load alone, which may come after a batch)...
+        assert b._prefill_waiting(name) == 12  # ...does not erase the replica's word
         holder.gate.set()
-        assert [item async for item in first] == [b"from h"] and [item async for item in second] == [b"from h"]
+        for items in (first, second, third):
+            assert [item async for item in items] == [b"from h"]
         assert holder.hub.waiting_prefill == 0 and not a._picker._queued and not b._picker._queued
 
     try:
