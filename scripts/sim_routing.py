@@ -119,7 +119,7 @@ class Replica:
 
 class Waiting:
     """kv_events: the prefill waiting on each replica as a router knows it (routing/picker.py):
-    what the replica last said, or what this router sent there since, whichever is more."""
+    what the replica last said, or what this router sent there and has no answer to, whichever is more."""
 
     def __init__(self, mine: dict[str, float], said: dict[str, float]) -> None:
         self.mine, self.said = mine, said
