@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atomr_infer.routing.kv_index import BlockRemoved, BlockStored, KVEventBatch, KvIndex, chain  # noqa: E402
-from atomr_infer.routing.kv_policy import pick_by_depth  # noqa: E402
+from atomr_infer.routing.kv_policy import QueuedPrefill, pick_by_depth  # noqa: E402
 from atomr_infer.routing.policy import pick_replica  # noqa: E402
 from atomr_infer.routing.prefix import (  # noqa: E402
     PrefixIndex,
@@ -115,17 +115,6 @@ class Replica:
             holders[old].discard(self.actor_name)
             events.append(BlockRemoved([as_int(old)]))
         return KVEventBatch(0.0, events)
-
-
-class Waiting:
-    """kv_events: the prefill waiting on each replica as a router knows it (routing/picker.py):
-    what the replica last said, or what this router sent there and has no answer to, whichever is more."""
-
-    def __init__(self, mine: dict[str, float], said: dict[str, float]) -> None:
-        self.mine, self.said = mine, said
-
-    def get(self, name: str, default: float = 0.0) -> float:
-        return max(self.mine.get(name, default), self.said.get(name, default))
 
 
 def as_int(block: bytes) -> int:
@@ -295,7 +284,7 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
                                       indexes[router], cfg.load_bound)
             depths = kv.depths(chain([as_int(b) for b in blocks], 1))
             picked, _ = pick_by_depth(replicas, loads, cfg.max_concurrent, depths, place, cfg.load_bound,
-                                      len(blocks), Waiting(queued[router], prefill_said))  # type: ignore[arg-type]
+                                      len(blocks), QueuedPrefill(queued[router], prefill_said.__getitem__))
             choice = picked or min(replicas, key=lambda r: r.load)  # type: ignore[assignment]
             queued_work = (router, len(blocks) - depths.get(choice.actor_name, 0))  # type: ignore[union-attr]
         else:

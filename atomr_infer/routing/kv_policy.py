@@ -33,10 +33,22 @@ KV_SLACK = 2.5
 QUEUED_BLOCK_WEIGHT = 0.0625
 
 
+class QueuedPrefill:
+    """The blocks of prefill waiting on each replica as one router knows it: what the replica
+    last said (every router's requests), or what this router sent there and has no answer to,
+    whichever is more. Read lazily: ``pick_by_depth`` asks only for the replicas it weighs."""
+
+    def __init__(self, mine: Mapping[str, float], said: Callable[[str], float] | None = None) -> None:
+        self._mine, self._said = mine, said
+
+    def get(self, name: str, default: float = 0.0) -> float:
+        return max(self._mine.get(name, default), self._said(name) if self._said else default)
+
+
 def pick_by_depth(
     replicas: Sequence[Named], loads: Mapping[str, int], max_concurrent: int, depths: Mapping[str, int],
     place: Callable[[], tuple[Any, str]], load_bound: float = 1.25, blocks: int = 0,
-    queued: Mapping[str, float] | None = None,
+    queued: QueuedPrefill | Mapping[str, float] | None = None,
 ) -> tuple[Any, str]:
     """(replica, reason) from each replica's ``depths`` (leading blocks held of the prompt's
     ``blocks``) and the prefill ``queued`` there (blocks); ``place`` decides when no replica

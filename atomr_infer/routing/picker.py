@@ -21,7 +21,7 @@ from atomr_infer.log import get_logger
 from atomr_infer.metrics import RouterMetrics
 from atomr_infer.routing.adapters import pick_adapter_home
 from atomr_infer.routing.kv_index import chain
-from atomr_infer.routing.kv_policy import pick_by_depth
+from atomr_infer.routing.kv_policy import QueuedPrefill, pick_by_depth
 from atomr_infer.routing.kv_subscriber import hub as kv_hub
 from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.prefix import PrefixIndex, pick_prefix_affinity
@@ -151,12 +151,8 @@ class ReplicaPicker:
         root = None if adapter is None else f"{dep.name}:{adapter}"
         blocks = chain(tokens.ids, block_size, root, limit=MAX_KV_BLOCKS)
         depths = {n: d for n, d in index.depths(blocks, sources).items() if not index.silent(n, now)}
-        # Prefill waiting on each replica: what it last said (every router's), or what this router
-        # sent there and has no answer to, whichever is more.
-        queued = {r.actor_name: max(self._queued.get(r.actor_name, 0), waiting(r.actor_name) if waiting else 0)
-                  for r in usable}
         choice, reason = pick_by_depth(usable, loads, dep.max_concurrent, depths, by_prefix, dep.load_bound,
-                                       len(blocks), queued)
+                                       len(blocks), QueuedPrefill(self._queued, waiting))
         if choice is not None and depths.get(choice.actor_name, 0) < len(blocks):
             index.expect(choice.actor_name, now)  # it will store blocks: it owes us an event
             self._queued[choice.actor_name] += len(blocks) - depths.get(choice.actor_name, 0)
