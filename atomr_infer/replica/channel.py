@@ -69,12 +69,18 @@ class Channel:
         """Run one request: ``serve`` puts its items and returns at its end (or raises)."""
         task = asyncio.get_running_loop().create_task(self._pump(request, serve))
         self._tasks[request.request_id] = task
+        # A task cancelled before its first step never runs _pump's finally: forget it here too.
+        task.add_done_callback(lambda _task, request_id=request.request_id: self._forget(request_id))
         if request.prefill_blocks:
             self._waiting[request.request_id] = request.prefill_blocks
             self.waiting_prefill += request.prefill_blocks
 
     def _prefilled(self, request_id: str) -> None:
         self.waiting_prefill -= self._waiting.pop(request_id, 0)
+
+    def _forget(self, request_id: str) -> None:
+        self._tasks.pop(request_id, None)
+        self._prefilled(request_id)
 
     async def _pump(self, request: OpenRequest, serve: Serve) -> None:
         request_id = request.request_id
@@ -88,20 +94,22 @@ class Channel:
             put_merged(self._batch.items.setdefault(request_id, []), item, join_bytes)  # type: ignore[arg-type]
             self._ready.set()
 
-        def tokens(ids: list[int]) -> None:
-            if request_id in self._tasks:
+        def tokens(ids: list[int]) -> None:  # the engine's output, as it comes (a whole answer's too)
+            if self._waiting:  # its first: prefilled, though a whole answer puts nothing until its end
+                self._prefilled(request_id)
+            if request.want_token_ids and request_id in self._tasks:
                 self._batch.token_ids.setdefault(request_id, []).extend(ids)
 
         error: BaseException | None = None
+        sink = tokens if request.want_token_ids or request.prefill_blocks else None
         try:
-            await serve(request.http, put, tokens if request.want_token_ids else None, request.resume)
+            await serve(request.http, put, sink, request.resume)
         except asyncio.CancelledError:
             return  # the router cancelled it: nobody reads its end
         except Exception as exc:  # noqa: BLE001 - every failure goes to the router
             error = _portable(exc)
         finally:
-            self._tasks.pop(request_id, None)
-            self._prefilled(request_id)
+            self._forget(request_id)
         self._batch.ended[request_id] = error
         self._ready.set()
 

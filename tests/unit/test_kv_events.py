@@ -380,3 +380,66 @@ def test_prefill_waiting_counts_until_the_first_output_and_every_router_hears_th
     finally:
         tokenizers()._ready.pop(("kvq", "m"), None)
         hub().follow("kvq", {})
+
+
+def test_a_request_cancelled_before_its_first_step_leaves_nothing_counted_on_the_channel():
+    """A router's cancel can reach a request the replica started but the loop has not yet run:
+    its task never enters ``_pump``, yet it is forgotten, its prefill no longer waiting."""
+    import asyncio
+
+    from atomr_infer.replica.channel import Channel
+    from atomr_infer.wire import HttpRequest, OpenRequest
+
+    async def serve(http, put, tokens, resume):  # never reached
+        raise AssertionError("a request cancelled before its first step ran")
+
+    async def main():
+        channel = Channel(lambda: 0)
+        channel.start(OpenRequest("r1", HttpRequest("POST", "/v1/completions", [], b"{}"), prefill_blocks=5), serve)
+        assert channel.open_requests == 1 and channel.waiting_prefill == 5
+        channel.cancel(["r1"])  # in the same turn of the loop: the task has not stepped
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert channel.open_requests == 0 and channel.waiting_prefill == 0
+
+    asyncio.run(main())
+
+
+def test_a_whole_answer_stops_counting_as_waiting_prefill_at_its_first_token():
+    """A request that is not streamed puts nothing until its end: its prefill stops waiting
+    when the engine gives its first token, not when the whole answer leaves."""
+    import asyncio
+
+    from atomr_infer.replica.channel import Channel
+    from atomr_infer.wire import HttpHead, HttpRequest, OpenRequest
+
+    first_token, answer = asyncio.Event(), asyncio.Event()
+
+    async def serve(http, put, tokens, resume):  # as the engine client tells the sink, then decodes on
+        tokens([7])
+        first_token.set()
+        await answer.wait()
+        put(HttpHead(200, ()))
+        put(b"{}")
+
+    async def main():
+        channel = Channel(lambda: 0)
+        plain = OpenRequest("r1", HttpRequest("POST", "/v1/completions", (), b"{}"), prefill_blocks=5)
+        channel.start(plain, serve)
+        assert channel.waiting_prefill == 5
+        await asyncio.wait_for(first_token.wait(), 10)  # (no sink given: serve fails, this times out)
+        assert channel.waiting_prefill == 0 and channel.open_requests == 1
+        answer.set()
+        batch = await anext(aiter(channel.batches()))
+        assert not batch.token_ids  # the router did not ask for them
+        sinks = []
+
+        async def told(http, put, tokens, resume):
+            sinks.append(tokens)
+
+        channel.start(OpenRequest("r2", plain.http), told)  # no prefill, no token ids: no sink
+        await asyncio.sleep(0)
+        assert sinks == [None]
+        channel.close()
+
+    asyncio.run(main())
