@@ -33,11 +33,13 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from atomr_infer.routing.channel import LOAD_FRESH_S  # noqa: E402
 from atomr_infer.routing.kv_index import BlockRemoved, BlockStored, KVEventBatch, KvIndex, chain  # noqa: E402
 from atomr_infer.routing.kv_policy import QueuedPrefill, pick_by_depth  # noqa: E402
 from atomr_infer.routing.policy import pick_replica  # noqa: E402
@@ -76,6 +78,10 @@ class Config:
     event_delay_s: float = 0.05
     event_loss: float = 0.01  # kv_events: batches a router's socket drops, recovered by replay...
     replay_s: float = 1.0  # ...this much later
+    # kv_events: a router hears a replica's waiting prefill only in the batches of its own
+    # requests there, fresh for LOAD_FRESH_S (routing/channel.py); True: every router hears
+    # every replica (the best case, what this simulation assumed before)
+    hear_all: bool = False
     seed: int = 1
 
 
@@ -235,7 +241,20 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
     # router's, as each replica says it (in its batches), and what the routers last heard it say
     queued: list[dict[str, float]] = [collections.defaultdict(float) for _ in range(cfg.routers)]
     prefill_waiting: dict[str, float] = collections.defaultdict(float)
-    prefill_said: dict[str, float] = collections.defaultdict(float)
+    prefill_said: dict[str, float] = collections.defaultdict(float)  # hear_all
+    # Otherwise each router's: its requests open on each replica, what it heard there and when.
+    open_by: list[collections.Counter[str]] = [collections.Counter() for _ in range(cfg.routers)]
+    heard: list[dict[str, tuple[float, float]]] = [{} for _ in range(cfg.routers)]
+
+    def heard_by(router: int) -> Callable[[str], float]:
+        if cfg.hear_all:
+            return prefill_said.__getitem__
+        mine = heard[router]
+
+        def said(name: str) -> float:
+            value, at = mine.get(name, (0.0, -LOAD_FRESH_S))
+            return value if now - at <= LOAD_FRESH_S else 0.0
+        return said
 
     def report(now: float, name: str, work: float) -> None:
         prefill_waiting[name] += work
@@ -254,10 +273,14 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
         if kind == "report":
             name, said = payload  # type: ignore[misc]
             prefill_said[name] = said
+            for router, opened in enumerate(open_by):
+                if opened[name]:
+                    heard[router][name] = (said, now)
             continue
         if kind == "done":
-            replica, conv, out_tokens = payload  # type: ignore[misc]
+            replica, conv, out_tokens, router = payload  # type: ignore[misc]
             replica.load -= 1
+            open_by[router][replica.actor_name] -= 1
             extend(conv, out_tokens, rng)
             publish(now, replica, replica.insert(tuple(conv.blocks), holders))
             conv.turns_left -= 1
@@ -284,7 +307,7 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
                                       indexes[router], cfg.load_bound)
             depths = kv.depths(chain([as_int(b) for b in blocks], 1))
             picked, _ = pick_by_depth(replicas, loads, cfg.max_concurrent, depths, place, cfg.load_bound,
-                                      len(blocks), QueuedPrefill(queued[router], prefill_said.__getitem__))
+                                      len(blocks), QueuedPrefill(queued[router], heard_by(router)))
             choice = picked or min(replicas, key=lambda r: r.load)  # type: ignore[assignment]
             queued_work = (router, len(blocks) - depths.get(choice.actor_name, 0))  # type: ignore[union-attr]
         else:
@@ -297,8 +320,10 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
         start = max(now, replica.prefill_free_at)
         first_token = start + cfg.prefill_overhead_s + (tokens - hit) * cfg.prefill_s_per_token
         replica.prefill_free_at = first_token
+        router = 0
         if policy == "kv_events":
             router, work = queued_work
+            open_by[router][replica.actor_name] += 1
             queued[router][replica.actor_name] += work
             report(now, replica.actor_name, work)
             push(first_token, "answered", (router, replica.actor_name, work))
@@ -311,7 +336,7 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
         replica.in_flight.append((now, done_at))
         if sent == int(total_requests * cfg.warmup):
             window_from = now
-        push(done_at, "done", (replica, conv, out_tokens))
+        push(done_at, "done", (replica, conv, out_tokens, router))
         sent += 1
     # Load: request-seconds in flight per replica (the time integral of its open requests, which
     # the load bound caps), counted from the end of the warm-up to the last request sent.
@@ -347,13 +372,15 @@ def main() -> int:
                     help="share of the requests sent before load is counted")
     ap.add_argument("--utilization", type=float, default=Config.utilization,
                     help="offered load: of the prefill servers if nothing were cached")
+    ap.add_argument("--hear-all", action="store_true",
+                    help="kv_events: every router hears every replica's waiting prefill (the best case)")
     args = ap.parse_args()
     print(f"{'replicas':>8} {'policy':>16} {'hit rate':>9} {'vs oracle':>9} {'max/mean':>9} {'p99/mean':>9} "
           f"{'TTFT p50':>9} {'TTFT p99':>9} {'requests':>9} {'sim s':>6}")
     for n in args.replicas:
         cfg = Config(replicas=n, routers=args.routers, turns_per_replica=args.turns_per_replica, seed=args.seed,
                      load_bound=args.load_bound, utilization=args.utilization, warmup=args.warmup,
-                     cache_blocks=args.cache_blocks)
+                     cache_blocks=args.cache_blocks, hear_all=args.hear_all)
         policies = [p for p in POLICIES if p in args.policies or p in ("oracle", "power_of_two", "prefix_affinity")]
         results = {}
         for policy in policies:
