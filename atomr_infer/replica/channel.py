@@ -94,16 +94,13 @@ class Channel:
             put_merged(self._batch.items.setdefault(request_id, []), item, join_bytes)  # type: ignore[arg-type]
             self._ready.set()
 
-        def tokens(ids: list[int]) -> None:  # the engine's output, as it comes (a whole answer's too)
-            if self._waiting:  # its first: prefilled, though a whole answer puts nothing until its end
-                self._prefilled(request_id)
-            if request.want_token_ids and request_id in self._tasks:
+        def tokens(ids: list[int]) -> None:
+            if request_id in self._tasks:
                 self._batch.token_ids.setdefault(request_id, []).extend(ids)
 
         error: BaseException | None = None
-        sink = tokens if request.want_token_ids or request.prefill_blocks else None
         try:
-            await serve(request.http, put, sink, request.resume)
+            await serve(request.http, put, tokens if request.want_token_ids else None, request.resume)
         except asyncio.CancelledError:
             return  # the router cancelled it: nobody reads its end
         except Exception as exc:  # noqa: BLE001 - every failure goes to the router

@@ -1,10 +1,10 @@
 """What a router needs to move a stream, and a stream moved here after its replica died
 (routing/migration.py).
 
-``TOKENS`` (set per request by the backend, for requests that ask, and for kv_events' count of
-prefill waiting, replica/channel.py) is told the token ids of each output once vLLM's serving
-layer has put that output's bytes, when it asks for the next: never ahead of the text the router
-has, so a stream resumed after them repeats and skips nothing.
+``TOKENS`` (set per request by the backend, for requests that ask) is told the token ids of
+each output once vLLM's serving layer has put that output's bytes, when it asks for the next:
+never ahead of the text the router has, so a stream resumed after them repeats and skips
+nothing.
 
 The router re-sends the original request with the token ids already generated (``resume``).
 vLLM's serving layer renders and tokenizes the request as it did the first time; the engine
