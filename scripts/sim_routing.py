@@ -79,8 +79,9 @@ class Config:
     event_loss: float = 0.01  # kv_events: batches a router's socket drops, recovered by replay...
     replay_s: float = 1.0  # ...this much later
     # kv_events: a router hears a replica's waiting prefill only in the batches of its own
-    # requests there, fresh for LOAD_FRESH_S (routing/channel.py); True: every router hears
-    # every replica (the best case, what this simulation assumed before)
+    # requests there (every step while they stream), and keeps it for LOAD_FRESH_S after its
+    # last one ends (routing/channel.py); True: every router hears every replica (the best case,
+    # what this simulation assumed before)
     hear_all: bool = False
     seed: int = 1
 
@@ -242,17 +243,20 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
     queued: list[dict[str, float]] = [collections.defaultdict(float) for _ in range(cfg.routers)]
     prefill_waiting: dict[str, float] = collections.defaultdict(float)
     prefill_said: dict[str, float] = collections.defaultdict(float)  # hear_all
-    # Otherwise each router's: its requests open on each replica, what it heard there and when.
+    # Otherwise each router's: its requests open on each replica, and what it last heard from a
+    # replica where it has none open now, and when.
     open_by: list[collections.Counter[str]] = [collections.Counter() for _ in range(cfg.routers)]
     heard: list[dict[str, tuple[float, float]]] = [{} for _ in range(cfg.routers)]
 
     def heard_by(router: int) -> Callable[[str], float]:
         if cfg.hear_all:
             return prefill_said.__getitem__
-        mine = heard[router]
+        opened, last = open_by[router], heard[router]
 
         def said(name: str) -> float:
-            value, at = mine.get(name, (0.0, -LOAD_FRESH_S))
+            if opened[name]:
+                return prefill_said[name]
+            value, at = last.get(name, (0.0, -LOAD_FRESH_S))
             return value if now - at <= LOAD_FRESH_S else 0.0
         return said
 
@@ -273,14 +277,14 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
         if kind == "report":
             name, said = payload  # type: ignore[misc]
             prefill_said[name] = said
-            for router, opened in enumerate(open_by):
-                if opened[name]:
-                    heard[router][name] = (said, now)
             continue
         if kind == "done":
             replica, conv, out_tokens, router = payload  # type: ignore[misc]
             replica.load -= 1
-            open_by[router][replica.actor_name] -= 1
+            if router is not None:
+                open_by[router][replica.actor_name] -= 1
+                if not open_by[router][replica.actor_name]:  # its last batch from there
+                    heard[router][replica.actor_name] = (prefill_said[replica.actor_name], now)
             extend(conv, out_tokens, rng)
             publish(now, replica, replica.insert(tuple(conv.blocks), holders))
             conv.turns_left -= 1
@@ -320,7 +324,7 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
         start = max(now, replica.prefill_free_at)
         first_token = start + cfg.prefill_overhead_s + (tokens - hit) * cfg.prefill_s_per_token
         replica.prefill_free_at = first_token
-        router = 0
+        router = None
         if policy == "kv_events":
             router, work = queued_work
             open_by[router][replica.actor_name] += 1

@@ -30,8 +30,8 @@ KV_SLACK = 2.5
 # no weight, 0.29-0.88x: misses queue behind one another at the holder) at 0.93-1.00 of the
 # oracle's hit rate; 1/8 to 1/2 sent hits away (2 replicas, 4 routers: 0.94 to 0.82 of the
 # oracle). (1/2 was right when each router knew only its own requests, a quarter of the queue.)
-# Rechecked with each router hearing a replica only while it has requests there, as a real one:
-# 0.97-0.99 of the oracle, p99 TTFT 0.53-0.82x prefix affinity's (2-1,000 replicas).
+# With each router hearing a replica only while it has requests there, as a real one (not swept
+# again): 0.98-1.00 of the oracle, p99 TTFT 0.52-0.82x prefix affinity's (2-1,000 replicas).
 QUEUED_BLOCK_WEIGHT = 0.0625
 
 
