@@ -54,9 +54,11 @@ def test_a_kv_cache_that_cannot_fit_is_refused_at_admission(manager):
 
 def test_a_start_failure_that_will_recur_stops_retrying(manager):
     # vLLM refuses a context longer than the model's (8192): it will fail the same way each time.
+    # 5 GiB holds one 100k-token sequence in float32 too (4.3 GiB; 2.1 in bfloat16), the dtype a
+    # CPU without native bf16 runs: admission lets it through, and vLLM refuses it.
     name = "too-long"
     try:
-        ray.get(manager.apply.remote(bare(name, max_model_len=100_000, cpu_kvcache_space_gb=3)))
+        ray.get(manager.apply.remote(bare(name, max_model_len=100_000, cpu_kvcache_space_gb=5)))
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             status = ray.get(manager.status.remote(name))
@@ -70,7 +72,7 @@ def test_a_start_failure_that_will_recur_stops_retrying(manager):
         started = len(status.replicas)
         time.sleep(3)  # past the backoff it would have used: nothing new starts
         assert len(ray.get(manager.status.remote(name)).replicas) == started
-        again = ray.get(manager.apply.remote(bare(name, max_model_len=100_000, cpu_kvcache_space_gb=3)))
+        again = ray.get(manager.apply.remote(bare(name, max_model_len=100_000, cpu_kvcache_space_gb=5)))
         assert again.changed and again.actions[0].startswith("retry after failure")
         assert not ray.get(manager.status.remote(name)).failed
     finally:
