@@ -242,9 +242,9 @@ def simulate(cfg: Config, policy: str) -> dict[str, float]:
     # router's, as each replica says it (in its batches), and what the routers last heard it say
     queued: list[dict[str, float]] = [collections.defaultdict(float) for _ in range(cfg.routers)]
     prefill_waiting: dict[str, float] = collections.defaultdict(float)
-    prefill_said: dict[str, float] = collections.defaultdict(float)  # hear_all
-    # Otherwise each router's: its requests open on each replica, and what it last heard from a
-    # replica where it has none open now, and when.
+    prefill_said: dict[str, float] = collections.defaultdict(float)  # what each replica says, delayed
+    # Unless hear_all, a router hears that only from replicas where it has requests open; from one
+    # where it has none now, what it last heard there and when.
     open_by: list[collections.Counter[str]] = [collections.Counter() for _ in range(cfg.routers)]
     heard: list[dict[str, tuple[float, float]]] = [{} for _ in range(cfg.routers)]
 

@@ -69,7 +69,8 @@ class Channel:
         """Run one request: ``serve`` puts its items and returns at its end (or raises)."""
         task = asyncio.get_running_loop().create_task(self._pump(request, serve))
         self._tasks[request.request_id] = task
-        # A task cancelled before its first step never runs _pump's finally: forget it here too.
+        # _pump's finally forgets it before the batch that ends it; a task cancelled before its
+        # first step never runs that finally: forget it here too (twice is harmless).
         task.add_done_callback(lambda _task, request_id=request.request_id: self._forget(request_id))
         if request.prefill_blocks:
             self._waiting[request.request_id] = request.prefill_blocks

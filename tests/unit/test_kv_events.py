@@ -395,7 +395,7 @@ def test_a_request_cancelled_before_its_first_step_leaves_nothing_counted_on_the
 
     async def main():
         channel = Channel(lambda: 0)
-        channel.start(OpenRequest("r1", HttpRequest("POST", "/v1/completions", [], b"{}"), prefill_blocks=5), serve)
+        channel.start(OpenRequest("r1", HttpRequest("POST", "/v1/completions", (), b"{}"), prefill_blocks=5), serve)
         assert channel.open_requests == 1 and channel.waiting_prefill == 5
         channel.cancel(["r1"])  # in the same turn of the loop: the task has not stepped
         for _ in range(3):
