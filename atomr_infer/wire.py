@@ -183,7 +183,8 @@ class OpenRequest:
     # (routing/migration.py), as one answer with the first part's.
     resume: list[int] | None = None
     # kv_events: the blocks of its prompt its router expects the replica to prefill (those the
-    # replica does not hold), counted in ``Batch.prefill`` until its first output.
+    # replica does not hold), counted in ``Batch.prefill`` until its first output, or until the
+    # engine prefilled it (an answer not streamed: ``Batch.prefilled``).
     prefill_blocks: int = 0
 
 
@@ -199,6 +200,9 @@ class Batch:
     # Blocks of prefill waiting on the replica (from every router): its open requests' with no
     # output yet, as their routers estimated them (``OpenRequest.prefill_blocks``).
     prefill: int = 0
+    # Requests whose prompt the replica computed though they have no output yet (an answer not
+    # streamed comes whole at the end): their prefill no longer waits.
+    prefilled: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.items or self.ended or self.token_ids)
+        return bool(self.items or self.ended or self.token_ids or self.prefilled)

@@ -257,12 +257,13 @@ class VllmReplica:
         return results
 
     async def _serve(
-        self, request: HttpRequest, put: Callable[[HttpHead | bytes], None], tokens: Any, resume: list[int] | None
+        self, request: HttpRequest, put: Callable[[HttpHead | bytes], None], tokens: Any, resume: list[int] | None,
+        prefilled: Callable[[], None] | None = None,
     ) -> None:
         if self._life.state is not ReplicaState.READY:
             await self._wait_ready(None)
             self._admit()
-        await self._backend.serve(request, put, tokens, resume)
+        await self._backend.serve(request, put, tokens, resume, prefilled)
 
     async def channel(self, channel_id: str) -> AsyncIterator[Batch]:
         """The output of every request opened on ``channel_id``, in batches. Call as a Ray

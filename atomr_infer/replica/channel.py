@@ -3,7 +3,8 @@
 A router (the ingress's, a ``Client``'s) opens requests on a replica with ``open_many`` and reads
 everything those requests produce from one long-lived streaming call, ``channel``. Each object
 on that stream is a ``Batch``: the replica's load (and the prefill its requests wait for, as
-their routers estimated it: kv_events), and for every request of that router with
+their routers estimated it, and which of this router's the engine prefilled before any output:
+kv_events), and for every request of that router with
 news, the items it produced since the last batch (an ``HttpHead`` and body bytes, merged:
 merging.py), the token ids it generated if its router asked, and whether it ended, with its
 error (the types are wire.py's). So the Ray cost per engine step is one object per
@@ -34,9 +35,9 @@ from atomr_infer.wire import LEASE_S, Batch, HttpHead, HttpRequest, OpenRequest
 
 Put = Callable[[HttpHead | bytes], None]
 Tokens = Callable[[list[int]], None]
-# serve(request, put, tokens): runs one request, putting its items; returns at its end.
-# (request, put, token sink, token ids to resume after) -> at the response's end
-Serve = Callable[[HttpRequest, Put, "Tokens | None", "list[int] | None"], Awaitable[None]]
+# serve(request, put, token sink, token ids to resume after, told once its prompt is computed):
+# runs one request, putting its items; returns at the response's end.
+Serve = Callable[[HttpRequest, Put, "Tokens | None", "list[int] | None", "Callable[[], None] | None"], Awaitable[None]]
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -99,9 +100,16 @@ class Channel:
             if request_id in self._tasks:
                 self._batch.token_ids.setdefault(request_id, []).extend(ids)
 
+        def prefilled() -> None:  # before any output (an answer not streamed): tell its router
+            if request_id in self._waiting:
+                self._prefilled(request_id)
+                self._batch.prefilled.append(request_id)
+                self._ready.set()
+
         error: BaseException | None = None
         try:
-            await serve(request.http, put, tokens if request.want_token_ids else None, request.resume)
+            sink = tokens if request.want_token_ids else None
+            await serve(request.http, put, sink, request.resume, prefilled if request.prefill_blocks else None)
         except asyncio.CancelledError:
             return  # the router cancelled it: nobody reads its end
         except Exception as exc:  # noqa: BLE001 - every failure goes to the router

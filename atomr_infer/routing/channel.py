@@ -44,11 +44,12 @@ class _Inbox(MergingBuffer[Item]):
     """One request's items between the channel's reader and the request's consumer, and the
     token ids it generated (when it asked for them)."""
 
-    __slots__ = ("token_ids",)
+    __slots__ = ("token_ids", "prefilled")
 
-    def __init__(self, token_ids: list[int] | None = None) -> None:
+    def __init__(self, token_ids: list[int] | None = None, prefilled: Callable[[], None] | None = None) -> None:
         super().__init__(join_bytes)  # type: ignore[arg-type]
         self.token_ids: list[int] = [] if token_ids is None else token_ids
+        self.prefilled = prefilled  # told when the replica says its prompt is computed
 
 
 class ReplicaChannel:
@@ -120,6 +121,10 @@ class ReplicaChannel:
                     inbox = self._inboxes.get(request_id)
                     if inbox is not None:
                         inbox.end(error)
+                for request_id in batch.prefilled:
+                    inbox = self._inboxes.get(request_id)
+                    if inbox is not None and inbox.prefilled is not None:
+                        inbox.prefilled()
             raise ConnectionError("the replica closed the channel")
         except asyncio.CancelledError:
             if gen is not None:
@@ -181,19 +186,22 @@ class ReplicaChannel:
             else:
                 opened.set_result(result)
 
-    async def request(self, request: OpenRequest, token_ids: list[int] | None = None) -> AsyncIterator[Item]:
+    async def request(
+        self, request: OpenRequest, token_ids: list[int] | None = None, prefilled: Callable[[], None] | None = None
+    ) -> AsyncIterator[Item]:
         """What the replica answers to ``request`` (an ``HttpHead``, then body bytes); the
         replica refuses it with ``ReplicaBusy`` if ``request.limit`` requests are open there.
         ``request.request_id`` is set here (unique on this channel). ``token_ids`` (with
         ``request.want_token_ids``) is extended with the ids the replica reports, and outlives
-        the request (a stream that moves resumes after them)."""
+        the request (a stream that moves resumes after them). ``prefilled`` is told if the
+        replica says the prompt is computed before any output (kv_events: an answer not streamed)."""
         if self.error is not None:
             raise self.error
         if self._retired:
             raise ConnectionError("the channel was retired: its replica left the routing table")
         self._start_reader()
         request_id = request.request_id = uuid.uuid4().hex
-        inbox = self._inboxes[request_id] = _Inbox(token_ids)
+        inbox = self._inboxes[request_id] = _Inbox(token_ids, prefilled)
         try:
             try:
                 self._note_load(await self._open(request))

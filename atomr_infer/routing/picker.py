@@ -165,6 +165,19 @@ class ReplicaPicker:
         work, self._work = self._work, None
         return work[1] if work is not None and work[0] == actor_name else 0
 
+    def answer_once(self, actor_name: str, work: int) -> Callable[[], None]:
+        """``answered(actor_name, work)`` the first time it is called: at the request's first
+        output, when its replica says its prompt is computed (an answer not streamed), or at
+        its end, whichever comes first."""
+
+        def answer() -> None:
+            nonlocal work
+            if work:
+                self.answered(actor_name, work)
+                work = 0
+
+        return answer
+
     def answered(self, actor_name: str, work: int) -> None:
         """A request's first answer came (or it ended): its prefill is no longer queued there."""
         left = self._queued[actor_name] - work

@@ -327,13 +327,14 @@ class Router:
                 sent_request = response_ids.with_request_id(sent_request, response_ids.mint(dep.name, route.replica_id))
             want = bool(facts.resumable) and dep.migration_tries > 0
             opening = OpenRequest("", sent_request, dep.max_concurrent, adapter, want, resume, work)
-            items = self._channel(route).request(opening, generated if want else None)
+            prefilled = self._picker.answer_once(route.actor_name, work)  # also what the replica says
+            items = self._channel(route).request(opening, generated if want else None, prefilled)
             sent_here = finished = False
             try:
                 answer = items if resume is None else migration.seam(facts.kind, items, body_sent)
                 async for chunk in answer:
                     if work and not isinstance(chunk, HttpHead):  # its first output: its prefill is done
-                        self._picker.answered(route.actor_name, work)
+                        prefilled()
                         work = 0
                     if failed_at:
                         migration.log_moved(dep.name, route.actor_name, failed_at, len(generated))
@@ -367,8 +368,7 @@ class Router:
                 else:
                     raise failure.cause from None
             finally:
-                if work:
-                    self._picker.answered(route.actor_name, work)
+                prefilled()
                 self._in_flight[route.actor_name] -= 1
                 self._released.set()
                 if not finished:  # consumer went away or was cancelled: abort in the engine

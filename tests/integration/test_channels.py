@@ -174,3 +174,34 @@ def test_the_requests_of_a_router_that_died_are_cancelled(emulated):
     after = asyncio.run(idle(emulated, timeout_s=LEASE_S + 10))
     assert after.engine_unfinished == 0
     assert after.requests_aborted == before.requests_aborted + 1
+
+
+def test_a_whole_answer_is_said_prefilled_at_its_first_token_not_at_its_end(emulated):
+    """kv_events: a completion not streamed (vLLM's FINAL_ONLY: no output before its last) counts
+    as prefill waiting on the replica only until the engine computed its prompt. The step loop
+    reads that from vLLM's output processor (engine/vllm/prefill_watch.py) and the replica tells
+    the router in a batch, with the replica's count, while the answer is still being generated."""
+    from atomr_infer.routing.channel import ReplicaChannel
+    from atomr_infer.wire import OpenRequest
+
+    body = {"model": "emu", "prompt": "count", "max_tokens": 300}  # 300 steps of 10 ms: 3 s at least
+    whole = HttpRequest("POST", "/v1/completions", JSON, json.dumps(body).encode())
+
+    async def main():
+        channel, told = ReplicaChannel(emulated), asyncio.Event()
+        answer = asyncio.ensure_future(_pieces(channel.request(OpenRequest("", whole, prefill_blocks=4), None,
+                                                               told.set)))
+        await asyncio.wait_for(told.wait(), 30)
+        said, running = channel.prefill, not answer.done()
+        pieces = await answer
+        await asyncio.gather(*channel.close(), return_exceptions=True)
+        return said, running, pieces
+
+    said, running, pieces = asyncio.run(main())
+    assert running  # told while the answer was still being generated
+    assert said == 0  # and the replica no longer counts its prefill
+    assert json.loads(b"".join(pieces[1:]))["usage"]["completion_tokens"] == 300
+
+
+async def _pieces(items):
+    return [item async for item in items]

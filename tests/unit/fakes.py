@@ -222,7 +222,7 @@ class FakeReplica:
         self.hub.get(channel_id).start(opening, self._serve)
         return self.hub.open_requests
 
-    async def _serve(self, request, put, tokens, resume=None):
+    async def _serve(self, request, put, tokens, resume=None, prefilled=None):
         await self._answer(put)
 
     async def _answer(self, put):

@@ -6,6 +6,7 @@ reaches back), a replica whose events stop, and a replica that leaves."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -314,19 +315,43 @@ def test_a_tokenizer_per_model_fetched_from_a_replica_serving_it_and_forgotten_o
     asyncio.run(main())
 
 
+@contextlib.contextmanager
+def kv_deployment(*replicas):
+    """Deployment ``kvq`` over ``replicas`` with policy kv_events, the first holding 2 of the 6
+    blocks of ``prompt`` (4 to prefill there); yields (its routes, a table source, ``prompt``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from atomr_infer.routing.kv_index import BlockStored, KVEventBatch
+    from atomr_infer.routing.kv_subscriber import hub
+    from atomr_infer.routing.prompt_tokens import PromptTokenizer, tokenizers
+    from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
+
+    vocab = Tokenizer(models.WordLevel({f"t{i}": i for i in DOC} | {"[UNK]": 0}, unk_token="[UNK]"))
+    vocab.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizers()._ready[("kvq", "m")] = PromptTokenizer({"tokenizer.json": vocab.to_str()})
+    source = ("tcp://127.0.0.1:9", None, BLOCK)  # nothing listens there: events go into the index directly
+    routes = tuple(ReplicaRoute(r.name, f"atomr:kvq:{r.name}", r, kv_events=source, model="m") for r in replicas)
+    table = RoutingTable(1, {"kvq": DeploymentRoute("kvq", 8, "queue", routes, policy="kv_events", model="m")})
+    hub().index("kvq").apply(routes[0].actor_name, KVEventBatch(0.0, [BlockStored([1, 2], None, DOC[:2 * BLOCK],
+                                                                                  BLOCK)]))
+
+    async def source_of(version):
+        return table if version != table.version else None
+
+    try:
+        yield routes, source_of, " ".join(f"t{i}" for i in DOC)
+    finally:
+        tokenizers()._ready.pop(("kvq", "m"), None)
+        hub().follow("kvq", {})
+
+
 def test_prefill_waiting_counts_until_the_first_output_and_every_router_hears_the_replicas_total():
     """kv_events: a request's prefill counts as waiting on its replica until its first output (the
     head of a stream leaves before the engine prefilled: not then), in the router that sent it
     and in the replica, whose batches tell every router with requests there the total."""
     import asyncio
 
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from atomr_infer.routing.kv_index import BlockStored, KVEventBatch
-    from atomr_infer.routing.kv_subscriber import hub
-    from atomr_infer.routing.prompt_tokens import PromptTokenizer, tokenizers
     from atomr_infer.routing.router import Router
-    from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
     from atomr_infer.wire import HttpHead
 
     from .fakes import JSON, GatedReplica, request
@@ -337,27 +362,14 @@ def test_prefill_waiting_counts_until_the_first_output_and_every_router_hears_th
             await self.gate.wait()
             put(f"from {self.name}".encode())
 
-    vocab = Tokenizer(models.WordLevel({f"t{i}": i for i in DOC} | {"[UNK]": 0}, unk_token="[UNK]"))
-    vocab.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizers()._ready[("kvq", "m")] = PromptTokenizer({"tokenizer.json": vocab.to_str()})
-    source = ("tcp://127.0.0.1:9", None, BLOCK)  # nothing listens there: events go into the index directly
     holder, other = HeadFirst("h"), HeadFirst("o")
-    routes = tuple(ReplicaRoute(r.name, f"atomr:kvq:{r.name}", r, kv_events=source, model="m")
-                   for r in (holder, other))
-    table = RoutingTable(1, {"kvq": DeploymentRoute("kvq", 8, "queue", routes, policy="kv_events", model="m")})
-    hub().index("kvq").apply(routes[0].actor_name, KVEventBatch(0.0, [BlockStored([1, 2], None, DOC[:2 * BLOCK],
-                                                                                  BLOCK)]))
-    prompt = " ".join(f"t{i}" for i in DOC)  # 6 blocks, 2 held by h: 4 to prefill there
 
-    async def source_of(version):
-        return table if version != table.version else None
+    async def main(routes, source_of, prompt):
+        async def head_of(router):
+            items = router.stream(*request("kvq", prompt))
+            assert isinstance(await items.__anext__(), HttpHead)
+            return items
 
-    async def head_of(router):
-        items = router.stream(*request("kvq", prompt))
-        assert isinstance(await items.__anext__(), HttpHead)
-        return items
-
-    async def main():
         a, b = Router(source_of, refresh_s=0.0), Router(source_of, refresh_s=0.0)
         first = await head_of(a)
         name = routes[0].actor_name
@@ -375,11 +387,66 @@ def test_prefill_waiting_counts_until_the_first_output_and_every_router_hears_th
             assert [item async for item in items] == [b"from h"]
         assert holder.hub.waiting_prefill == 0 and not a._picker._queued and not b._picker._queued
 
-    try:
-        asyncio.run(main())
-    finally:
-        tokenizers()._ready.pop(("kvq", "m"), None)
-        hub().follow("kvq", {})
+    with kv_deployment(holder, other) as deployment:
+        asyncio.run(main(*deployment))
+
+
+def test_a_whole_answers_prefill_stops_waiting_when_the_replica_says_its_prompt_is_computed():
+    """An answer not streamed has no output before its last: the replica tells the router that
+    sent it, in a batch of its own, when the engine computed the prompt (``prefilled``), so
+    neither counts it as waiting any longer; its end then hands nothing back twice."""
+    import asyncio
+
+    from atomr_infer.routing.router import Router
+
+    from .fakes import GatedReplica, request
+
+    class Whole(GatedReplica):
+        def __init__(self, name):
+            super().__init__(name)
+            self.computed = asyncio.Event()
+
+        async def _serve(self, request, put, tokens, resume=None, prefilled=None):
+            await self.computed.wait()
+            prefilled()  # as the engine's step loop does (engine/vllm/prefill_watch.py)
+            await self._answer(put)
+
+    holder = Whole("h")
+
+    async def main(routes, source_of, prompt):
+        async def until(check):
+            for _ in range(100):
+                if check():
+                    return
+                await asyncio.sleep(0)
+            raise AssertionError("not reached")
+
+        a = Router(source_of, refresh_s=0.0)
+        whole = asyncio.ensure_future(_drain(a.stream(*request("kvq", prompt))))
+        name = routes[0].actor_name
+        await until(lambda: holder.hub.waiting_prefill == 4 and a._picker._queued[name] == 4)
+        holder.computed.set()
+        await until(lambda: holder.hub.waiting_prefill == 0 and not a._picker._queued)
+        assert not whole.done()  # the answer itself is still to come
+        holder.computed.clear()
+        second = asyncio.ensure_future(_drain(a.stream(*request("kvq", prompt))))
+        await until(lambda: a._picker._queued.get(name) == 4)
+        holder.gate.set()  # the first answer ends: its router already handed its 4 blocks back
+        assert await whole == [b"from h"]
+        assert a._picker._queued[name] == 4 and holder.hub.waiting_prefill == 4  # the second's, untouched
+        holder.computed.set()
+        assert await second == [b"from h"]
+        assert holder.hub.waiting_prefill == 0 and not a._picker._queued
+
+    with kv_deployment(holder) as deployment:
+        asyncio.run(main(*deployment))
+
+
+async def _drain(items):
+    """A request's body pieces (its head left out)."""
+    from atomr_infer.wire import HttpHead
+
+    return [item async for item in items if not isinstance(item, HttpHead)]
 
 
 def test_a_request_cancelled_before_its_first_step_leaves_nothing_counted_on_the_channel():
@@ -390,7 +457,7 @@ def test_a_request_cancelled_before_its_first_step_leaves_nothing_counted_on_the
     from atomr_infer.replica.channel import Channel
     from atomr_infer.wire import HttpRequest, OpenRequest
 
-    async def serve(http, put, tokens, resume):  # never reached
+    async def serve(http, put, tokens, resume, prefilled):  # never reached
         raise AssertionError("a request cancelled before its first step ran")
 
     async def main():

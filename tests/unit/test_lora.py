@@ -227,7 +227,7 @@ def test_an_adapters_requests_go_only_where_it_is_loaded_under_its_full_name():
     from .fakes import JSON, FakeReplica, answer
 
     class ModelEcho(FakeReplica):
-        async def _serve(self, request, put, tokens, resume=None):
+        async def _serve(self, request, put, tokens, resume=None, prefilled=None):
             put(HttpHead(200, JSON))
             put(json.dumps([self.name, json.loads(request.body)["model"]]).encode())
 

@@ -35,7 +35,7 @@ class Dying(FakeReplica):
         self.dead = asyncio.Event()
         self.heads: list[dict[str, str]] = []
 
-    async def _serve(self, request, put, tokens, resume=None):
+    async def _serve(self, request, put, tokens, resume=None, prefilled=None):
         self.heads.append(dict(request.headers))
         put(HttpHead(200, SSE))
         put(ROLE)
@@ -68,7 +68,7 @@ class Continuing(FakeReplica):
         self.resumed: list[list[int] | None] = []
         self.heads: list[dict[str, str]] = []
 
-    async def _serve(self, request, put, tokens, resume=None):
+    async def _serve(self, request, put, tokens, resume=None, prefilled=None):
         self.resumed.append(resume)
         self.heads.append(dict(request.headers))
         put(HttpHead(200, SSE))

@@ -20,7 +20,7 @@ from .fakes import JSON, FakeReplica, answer, route
 class EchoReplica(FakeReplica):
     """Answers with its name and the request_id the body it got carries."""
 
-    async def _serve(self, request, put, tokens, resume=None):
+    async def _serve(self, request, put, tokens, resume=None, prefilled=None):
         put(HttpHead(200, JSON))
         put(json.dumps({"replica": self.name, "request_id": json.loads(request.body).get("request_id")}).encode())
 

@@ -193,3 +193,37 @@ def test_stuck_for_grows_while_a_step_never_returns():
     wait_until(lambda: not engine.running)
     wait_until(lambda: loop.stuck_for() == 0.0)
     loop.stop()
+
+
+def test_the_prefill_watch_tells_once_the_engine_says_a_watched_prompt_is_computed():
+    """engine/vllm/prefill_watch.py, in the step thread's place: the engine knows the request by
+    an id of its own (vLLM appends to ours when it adds it); a request not added yet, or gone,
+    waits; one past prefill is handed over once; a forgotten one never is."""
+    from types import SimpleNamespace
+
+    from atomr_infer.engine.vllm.prefill_watch import PrefillWatch
+
+    told, handed = [], []
+    watch = PrefillWatch(lambda fn, ids: handed.append((fn, ids)))
+    first, second, third = (SimpleNamespace(request_id=rid) for rid in ("a", "b", "c"))
+    for rid, request in (("a", first), ("b", second), ("c", third)):
+        watch.add(rid, request, lambda rid=rid: told.append(rid))
+    states = {}
+    engine = SimpleNamespace(output_processor=SimpleNamespace(request_states=states))
+    watch.after_step(engine)  # none added yet
+    assert handed == []
+    first.request_id, second.request_id, third.request_id = "a-1x", "b-2y", "c-3z"  # the engine added them
+    states.update({"a-1x": SimpleNamespace(is_prefilling=False), "b-2y": SimpleNamespace(is_prefilling=True),
+                   "c-3z": SimpleNamespace(is_prefilling=False)})
+    watch.forget("c")  # its stream ended meanwhile
+    watch.after_step(engine)
+    watch.after_step(engine)  # handed over once
+    assert [ids for _, ids in handed] == [["a"]]
+    fn, ids = handed[0]
+    fn(ids)  # in the event loop
+    assert told == ["a"]
+    states["b-2y"].is_prefilling = False
+    watch.after_step(engine)
+    handed[-1][0](handed[-1][1])
+    assert told == ["a", "b"]
+    watch.after_step(SimpleNamespace())  # an engine without vLLM's output processor: nothing, no error

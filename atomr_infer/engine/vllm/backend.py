@@ -16,7 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from atomr_infer.engine.backend import BackendContext, EngineFacts, EngineHealth, EngineStats, Put, TokenSink
+from atomr_infer.engine.backend import BackendContext, EngineFacts, EngineHealth, EngineStats, Prefilled, Put, TokenSink
 from atomr_infer.engine.vllm import adapters
 from atomr_infer.engine.vllm.coalesce import coalesce_core_outputs
 from atomr_infer.engine.vllm.core_failure import CoreStartFailed
@@ -25,6 +25,7 @@ from atomr_infer.engine.vllm.handoff import LoopHandoff
 from atomr_infer.engine.vllm.kv_events import kv_event_source
 from atomr_infer.engine.vllm.open_streams import OpenStreams
 from atomr_infer.engine.vllm.openai_app import OpenAIApp
+from atomr_infer.engine.vllm.prefill_watch import PREFILLED, PrefillWatch
 from atomr_infer.engine.vllm.resume import RESUME, TOKENS
 from atomr_infer.engine.vllm.step_loop import Engine, StepLoop
 from atomr_infer.engine.vllm.stream import RequestStream
@@ -57,6 +58,7 @@ class VllmBackend:
         self._client: Any = None
         self._app_lock = asyncio.Lock()
         metrics = context.metrics
+        self._prefill_watch = PrefillWatch(self._handoff.call)
         self._loop = StepLoop(
             engine_factory=lambda: factory(self._deployment, context.progress),
             on_ready=self._on_engine_ready,
@@ -65,6 +67,7 @@ class VllmBackend:
             on_rejected=self._on_rejected,
             name=f"atomr-step-loop-{context.name}",
             on_step=metrics.engine_step if metrics.enabled else None,
+            after_step=self._prefill_watch.after_step,
         )
         self._streams = OpenStreams(self._loop, context.stats, metrics, context.log)
 
@@ -145,11 +148,13 @@ class VllmBackend:
         return self._app
 
     async def serve(
-        self, request: HttpRequest, put: Put, tokens: TokenSink | None = None, resume: list[int] | None = None
+        self, request: HttpRequest, put: Put, tokens: TokenSink | None = None, resume: list[int] | None = None,
+        prefilled: Prefilled | None = None,
     ) -> None:
         app = self._app or await self._openai_app()
         reset = TOKENS.set(tokens) if tokens is not None else None
         resuming = RESUME.set(resume) if resume is not None else None
+        watching = PREFILLED.set(prefilled) if prefilled is not None else None
         try:
             await app.run(request, put)
         finally:
@@ -157,6 +162,8 @@ class VllmBackend:
                 TOKENS.reset(reset)
             if resuming is not None:
                 RESUME.reset(resuming)
+            if watching is not None:
+                PREFILLED.reset(watching)
 
     async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
         if self._client is None:  # built with the app, once
@@ -214,7 +221,11 @@ class VllmBackend:
         )
         return stream
 
+    def watch_prefill(self, stream: RequestStream, request: Any, callback: Prefilled) -> None:
+        self._prefill_watch.add(stream.request_id, request, callback)
+
     def finish(self, stream: RequestStream) -> None:
+        self._prefill_watch.forget(stream.request_id)
         self._streams.close(stream)
 
     def dead_error(self) -> BaseException | None:

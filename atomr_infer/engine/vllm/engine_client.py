@@ -21,9 +21,11 @@ from typing import Any, Protocol
 
 from vllm.engine.protocol import EngineClient
 from vllm.renderers.inputs.preprocess import extract_prompt_components
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreRequest
 
 from atomr_infer.engine.vllm.inline_tokenize import tokenize_short_prompts_inline
+from atomr_infer.engine.vllm.prefill_watch import PREFILLED
 from atomr_infer.engine.vllm.resume import RESUME, TOKENS, as_whole, extend_request
 from atomr_infer.engine.vllm.stream import RequestStream
 
@@ -32,6 +34,9 @@ class RequestGate(Protocol):
     """The replica's side: open a stream and submit to the step loop; abort; health."""
 
     def submit(self, request: EngineCoreRequest, prompt_text: str | None, prompt_tokens: int) -> RequestStream: ...
+
+    def watch_prefill(self, stream: RequestStream, request: EngineCoreRequest, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the engine has computed the prompt of ``request`` (submitted)."""
 
     def finish(self, stream: RequestStream) -> None:
         """The consumer is done with ``stream`` (finished, failed or gone: abort if still running)."""
@@ -105,7 +110,11 @@ class StepLoopEngineClient(EngineClient):
             extend_request(request, resume)
         prompt_tokens = len(request.prompt_token_ids or ())
         stream = self._gate.submit(request, prompt_text, prompt_tokens)
-        sink = TOKENS.get() if request.sampling_params is not None else None
+        params = request.sampling_params
+        sink = TOKENS.get() if params is not None else None
+        prefilled = PREFILLED.get()
+        if prefilled is not None and params is not None and params.output_kind == RequestOutputKind.FINAL_ONLY:
+            self._gate.watch_prefill(stream, request, prefilled)  # no output says so before the last
         try:
             if resume is None and sink is None:
                 async for output in stream:

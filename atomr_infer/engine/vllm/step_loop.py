@@ -63,6 +63,7 @@ OnOutputs = Callable[[list[Any]], None]
 OnError = Callable[[BaseException], None]
 OnRejected = Callable[[str, BaseException], None]
 OnStep = Callable[[float], None]
+AfterStep = Callable[[Engine], None]
 
 
 class StepLoop:
@@ -75,9 +76,11 @@ class StepLoop:
         on_rejected: OnRejected,
         name: str = "atomr-step-loop",
         on_step: OnStep | None = None,
+        after_step: AfterStep | None = None,
     ) -> None:
         self._engine_factory, self._on_ready = engine_factory, on_ready
         self._on_step = on_step  # receives each step's duration in seconds (metrics)
+        self._after_step = after_step  # reads the engine in this thread after each step (prefill_watch.py)
         self._engine: Engine | None = None
         self._on_outputs, self._on_error, self._on_rejected = on_outputs, on_error, on_rejected
         # deque append/popleft are atomic; the event wakes the loop.
@@ -166,6 +169,8 @@ class StepLoop:
                         self._on_step(self.last_step_at - started)
                     if outputs:
                         self._on_outputs(outputs)
+                    if self._after_step is not None:
+                        self._after_step(engine)
                 else:
                     self.turn_started_at = None
                     self._wake.wait()
