@@ -50,7 +50,7 @@ class Channel:
         self._load, self._prefill = load, prefill
         self._batch = Batch(0)
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._waiting: dict[str, int] = {}  # request id -> its prefill blocks, until its first output
+        self._waiting: dict[str, int] = {}  # request id -> its prefill blocks, until its first output or prefilled()
         self.waiting_prefill = 0  # their sum
         self._ready = asyncio.Event()
         self._closed = False

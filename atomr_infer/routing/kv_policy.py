@@ -24,7 +24,7 @@ from atomr_infer.routing.prefix import Named, load_cap
 # 1.15x at the same hit rate.
 KV_SLACK = 2.5
 # What a replica costs a request: the blocks it must prefill (those it does not hold) plus this
-# much per block of prefill waiting there (no first output yet). Simulated (scripts/sim_routing.py,
+# much per block of prefill waiting there (not yet prefilled). Simulated (scripts/sim_routing.py,
 # evictions, 4 seeds, 2-100 replicas, 4 and 16 routers, all of them hearing every replica's
 # waiting prefill 50 ms late): 1/16 gave the best p99 TTFT (0.26-0.74x prefix affinity's; with
 # no weight, 0.29-0.88x: misses queue behind one another at the holder) at 0.93-1.00 of the

@@ -198,32 +198,55 @@ def test_stuck_for_grows_while_a_step_never_returns():
 def test_the_prefill_watch_tells_once_the_engine_says_a_watched_prompt_is_computed():
     """engine/vllm/prefill_watch.py, in the step thread's place: the engine knows the request by
     an id of its own (vLLM appends to ours when it adds it); a request not added yet, or gone,
-    waits; one past prefill is handed over once; a forgotten one never is."""
+    waits; one past prefill is handed over once; a forgotten one, or a later request with the
+    same id, never is."""
     from types import SimpleNamespace
 
     from atomr_infer.engine.vllm.prefill_watch import PrefillWatch
 
     told, handed = [], []
-    watch = PrefillWatch(lambda fn, ids: handed.append((fn, ids)))
-    first, second, third = (SimpleNamespace(request_id=rid) for rid in ("a", "b", "c"))
-    for rid, request in (("a", first), ("b", second), ("c", third)):
-        watch.add(rid, request, lambda rid=rid: told.append(rid))
+    watch = PrefillWatch(lambda fn, done: handed.append((fn, done)))
+    first, second, third, fourth = (SimpleNamespace(request_id=rid) for rid in "abcd")
+    for request in (first, second, third, fourth):
+        watch.add(request.request_id, request, lambda rid=request.request_id: told.append(rid))
+    watch.after_step(SimpleNamespace())  # an engine without vLLM's output processor: nothing, no error
     states = {}
     engine = SimpleNamespace(output_processor=SimpleNamespace(request_states=states))
     watch.after_step(engine)  # none added yet
     assert handed == []
-    first.request_id, second.request_id, third.request_id = "a-1x", "b-2y", "c-3z"  # the engine added them
-    states.update({"a-1x": SimpleNamespace(is_prefilling=False), "b-2y": SimpleNamespace(is_prefilling=True),
-                   "c-3z": SimpleNamespace(is_prefilling=False)})
+    for request in (first, second, third, fourth):
+        request.request_id += "-x1"  # the engine added them
+    states.update({"a-x1": SimpleNamespace(is_prefilling=False), "b-x1": SimpleNamespace(is_prefilling=True),
+                   "c-x1": SimpleNamespace(is_prefilling=False)})  # d: already gone (finished)
     watch.forget("c")  # its stream ended meanwhile
     watch.after_step(engine)
     watch.after_step(engine)  # handed over once
-    assert [ids for _, ids in handed] == [["a"]]
-    fn, ids = handed[0]
-    fn(ids)  # in the event loop
+    assert [[rid for rid, _ in done] for _, done in handed] == [["a"]]
+    fn, done = handed[0]
+    fn(done)  # in the event loop
     assert told == ["a"]
-    states["b-2y"].is_prefilling = False
+    states["b-x1"].is_prefilling = False
     watch.after_step(engine)
+    watch.forget("b")  # b ended before the hand-over ran, and a new request took its id
+    watch.add("b", SimpleNamespace(request_id="b"), lambda: told.append("b again"))
     handed[-1][0](handed[-1][1])
-    assert told == ["a", "b"]
-    watch.after_step(SimpleNamespace())  # an engine without vLLM's output processor: nothing, no error
+    assert told == ["a"]  # not the new b's callback
+    states["d-x1"] = SimpleNamespace()  # a vLLM without is_prefilling: the watch turns itself off
+    watch.after_step(engine)
+    watch.add("e", SimpleNamespace(request_id="e"), lambda: told.append("e"))
+    assert not watch._requests and told == ["a"]
+
+
+def test_the_loop_reads_the_engine_after_every_step_in_its_own_thread():
+    engine, rec = ScriptedEngine(tokens=3), Recorder()
+    seen = []
+    loop = StepLoop(engine_factory=lambda: engine, on_ready=lambda e: rec.ready.set(), on_outputs=rec.batches.append,
+                    on_error=rec.errors.append, on_rejected=lambda rid, exc: None,
+                    after_step=lambda e: seen.append((e, threading.current_thread().name)), name="test-after-step")
+    loop.start()
+    assert rec.ready.wait(5)
+    loop.submit("a", "p", None)
+    wait_until(lambda: len(seen) == 3)  # after each of its 3 steps (3 tokens), after their outputs
+    loop.stop()
+    assert len(rec.batches) == engine.steps == 3
+    assert all(e is engine and name == "test-after-step" for e, name in seen)

@@ -63,6 +63,7 @@ def test_the_replica_lifecycle_allows_only_its_transitions():
 
 def test_a_batch_with_only_token_ids_has_news():
     assert not Batch(0) and Batch(0, token_ids={"r": [1]}) and Batch(0, ended={"r": None})
+    assert Batch(0, prefilled=["r"])  # a batch that only says a request was prefilled leaves too
 
 
 PROBE = """

@@ -36,7 +36,8 @@ class RequestGate(Protocol):
     def submit(self, request: EngineCoreRequest, prompt_text: str | None, prompt_tokens: int) -> RequestStream: ...
 
     def watch_prefill(self, stream: RequestStream, request: EngineCoreRequest, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once the engine has computed the prompt of ``request`` (submitted)."""
+        """Call ``callback`` once the engine has computed the prompt of ``request`` (submitted); a
+        request of several prompts watches each, so the callback must bear being called again."""
 
     def finish(self, stream: RequestStream) -> None:
         """The consumer is done with ``stream`` (finished, failed or gone: abort if still running)."""

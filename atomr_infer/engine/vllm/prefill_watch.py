@@ -20,6 +20,10 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
+from atomr_infer.log import get_logger
+
+log = get_logger(__name__)
+
 # Set per request by the backend's ``serve`` where its caller wants to hear when the prompt is
 # computed; read by the engine client in the task vLLM's handler runs in (it copies the context).
 PREFILLED: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
@@ -30,14 +34,18 @@ PREFILLED: contextvars.ContextVar[Callable[[], None] | None] = contextvars.Conte
 class PrefillWatch:
     def __init__(self, hand_over: Callable[[Callable[[list[str]], None], list[str]], None]) -> None:
         self._hand_over = hand_over  # (fn, ids): fn(ids) run in the event loop
-        self._callbacks: dict[str, Callable[[], None]] = {}  # the event loop's alone
+        # Our id -> (its request, the callback): the event loop's alone.
+        self._callbacks: dict[str, tuple[Any, Callable[[], None]]] = {}
         # Our id -> the EngineCoreRequest, shared with the step thread: a dict's item assignment,
         # pop and copy (list(d.items())) each hold the GIL throughout.
         self._requests: dict[str, Any] = {}
+        self._failed = False  # reading the engine failed once: watch nothing more
 
     def add(self, request_id: str, request: Any, callback: Callable[[], None]) -> None:
         """Watch ``request`` (submitted to the step loop as ``request_id``) until its prompt is computed."""
-        self._callbacks[request_id] = callback
+        if self._failed:
+            return  # it counts until its first output, as without the watch
+        self._callbacks[request_id] = (request, callback)
         self._requests[request_id] = request
 
     def forget(self, request_id: str) -> None:
@@ -46,24 +54,31 @@ class PrefillWatch:
         self._callbacks.pop(request_id, None)
 
     def after_step(self, engine: Any) -> None:
-        """In the step thread, after a step: hand over the watched requests now past prefill."""
+        """In the step thread, after a step: hand over the watched requests now past prefill.
+        One dict lookup per watched request (those still queued in the engine too), per step."""
         if not self._requests:
             return
         states = getattr(getattr(engine, "output_processor", None), "request_states", None)
         if states is None:  # an engine without vLLM's output processor: they count until the end
             return
         done = []
-        for request_id, request in list(self._requests.items()):
-            state = states.get(request.request_id)  # the engine's id, once it added the request
-            # None: not added yet (it is, at the next turn) or already gone (its end says so).
-            if state is not None and not state.is_prefilling:
-                done.append(request_id)
-                self._requests.pop(request_id, None)
+        try:
+            for request_id, request in list(self._requests.items()):
+                state = states.get(request.request_id)  # the engine's id, once it added the request
+                # None: not added yet (it is, at the next turn) or already gone (its end says so).
+                if state is not None and not state.is_prefilling:
+                    done.append((request_id, request))
+                    self._requests.pop(request_id, None)
+        except Exception as exc:  # noqa: BLE001 - a vLLM that changed: never stop the engine for this
+            self._failed = True
+            self._requests.clear()
+            log.warning("prefill_watch_off", error=f"{type(exc).__name__}: {exc}")
         if done:
             self._hand_over(self._tell, done)
 
-    def _tell(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            callback = self._callbacks.pop(request_id, None)
-            if callback is not None:
-                callback()
+    def _tell(self, done: list[tuple[str, Any]]) -> None:
+        for request_id, request in done:
+            watched = self._callbacks.get(request_id)
+            if watched is not None and watched[0] is request:  # not a later request with the same id
+                del self._callbacks[request_id]
+                watched[1]()
