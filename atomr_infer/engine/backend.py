@@ -28,7 +28,7 @@ from atomr_infer.wire import HttpHead, HttpRequest
 Put = Callable[[HttpHead | bytes], None]
 # Token ids a request generated since the last call (a resumable request asked for them).
 TokenSink = Callable[[list[int]], None]
-Prefilled = Callable[[], None]  # told once: the request's prompt is computed
+Prefilled = Callable[[], None]  # told when the request's prompt is computed (serve says when)
 
 
 @dataclass(frozen=True)
