@@ -36,7 +36,8 @@ streaming/ideal: the same ratio without that time, (tokens x step) / (wall - adm
 rate once every stream runs, i.e. the cost per token alone; and how much of a core this process
 (the arm's client) used, which the replica does not have on a small machine.
 ``--ttft C:N`` measures time to first token instead, closed loop (C clients, each sending its next
-request when its last ends, N requests in all), on the remote arms, interleaved by round.
+request when its last ends, N requests in all), on the remote arms, interleaved by round, and the
+loop's output tok/s (what ``bench_http`` reports per concurrency on a GPU).
 """
 
 from __future__ import annotations
@@ -212,29 +213,33 @@ async def ttft_rounds(arms: dict, paths: list[str], load: tuple[int, int, int], 
     """``--ttft C:N[:ROUNDS]``: each arm's TTFT p50/p90, the arms interleaved round by round; the
     medians over rounds, and each atomr arm against ``vllm`` where it ran."""
     concurrency, total, rounds = load
-    got: dict[str, list[tuple[float, float]]] = {p: [] for p in paths}
+    got: dict[str, list[tuple[float, float, float]]] = {p: [] for p in paths}
     for round_no in range(rounds):
         for path in paths:
-            p50, p90 = await closed_loop(arms[path], concurrency, total, tokens)
-            got[path].append((p50, p90))
-            print(f"round {round_no + 1} {path:>7} c={concurrency}: TTFT p50 {p50:6.1f} ms, p90 {p90:6.1f} ms",
-                  flush=True)
+            p50, p90, rate = await closed_loop(arms[path], concurrency, total, tokens)
+            got[path].append((p50, p90, rate))
+            print(f"round {round_no + 1} {path:>7} c={concurrency}: TTFT p50 {p50:6.1f} ms, p90 {p90:6.1f} ms, "
+                  f"{rate:,.0f} tok/s", flush=True)
     from atomr_infer.engine.cpu import machine_line
 
     print(f"\nCPU: {machine_line()}")
     median = {p: sorted(r[0] for r in rows)[len(rows) // 2] for p, rows in got.items()}
+    rates = {p: sorted(r[2] for r in rows)[len(rows) // 2] for p, rows in got.items()}
     for path in paths:
-        print(f"ratio {path} TTFT p50 ms @ c={concurrency}: {median[path]:.1f}")
+        print(f"ratio {path} TTFT p50 ms @ c={concurrency}: {median[path]:.1f}; {rates[path]:,.0f} tok/s")
     if "vllm" in paths:
         for path in (p for p in paths if p != "vllm"):
-            print(f"ratio {path}/vllm TTFT p50 @ c={concurrency}: {median[path] / median['vllm']:.3f}")
+            print(f"ratio {path}/vllm TTFT p50 @ c={concurrency}: {median[path] / median['vllm']:.3f}; "
+                  f"tok/s {rates[path] / rates['vllm']:.3f}")
 
 
-async def closed_loop(one, concurrency: int, total: int, tokens: int) -> tuple[float, float]:
+async def closed_loop(one, concurrency: int, total: int, tokens: int) -> tuple[float, float, float]:
     """TTFT p50 and p90 (ms) of ``total`` requests sent by ``concurrency`` clients, each sending
-    its next request when its last one ends (as ``vllm bench serve --max-concurrency``)."""
+    its next request when its last one ends (as ``vllm bench serve --max-concurrency``), and the
+    output tokens per second over the whole (what bench_http's tok/s is on a GPU)."""
     TTFTS.clear()
     numbers = iter(range(total))
+    started = time.perf_counter()
 
     async def client() -> None:
         for i in numbers:
@@ -244,8 +249,9 @@ async def closed_loop(one, concurrency: int, total: int, tokens: int) -> tuple[f
                 raise AssertionError(f"request {i}: {count} tokens, not {tokens}")
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
+    rate = total * tokens / (time.perf_counter() - started)
     ordered = sorted(TTFTS)
-    return ordered[len(ordered) // 2] * 1000, ordered[int(len(ordered) * 0.9)] * 1000
+    return ordered[len(ordered) // 2] * 1000, ordered[int(len(ordered) * 0.9)] * 1000, rate
 
 
 def main() -> None:
