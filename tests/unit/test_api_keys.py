@@ -98,7 +98,10 @@ def test_the_watcher_loads_a_good_version_that_no_request_asked_for(
     keys = KeyFile(path, watch=True)
     try:
         _rewrite(path, f"keys: [{{name: carol, key: {BOB}}}]")
-        time.sleep(1.0)  # no request meanwhile: only the watcher reads it
+        deadline = time.monotonic() + 30  # no request meanwhile: only the watcher reads it
+        while not any(key.name == "carol" for _, key in keys._ring.entries):
+            assert time.monotonic() < deadline, "the watcher did not load the new file"
+            time.sleep(0.05)
         _rewrite(path, "keys: [{name: broken}]", later=4)
         # Without the watcher, this first request would read the broken file and keep alice's.
         assert keys.ring().authenticate(f"Bearer {BOB}").name == "carol"

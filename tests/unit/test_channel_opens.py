@@ -36,13 +36,13 @@ class Recording(FakeReplica):
         return await super()._open(channel_id, opening)
 
 
-def router(*replicas: FakeReplica) -> Router:
+def router(*replicas: FakeReplica, refresh_s: float = 0.0) -> Router:
     table = RoutingTable(1, {"d": DeploymentRoute("d", 1000, "queue", tuple(route(r) for r in replicas))})
 
     async def source(version):
         return table if version != table.version else None
 
-    return Router(source, refresh_s=0.0)
+    return Router(source, refresh_s=refresh_s)
 
 
 async def text(r: Router) -> str:
@@ -53,8 +53,10 @@ def test_requests_opened_together_go_in_one_call_and_each_gets_its_answer():
     replica = Recording("r0")
 
     async def main():
-        r = router(replica)
-        await text(r)  # the routing table is fetched once, before the burst
+        # The routing table is fetched once, before the burst; not again (a refresh due would
+        # let a request that comes late in a slow burst route alone).
+        r = router(replica, refresh_s=3600)
+        await text(r)
         return await asyncio.gather(*(text(r) for _ in range(40)))
 
     assert asyncio.run(main()) == ["from r0"] * 40
@@ -75,3 +77,16 @@ def test_a_request_refused_inside_a_batch_is_routed_again_alone():
     assert len(answers) == 30 and set(answers) <= {"from r0", "from r1"}
     assert max(picky.batches) > 1  # several requests in one call, some of them refused
     assert picky._seen // 2 >= 1  # some were refused, and every one of them was answered elsewhere
+
+
+def test_a_replicas_word_on_its_load_counts_for_load_fresh_s_and_an_open_keeps_its_prefill(monkeypatch):
+    from atomr_infer.routing import channel
+
+    heard = channel.ReplicaChannel(actor=None)
+    assert heard.said() == (0, 0)  # nothing said yet
+    heard._note_load(3, 5)
+    assert heard.said() == (3, 5)
+    heard._note_load(4)  # an open's answer: the load alone; the batch's prefill word stands
+    assert heard.said() == (4, 5)
+    monkeypatch.setattr(channel, "LOAD_FRESH_S", -1.0)  # as if LOAD_FRESH_S went by with no word
+    assert heard.said() == (0, 0)

@@ -103,7 +103,7 @@ def test_a_replay_that_no_longer_reaches_back_is_partial_never_wrong(publisher):
     pub.publish(batch(stored(0, 2, None)))  # out of the buffer by the time we listen
     pub.publish(batch(stored(2, 1, 1001)))
     pub.publish(batch(stored(3, 1, 1002)))
-    time.sleep(0.3)  # published (vLLM's thread) before the listener starts
+    pub._event_queue.join()  # vLLM's thread sent and buffered all three before the listener starts
     hub = KvEventsHub()
     hub.follow("d", {"r0": endpoints})
     index = hub.index("d")
@@ -129,11 +129,13 @@ def test_a_replica_owing_events_is_silent_until_it_reports_again():
 def test_the_picker_takes_the_deepest_holder_within_the_load_bound_and_falls_back_without_fresh_events(
     monkeypatch,
 ):
+    from atomr_infer.routing import kv_index
     from atomr_infer.routing.kv_index import BlockStored, KVEventBatch
     from atomr_infer.routing.kv_subscriber import hub
     from atomr_infer.routing.picker import PromptIds, ReplicaPicker
     from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
 
+    monkeypatch.setattr(kv_index, "SILENT_S", 3600.0)  # not overdue however slow the machine, until said below
     source = ("tcp://127.0.0.1:9", None, BLOCK)  # nothing listens there: events go into the index directly
     routes = [ReplicaRoute(f"r{i}", f"atomr:kv:r{i}", None, kv_events=source) for i in range(3)]
     dep = DeploymentRoute("kv", 8, "queue", tuple(routes), policy="kv_events")
@@ -157,8 +159,6 @@ def test_the_picker_takes_the_deepest_holder_within_the_load_bound_and_falls_bac
     assert dict(picker.reasons) == {("kv", "kv_hit"): 2, ("kv", "kv_overflow"): 1, ("kv", "kv_miss"): 1,
                                     ("kv", "fallback_no_affinity"): 1}
     # Each was sent blocks it did not hold and owes an event: once that is overdue, none is trusted.
-    from atomr_infer.routing import kv_index
-
     monkeypatch.setattr(kv_index, "SILENT_S", -1.0)
     assert all(index.silent(name) for name in (r0, r1, r2))
     assert pick({r0: 1}) == r1 and picker.reasons["kv", "fallback_no_affinity"] == 2
@@ -327,7 +327,7 @@ def kv_deployment(*replicas):
     it, which may be after this one wrote its blocks into an index of the same name."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from atomr_infer.routing import kv_index
+    from atomr_infer.routing import channel, kv_index
     from atomr_infer.routing.kv_index import BlockStored, KVEventBatch
     from atomr_infer.routing.kv_subscriber import hub
     from atomr_infer.routing.prompt_tokens import PromptTokenizer, tokenizers
@@ -347,13 +347,15 @@ def kv_deployment(*replicas):
         return table if version != table.version else None
 
     # These replicas never report the blocks they are sent, so after SILENT_S the index would
-    # rightly call them silent and the policy fall back; a loaded machine (CI) can take that long
-    # between two picks of one test. Silence has tests of its own above.
-    silent_s, kv_index.SILENT_S = kv_index.SILENT_S, 3600.0
+    # rightly call them silent and the policy fall back, and a replica's word is forgotten after
+    # LOAD_FRESH_S; a loaded machine (CI) can take that long between two steps of one test.
+    # Both have tests of their own.
+    kept = kv_index.SILENT_S, channel.LOAD_FRESH_S
+    kv_index.SILENT_S = channel.LOAD_FRESH_S = 3600.0
     try:
         yield name, routes, source_of, " ".join(f"t{i}" for i in DOC)
     finally:
-        kv_index.SILENT_S = silent_s
+        kv_index.SILENT_S, channel.LOAD_FRESH_S = kept
         tokenizers()._ready.pop((name, "m"), None)
         hub().follow(name, {})
 
