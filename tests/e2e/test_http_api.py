@@ -234,8 +234,9 @@ def test_closing_a_stream_aborts_the_request(openai_server, smollm2, smollm2_rep
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["content"] is not None
         assert ray_cluster.get(smollm2_replica.in_flight.remote()) == 1
-    # The client hung up long before 1900 tokens: the engine request must be gone within a few seconds.
-    assert wait_until(lambda: ray_cluster.get(smollm2_replica.in_flight.remote()) == 0, 5.0)
+    # The client hung up long before 1900 tokens: the engine request must be gone (a liveness
+    # bound; the count of aborts below tells an abort from an answer that ran to its end).
+    assert wait_until(lambda: ray_cluster.get(smollm2_replica.in_flight.remote()) == 0, 30.0)
     assert ray_cluster.get(smollm2_replica.stats.remote()).requests_aborted == aborted_before + 1
 
 
@@ -255,7 +256,7 @@ def test_hanging_up_a_non_streaming_request_aborts_it(openai_server, smollm2, sm
     assert wait_until(lambda: ray_cluster.get(smollm2_replica.in_flight.remote()) == 1, 3.0)
     caller.join(30)
     assert outcome, "the request was expected to time out on the client"
-    assert wait_until(lambda: ray_cluster.get(smollm2_replica.in_flight.remote()) == 0, 5.0)
+    assert wait_until(lambda: ray_cluster.get(smollm2_replica.in_flight.remote()) == 0, 30.0)
     assert ray_cluster.get(smollm2_replica.stats.remote()).requests_aborted == aborted_before + 1
 
 

@@ -100,7 +100,7 @@ def deployed_under_load(cluster, manager, max_concurrent: int, **load_options):
 
     cp = ControlPlane(manager)
     cp.apply(spec())
-    status = cp.wait_ready(NAME, 120)
+    status = cp.wait_ready(NAME, 300)
     assert status is not None and status.replicas_ready == 2, status
     ready = [r for r in status.replicas if r.state == "ready"]
     worker = cluster.worker_node_id()

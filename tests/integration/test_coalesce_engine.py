@@ -29,7 +29,10 @@ def engines(bundled_model_dir):
 def run_ahead(engine, request_id: str, **params) -> list:
     """Add one request, let the core run ahead of the front half, then step it to its end."""
     engine.add_request(request_id, "count", SamplingParams(output_kind=RequestOutputKind.DELTA, **params))
-    time.sleep(0.3)  # ~150 core steps: everything the request will produce is queued
+    deadline = time.monotonic() + 60  # a liveness bound: 40 steps of 2 ms
+    while engine.engine_core._running:  # until the core ran its last step: everything it produces is queued
+        assert time.monotonic() < deadline, "the emulated core did not finish the request"
+        time.sleep(0.01)
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()

@@ -57,7 +57,7 @@ def test_a_replica_streams_over_a_core_in_its_own_process(bundled_model_dir):
 
     async def main():
         try:
-            await replica.ready(120)
+            await replica.ready(300)
             cores = core_processes()
             results = await asyncio.gather(*(complete(replica, n) for n in (1, 7, 40)))
             return cores, results

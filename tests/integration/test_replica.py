@@ -122,7 +122,7 @@ def test_broken_engine_errors_every_stream_and_fails_health(ray_cluster, bundled
     backend = VllmBackend.factory(factory)
     actor = replica_actor_class().options(num_cpus=0).remote(smollm2_spec(name="broken"), "r0", backend)
     try:
-        ray.get(actor.ready.remote(120))
+        ray.get(actor.ready.remote(300))
         assert ray.get(actor.health.remote()).state == "ready"
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             bodies = [{"model": "broken", "prompt": f"p{i}", "max_tokens": 100} for i in range(3)]
