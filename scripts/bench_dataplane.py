@@ -210,8 +210,8 @@ async def measure(one, streams: int, tokens: int, step_s: float) -> float:
 
 
 async def ttft_rounds(arms: dict, paths: list[str], load: tuple[int, int, int], tokens: int) -> None:
-    """``--ttft C:N[:ROUNDS]``: each arm's TTFT p50/p90, the arms interleaved round by round; the
-    medians over rounds, and each atomr arm against ``vllm`` where it ran."""
+    """``--ttft C:N[:ROUNDS]``: each arm's TTFT p50/p90 and output tok/s, the arms interleaved
+    round by round; the medians over rounds, and each atomr arm against ``vllm`` where it ran."""
     concurrency, total, rounds = load
     got: dict[str, list[tuple[float, float, float]]] = {p: [] for p in paths}
     for round_no in range(rounds):

@@ -30,7 +30,7 @@ def run_ahead(engine, request_id: str, **params) -> list:
     """Add one request, let the core run ahead of the front half, then step it to its end."""
     engine.add_request(request_id, "count", SamplingParams(output_kind=RequestOutputKind.DELTA, **params))
     deadline = time.monotonic() + 60  # a liveness bound: 40 steps of 2 ms
-    while engine.engine_core._running:  # until the core ran its last step: everything it produces is queued
+    while engine.engine_core._running:  # until the core ran its last step (its output queued at most a step later)
         assert time.monotonic() < deadline, "the emulated core did not finish the request"
         time.sleep(0.01)
     outputs = []

@@ -82,6 +82,7 @@ def test_a_request_refused_inside_a_batch_is_routed_again_alone():
 def test_a_replicas_word_on_its_load_counts_for_load_fresh_s_and_an_open_keeps_its_prefill(monkeypatch):
     from atomr_infer.routing import channel
 
+    monkeypatch.setattr(channel, "LOAD_FRESH_S", 3600.0)  # fresh however slow the machine, until said below
     heard = channel.ReplicaChannel(actor=None)
     assert heard.said() == (0, 0)  # nothing said yet
     heard._note_load(3, 5)

@@ -103,7 +103,8 @@ def test_a_replay_that_no_longer_reaches_back_is_partial_never_wrong(publisher):
     pub.publish(batch(stored(0, 2, None)))  # out of the buffer by the time we listen
     pub.publish(batch(stored(2, 1, 1001)))
     pub.publish(batch(stored(3, 1, 1002)))
-    pub._event_queue.join()  # vLLM's thread sent and buffered all three before the listener starts
+    # vLLM's thread marks a batch done once sent and buffered: all three, before the listener starts.
+    wait_for(lambda: pub._event_queue.unfinished_tasks == 0)
     hub = KvEventsHub()
     hub.follow("d", {"r0": endpoints})
     index = hub.index("d")
