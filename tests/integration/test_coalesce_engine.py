@@ -5,14 +5,13 @@ comes out in a few outputs instead of one per token, with the same text and fini
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from atomr_infer.engine.vllm.coalesce import CoalescingCoreClient, coalesce_core_outputs
 from atomr_infer.engine.vllm.emulated import emulated_engine
+from tests.waiting import wait_until
 
 STEP_S = 0.002
 
@@ -29,10 +28,8 @@ def engines(bundled_model_dir):
 def run_ahead(engine, request_id: str, **params) -> list:
     """Add one request, let the core run ahead of the front half, then step it to its end."""
     engine.add_request(request_id, "count", SamplingParams(output_kind=RequestOutputKind.DELTA, **params))
-    deadline = time.monotonic() + 60  # a liveness bound: 40 steps of 2 ms
-    while engine.engine_core._running:  # until the core ran its last step (its output queued at most a step later)
-        assert time.monotonic() < deadline, "the emulated core did not finish the request"
-        time.sleep(0.01)
+    # Until the core ran its last step (its output queued at most a step later); a liveness bound.
+    wait_until(lambda: not engine.engine_core._running, 60, 0.01, what="the emulated core's last step")
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()

@@ -14,6 +14,7 @@ import pytest
 from atomr_infer.errors import AtomrError
 from atomr_infer.serve import api_keys
 from atomr_infer.serve.api_keys import ApiKeyError, KeyFile, parse_key_file
+from tests.waiting import wait_until
 
 ALICE, BOB = "sk-alice-0123456789", "sk-bob-0123456789"
 FILE = f"""
@@ -98,10 +99,8 @@ def test_the_watcher_loads_a_good_version_that_no_request_asked_for(
     keys = KeyFile(path, watch=True)
     try:
         _rewrite(path, f"keys: [{{name: carol, key: {BOB}}}]")
-        deadline = time.monotonic() + 30  # no request meanwhile: only the watcher reads it
-        while not any(key.name == "carol" for _, key in keys._ring.entries):
-            assert time.monotonic() < deadline, "the watcher did not load the new file"
-            time.sleep(0.05)
+        # No request meanwhile: only the watcher reads it.
+        wait_until(lambda: any(key.name == "carol" for _, key in keys._ring.entries), 30, what="the watcher's reload")
         _rewrite(path, "keys: [{name: broken}]", later=4)
         # Without the watcher, this first request would read the broken file and keep alice's.
         assert keys.ring().authenticate(f"Bearer {BOB}").name == "carol"

@@ -14,6 +14,7 @@ import pytest
 
 from atomr_infer.routing.kv_index import SILENT_S, KvIndex, chain, decode_batch
 from atomr_infer.routing.kv_subscriber import KvEventsHub
+from tests.waiting import await_until, wait_until
 
 _DEPLOYMENTS = itertools.count()  # kv_deployment's names
 
@@ -59,10 +60,7 @@ def batch(*events):
 
 
 def wait_for(check, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+    wait_until(check, timeout_s, 0.02)
 
 
 def test_our_structures_decode_what_vllm_encodes():
@@ -431,10 +429,7 @@ def test_a_whole_answers_prefill_stops_waiting_when_the_replica_says_its_prompt_
 
     async def main(dep, routes, source_of, prompt):
         async def until(check):  # a liveness bound, not a speed target (routing tokenizes in a thread)
-            deadline = time.monotonic() + 10
-            while not check():
-                assert time.monotonic() < deadline, "not reached"
-                await asyncio.sleep(0.005)
+            await await_until(check, 10, 0.005)
 
         a = Router(source_of, refresh_s=0.0)
         whole = asyncio.ensure_future(_drain(a.stream(*request(dep, prompt))))
