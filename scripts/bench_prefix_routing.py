@@ -16,7 +16,8 @@ replica does (its steps of thousands of tokens take tens of milliseconds).
 
 Workloads: ``chat`` (above) and ``shared`` (cache pressure, issue 35): many users ask about a
 few long documents (Zipf popularity), one question each, against a KV cache small enough
-(``--kv-gb``, 0.1 GB: about three documents a replica) that documents evict each other, through
+(``--kv-gb``, 0.1 GB in bfloat16: about three documents a replica; twice that where the CPU lacks
+native bf16 and the replicas run float32, so that it holds as many tokens) that documents evict each other, through
 ``--routers`` routers (a Client each; every request through a random one, as behind several
 ingress replicas). Each round starts with every replica's prefix cache reset.
 
@@ -166,10 +167,14 @@ def main() -> int:
     ap.add_argument("--documents", type=int, default=8, help="shared: the documents users ask about")
     ap.add_argument("--asks", type=int, default=8, help="shared: questions per user per round")
     ap.add_argument("--kv-gb", type=float, default=None,
-                    help="each replica's KV cache (GB); default 1, or 0.1 for the shared workload")
+                    help="each replica's KV cache (GB); default 1, or for the shared workload 0.1 in bfloat16 "
+                         "(0.2 in float32, on a CPU without native bf16: as many tokens)")
     args = ap.parse_args()
     if args.kv_gb is None:
-        args.kv_gb = 0.1 if args.workload == "shared" else 1.0
+        from atomr_infer.engine.cpu import DTYPE_BYTES, cpu_dtype, has_native_bf16
+
+        # The same tokens in either dtype: the replicas run the CPU's native one (engine/cpu.py).
+        args.kv_gb = 0.1 * DTYPE_BYTES[cpu_dtype(None, has_native_bf16())] / 2 if args.workload == "shared" else 1.0
 
     import ray
 
