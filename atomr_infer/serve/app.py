@@ -54,7 +54,7 @@ from atomr_infer.serve.answers import (
 from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile
 from atomr_infer.serve.body import MAX_BODY_BYTES, parse_json, read_body
 from atomr_infer.serve.errors import ManagerUnreachable
-from atomr_infer.serve.listener import HttpListener, listen
+from atomr_infer.serve.listener import HttpListener, direct_posts, listen
 from atomr_infer.serve.rate_limit import Budget, IngressLimits
 from atomr_infer.serve.routes import BY_KEY, Via, paths
 from atomr_infer.serve.table_cache import TableCache
@@ -117,7 +117,9 @@ class OpenAIIngress:
         )
         self._listener = None
         if listen_on is not None:  # bound here, so that a taken port fails the replica at once
-            self._listener = HttpListener(api, listen(*listen_on))
+            # Model requests skip the app's routing: they are most of what it would route.
+            app = direct_posts(api, paths(Via.BODY), self.routed_by_body, error_response)
+            self._listener = HttpListener(app, listen(*listen_on))
             # The routes find this instance through Serve's replica context, set after __init__.
             self._listener.start(ready=lambda: serve.get_replica_context().servable_object is not None)
         tune_serving_process()  # this process streams every response (serving_process.py)

@@ -12,8 +12,20 @@ from fastapi.responses import JSONResponse
 
 from atomr_infer.errors import AtomrError
 from atomr_infer.local_ray import free_port
-from atomr_infer.serve.listener import HttpListener, check_free, listen
+from atomr_infer.serve.listener import HttpListener, check_free, direct_posts, listen
 from tests.waiting import await_until
+
+
+async def slow_answer(request: Request, events: list[str], delay_s: float) -> JSONResponse:
+    await request.body()  # as the ingress does: the watcher listens once the body is read
+    events.append("started")
+    try:
+        await asyncio.sleep(delay_s)
+    except asyncio.CancelledError:
+        events.append("cancelled")
+        raise
+    events.append("finished")
+    return JSONResponse({"ok": True})
 
 
 def slow_app(events: list[str], delay_s: float) -> FastAPI:
@@ -21,15 +33,7 @@ def slow_app(events: list[str], delay_s: float) -> FastAPI:
 
     @app.post("/slow")
     async def slow(request: Request) -> JSONResponse:
-        await request.body()  # as the ingress does: the watcher listens once the body is read
-        events.append("started")
-        try:
-            await asyncio.sleep(delay_s)
-        except asyncio.CancelledError:
-            events.append("cancelled")
-            raise
-        events.append("finished")
-        return JSONResponse({"ok": True})
+        return await slow_answer(request, events, delay_s)
 
     return app
 
@@ -84,3 +88,54 @@ def test_a_request_runs_to_its_end_and_a_stop_lets_an_open_one_finish():
 
     asyncio.run(run())
     assert events == ["started", "finished", "started", "finished"]
+
+
+def test_direct_posts_reach_the_handler_and_everything_else_the_app():
+    """The ingress's model requests skip the app's routing (direct_posts); the app still answers
+    every other method and path, a handler's failure gets on_error's answer, and a client that
+    hangs up still cancels the handler."""
+    events: list[str] = []
+    app = slow_app(events, 30.0)
+
+    @app.post("/hot")
+    async def through_the_app(request: Request) -> JSONResponse:
+        return JSONResponse({"via": "app"})
+
+    @app.get("/hot")
+    async def hot_get(request: Request) -> JSONResponse:
+        return JSONResponse({"via": "app get"})
+
+    async def handler(request: Request) -> JSONResponse:
+        if request.url.path == "/slow":
+            return await slow_answer(request, events, 30.0)
+        body = await request.json()
+        if body.get("fail"):
+            raise RuntimeError("the handler broke")
+        return JSONResponse({"via": "direct", "path": request.url.path, "query": request.url.query, "body": body})
+
+    def on_error(exc: Exception, path: str) -> JSONResponse:
+        return JSONResponse({"error": f"{path}: {exc}"}, status_code=500)
+
+    async def run() -> None:
+        port = free_port()
+        listener = HttpListener(direct_posts(app, ["/hot", "/slow"], handler, on_error), listen("127.0.0.1", port))
+        listener.start()
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as client:
+                direct = await client.post(f"{url}/hot?x=1", json={"a": 1})
+                assert direct.json() == {"via": "direct", "path": "/hot", "query": "x=1", "body": {"a": 1}}
+                assert (await client.get(f"{url}/hot")).json() == {"via": "app get"}
+                assert (await client.post(f"{url}/hot/")).status_code == 307  # the app's redirect
+                assert (await client.post(f"{url}/nowhere")).status_code == 404
+                failed = await client.post(f"{url}/hot", json={"fail": True})
+                assert (failed.status_code, failed.json()) == (500, {"error": "/hot: the handler broke"})
+            async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=0.5)) as client:
+                with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+                    await client.post(f"{url}/slow")
+            assert await await_until(lambda: "cancelled" in events, 5.0), events
+        finally:
+            await listener.stop(1.0)
+
+    asyncio.run(run())
+    assert events == ["started", "cancelled"]
