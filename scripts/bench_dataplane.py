@@ -38,6 +38,7 @@ rate once every stream runs, i.e. the cost per token alone; and how much of a co
 ``--ttft C:N`` measures time to first token instead, closed loop (C clients, each sending its next
 request when its last ends, N requests in all), on the remote arms, interleaved by round, and the
 loop's output tok/s (what ``bench_http`` reports per concurrency on a GPU).
+``--cpu-by-process`` adds, per burst, the CPU ms per request of its four busiest processes.
 """
 
 from __future__ import annotations
@@ -166,9 +167,12 @@ def report(path: str, n: int, ratio: float, step_s: float) -> None:
           f"all admitted in {LAST['admitted']:.2f} s, streaming/ideal {LAST['streaming']:.3f}; "
           f"this process used {LAST['driver_cpu']:.2f} of a core", flush=True)
     STREAMING.setdefault(path, {})[n] = LAST["streaming"]
+    if CPU_BY_PROCESS:
+        print(f"        CPU ms per request by process: {LAST['by_process']}", flush=True)
 
 
 STREAMING: dict[str, dict[int, float]] = {}  # path -> streams -> streaming/ideal
+CPU_BY_PROCESS = False  # --cpu-by-process
 
 
 async def via_client(client, i: int, tokens: int) -> int:
@@ -198,10 +202,16 @@ LAST: dict[str, float] = {}  # the last measure()'s admission time and streaming
 
 async def measure(one, streams: int, tokens: int, step_s: float) -> float:
     """delivered / ideal for ``streams`` concurrent requests of ``tokens`` tokens."""
+    from scripts.process_table import cpu_seconds, cpu_used
+
     FIRST_OUTPUT_AT.clear()
+    every_before = cpu_seconds() if CPU_BY_PROCESS else {}
     started, cpu_before = time.perf_counter(), time.process_time()
     counts = await asyncio.gather(*(one(i, tokens) for i in range(streams)))
     elapsed = time.perf_counter() - started
+    if CPU_BY_PROCESS:  # the busiest processes' CPU per request
+        used = cpu_used(every_before, cpu_seconds()).most_common(4)
+        LAST["by_process"] = ", ".join(f"{name} {s / streams * 1000:.2f}" for name, s in used if s > 0.01)
     LAST["driver_cpu"] = (time.process_time() - cpu_before) / elapsed
     assert all(c == tokens for c in counts), f"short streams: {sorted(set(counts))}"
     admitted = max(FIRST_OUTPUT_AT) - started
@@ -266,7 +276,11 @@ def main() -> None:
     ap.add_argument("--ttft", default="", metavar="C:N[:ROUNDS]",
                     help="instead of the burst: TTFT at concurrency C, N requests of --tokens tokens, "
                          "closed loop, the remote arms interleaved ROUNDS times (default 2)")
+    ap.add_argument("--cpu-by-process", action="store_true",
+                    help="print the CPU ms per request of the busiest processes (ingress, replica, core, peer)")
     opts = ap.parse_args()
+    global CPU_BY_PROCESS
+    CPU_BY_PROCESS = opts.cpu_by_process
     sizes = [int(s) for s in opts.streams.split(",")]
     paths = opts.paths.split(",")
     if opts.ttft and any(p in ("local", "backend", "router-nomig") for p in paths):

@@ -3,6 +3,7 @@ compiled code or libcuda. Printed by scripts/stack_memory.py and scripts/bench_h
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 from pathlib import Path
@@ -65,3 +66,21 @@ def table(procs: list[psutil.Process]) -> tuple[dict[str, float], list[str]]:
           f"(target <= 1.0) in {len(rest)} processes, {idle} of them idle Ray workers")
     print("torch/vLLM outside the replicas: " + (", ".join(loaded) if loaded else "none"))
     return totals, loaded
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Every process's CPU time so far (user + system), with its role."""
+    out = {}
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            out[proc.pid] = (role(proc), times.user + times.system)
+    return out
+
+
+def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> collections.Counter:
+    """CPU seconds each role used between two ``cpu_seconds()``, summed over its processes."""
+    used: collections.Counter = collections.Counter()
+    for pid, (name, seconds) in after.items():
+        used[name] += seconds - before.get(pid, (name, 0.0))[1]
+    return used
