@@ -21,6 +21,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from atomr_infer.errors import AtomrError
+from atomr_infer.log import get_logger
+
+log = get_logger(__name__)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -115,8 +118,9 @@ def direct_posts(app: ASGIApp, paths: Iterable[str], handler: Callable[[Any], Aw
     The app's way there cost the ingress CPU it spends on no request's answer: its two
     middlewares, a match against each of its ~80 routes in turn, and the dependency Serve's
     class-based views add to give the handler ``self``. ``on_error(exc, path)`` answers an
-    exception the handler raises (the app's middleware answered a plain 500)."""
-    from starlette.requests import Request
+    exception the handler raises, logged with its traceback (through the app, Starlette answered a
+    plain-text 500 and closed the connection, and nothing was logged)."""
+    from starlette.requests import ClientDisconnect, Request
 
     hot = frozenset(paths)
 
@@ -126,7 +130,10 @@ def direct_posts(app: ASGIApp, paths: Iterable[str], handler: Callable[[Any], Aw
             return
         try:
             response = await handler(Request(scope, receive))
+        except ClientDisconnect:  # gone while it sent its body: nobody to answer
+            return
         except Exception as exc:  # noqa: BLE001 - answered as the API answers any failure
+            log.exception("handler_failed", path=scope["path"])
             response = on_error(exc, scope["path"])
         await response(scope, receive, send)
 
