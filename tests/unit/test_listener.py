@@ -38,6 +38,14 @@ def slow_app(events: list[str], delay_s: float) -> FastAPI:
     return app
 
 
+async def hang_up_on_slow(url: str, events: list[str]) -> None:
+    """POST /slow, give up waiting and close the connection; the handler must see it cancelled."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=0.5)) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(f"{url}/slow")
+    assert await await_until(lambda: "cancelled" in events, 5.0), events
+
+
 def test_replicas_share_the_port_and_a_taken_port_is_one_clear_error():
     port = free_port()
     first, second = listen("127.0.0.1", port), listen("127.0.0.1", port)  # two ingress replicas
@@ -58,10 +66,7 @@ def test_a_client_that_hangs_up_cancels_a_response_that_is_not_streamed():
         listener = HttpListener(slow_app(events, 30.0), listen("127.0.0.1", port))
         listener.start()
         try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=0.5)) as client:
-                with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-                    await client.post(f"http://127.0.0.1:{port}/slow")
-            assert await await_until(lambda: "cancelled" in events, 5.0), events
+            await hang_up_on_slow(f"http://127.0.0.1:{port}", events)
         finally:
             await listener.stop(1.0)
 
@@ -130,10 +135,7 @@ def test_direct_posts_reach_the_handler_and_everything_else_the_app():
                 assert (await client.post(f"{url}/nowhere")).status_code == 404
                 failed = await client.post(f"{url}/hot", json={"fail": True})
                 assert (failed.status_code, failed.json()) == (500, {"error": "/hot: the handler broke"})
-            async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=0.5)) as client:
-                with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-                    await client.post(f"{url}/slow")
-            assert await await_until(lambda: "cancelled" in events, 5.0), events
+            await hang_up_on_slow(url, events)
         finally:
             await listener.stop(1.0)
 
