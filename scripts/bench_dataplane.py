@@ -52,6 +52,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -168,12 +169,11 @@ def report(path: str, n: int, ratio: float, step_s: float) -> None:
           f"this process used {LAST['driver_cpu']:.2f} of a core", flush=True)
     STREAMING.setdefault(path, {})[n] = LAST["streaming"]
     if CPU_BY_PROCESS:
-        print(f"        CPU ms per request by process: {BY_PROCESS[0]}", flush=True)
+        print(f"        CPU ms per request by process: {LAST['by_process']}", flush=True)
 
 
 STREAMING: dict[str, dict[int, float]] = {}  # path -> streams -> streaming/ideal
 CPU_BY_PROCESS = False  # --cpu-by-process
-BY_PROCESS = [""]  # the last measure()'s busiest processes, when CPU_BY_PROCESS
 
 
 async def via_client(client, i: int, tokens: int) -> int:
@@ -198,7 +198,7 @@ async def via_http(http, url: str, i: int, tokens: int) -> int:
     return usage_tokens(tail)
 
 
-LAST: dict[str, float] = {}  # the last measure()'s admission time and streaming/ideal
+LAST: dict[str, Any] = {}  # the last measure()'s admission, streaming/ideal, CPU (and by process)
 
 
 async def measure(one, streams: int, tokens: int, step_s: float) -> float:
@@ -213,7 +213,7 @@ async def measure(one, streams: int, tokens: int, step_s: float) -> float:
     LAST["driver_cpu"] = (time.process_time() - cpu_before) / elapsed  # before the scan below
     if CPU_BY_PROCESS:  # the busiest processes' CPU per request
         used = cpu_used(every_before, cpu_seconds()).most_common(4)
-        BY_PROCESS[0] = ", ".join(f"{name} {s / streams * 1000:.2f}" for name, s in used if s > 0.01)
+        LAST["by_process"] = ", ".join(f"{name} {s / streams * 1000:.2f}" for name, s in used if s > 0.01)
     assert all(c == tokens for c in counts), f"short streams: {sorted(set(counts))}"
     admitted = max(FIRST_OUTPUT_AT) - started
     LAST.update(admitted=admitted, streaming=(tokens * step_s) / (elapsed - admitted))
