@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from atomr_infer.errors import AtomrError
 from atomr_infer.local_ray import free_port
+from atomr_infer.serve.answers import SSEResponse
 from atomr_infer.serve.listener import HttpListener, check_free, direct_posts, listen
 from tests.waiting import await_until
 
@@ -141,3 +142,43 @@ def test_direct_posts_reach_the_handler_and_everything_else_the_app():
 
     asyncio.run(run())
     assert events == ["started", "cancelled"]
+
+
+def test_a_client_that_leaves_a_stream_closes_it():
+    """SSEResponse streams in the handler's task, without Starlette's task group that waits for
+    the client to leave: the listener's watcher cancels the handler, and the stream is closed
+    (in the ingress, that aborts the request in the engine)."""
+    events: list[str] = []
+
+    async def ticks():
+        try:
+            for i in range(100_000):
+                yield f"data: {i}\n\n".encode()
+                await asyncio.sleep(0.01)
+            events.append("ran to its end")
+        finally:
+            events.append("closed")
+
+    app = FastAPI()
+
+    @app.post("/stream")
+    async def stream(request: Request) -> SSEResponse:
+        await request.body()
+        return SSEResponse(ticks())
+
+    async def run() -> None:
+        port = free_port()
+        listener = HttpListener(app, listen("127.0.0.1", port))
+        listener.start()
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as client:
+                async with client.stream("POST", f"http://127.0.0.1:{port}/stream") as answer:
+                    assert answer.headers["content-type"].startswith("text/event-stream")
+                    lines = answer.aiter_lines()
+                    assert [await anext(lines) for _ in range(3)] == ["data: 0", "", "data: 1"]
+            assert await await_until(lambda: "closed" in events, 5.0), events
+        finally:
+            await listener.stop(1.0)
+
+    asyncio.run(run())
+    assert events == ["closed"]

@@ -134,3 +134,23 @@ def test_a_forms_model_is_read_from_multipart_and_urlencoded_bodies():
     with pytest.raises(InvalidRequest) as info:
         asyncio.run(form_model(b"{}", "application/json"))
     assert info.value.field == "body"
+
+
+def test_an_unexpected_500_is_logged_with_its_traceback_and_ours_without():
+    from structlog.testing import capture_logs
+
+    from atomr_infer.serve.answers import error_response
+
+    def broken() -> None:
+        raise KeyError("missing")
+
+    try:
+        broken()
+    except KeyError as exc:
+        unexpected: Exception = exc
+    with capture_logs() as logs:
+        assert error_response(unexpected).status_code == 500
+        assert error_response(EngineError("boom")).status_code == 500
+    assert [entry["event"] for entry in logs] == ["request_failed", "request_failed"]
+    assert logs[0]["exc_info"] is unexpected and unexpected.__traceback__ is not None
+    assert logs[1].get("exc_info") is None
