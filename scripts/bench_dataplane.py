@@ -383,8 +383,9 @@ def main() -> None:
             stack.close()  # the peer server, in a session of its own: it would outlive this script
 
     from atomr_infer.engine.cpu import machine_line
+    from atomr_infer.serve.listener import http_parser
 
-    print(f"\nCPU: {machine_line()}")
+    print(f"\nCPU: {machine_line()}; uvicorn's HTTP: {http_parser()}")
     where = "in a process of its own" if opts.core_process else "in a thread"
     print(f"emulated engine, {opts.step_ms:g} ms per step, core {where}, {opts.tokens} tokens per stream")
     print(f"{'streams':>8} " + " ".join(f"{p:>8}" for p in paths))

@@ -329,8 +329,10 @@ def main_cli() -> None:
           + f"\ntarget: atomr (Ray included) within +0.5 GiB of vllm serve: {gap:+.2f} GiB  {verdict(gap <= 0.5)}")
     loadavg = "/".join(f"{x:.1f}" for x in os.getloadavg())
     from atomr_infer.engine.cpu import machine_line
+    from atomr_infer.serve.listener import http_parser
 
-    print(f"\n(total {time.monotonic() - started:.0f}s; load average at the end {loadavg}; CPU: {machine_line()})")
+    print(f"\n(total {time.monotonic() - started:.0f}s; load average at the end {loadavg}; CPU: {machine_line()}; "
+          f"uvicorn's HTTP: {http_parser()})")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from atomr_infer.errors import AtomrError
 from atomr_infer.local_ray import free_port
 from atomr_infer.serve.answers import SSEResponse
-from atomr_infer.serve.listener import HttpListener, check_free, direct_posts, listen
+from atomr_infer.serve.listener import HttpListener, check_free, direct_posts, http_parser, listen
 from tests.waiting import await_until
 
 
@@ -171,14 +171,20 @@ def test_a_client_that_leaves_a_stream_closes_it():
         listener = HttpListener(app, listen("127.0.0.1", port))
         listener.start()
         try:
-            async with httpx.AsyncClient(timeout=10.0) as client:
-                async with client.stream("POST", f"http://127.0.0.1:{port}/stream") as answer:
-                    assert answer.headers["content-type"].startswith("text/event-stream")
-                    lines = answer.aiter_lines()
-                    assert [await anext(lines) for _ in range(3)] == ["data: 0", "", "data: 1"]
+            async with (httpx.AsyncClient(timeout=10.0) as client,
+                        client.stream("POST", f"http://127.0.0.1:{port}/stream") as answer):
+                assert answer.headers["content-type"].startswith("text/event-stream")
+                lines = answer.aiter_lines()
+                assert [await anext(lines) for _ in range(3)] == ["data: 0", "", "data: 1"]
             assert await await_until(lambda: "closed" in events, 5.0), events
         finally:
             await listener.stop(1.0)
 
     asyncio.run(run())
     assert events == ["closed"]
+
+
+def test_http_parser_names_what_uvicorn_picks():
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    assert AutoHTTPProtocol.__module__ == f"uvicorn.protocols.http.{http_parser()}_impl"
