@@ -25,11 +25,15 @@ def speaks_anthropic(path: str) -> bool:
     return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
+def unexpected(exc: BaseException) -> BaseException | None:
+    """``exc`` where it is none of our errors (a bug, to be logged with its traceback), else None."""
+    return None if isinstance(exc, AtomrError) else exc
+
+
 def error_response(exc: BaseException, path: str = "") -> JSONResponse:
     err = http_error(exc)
-    if err.status >= 500:  # an exception none of ours: with its traceback, to find where it came from
-        log.warning("request_failed", status=err.status, error=repr(exc),
-                    exc_info=None if isinstance(exc, AtomrError) else exc)
+    if err.status >= 500:
+        log.warning("request_failed", status=err.status, error=repr(exc), exc_info=unexpected(exc))
     body = err.anthropic_body() if speaks_anthropic(path) else err.body()
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
@@ -72,7 +76,7 @@ async def relay(items: AsyncIterator[bytes], kind: RequestKind = RequestKind.OTH
             yield chunk
     except Exception as exc:  # noqa: BLE001 - the status line is gone; tell the client in-band
         err = http_error(exc)
-        log.warning("stream_failed", status=err.status, error=repr(exc))
+        log.warning("stream_failed", status=err.status, error=repr(exc), exc_info=unexpected(exc))
         if kind is RequestKind.MESSAGES:
             yield b"event: error\ndata: " + json.dumps(err.anthropic_body()).encode() + b"\n\n"
         elif kind is RequestKind.RESPONSES:

@@ -21,9 +21,6 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from atomr_infer.errors import AtomrError
-from atomr_infer.log import get_logger
-
-log = get_logger(__name__)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -56,12 +53,12 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def http_parser() -> str:
-    """The HTTP implementation uvicorn's ``http="auto"`` picks here: httptools where it is
-    installed (uvicorn[standard], which Ray Serve and vLLM require, brings it), else h11, whose
-    framing costs the ingress about a third more CPU per streamed token (docs/performance.md)."""
-    import importlib.util
+    """The HTTP implementation uvicorn's ``http="auto"`` picks here: httptools where it imports
+    (uvicorn[standard], which Ray Serve and vLLM require, brings it), else h11, with which the
+    ingress spends about a third more CPU per streamed token (docs/performance.md)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+    return AutoHTTPProtocol.__module__.rsplit(".", 1)[-1].removesuffix("_impl")
 
 
 def check_free(host: str, port: int) -> None:
@@ -126,9 +123,9 @@ def direct_posts(app: ASGIApp, paths: Iterable[str], handler: Callable[[Any], Aw
 
     The app's way there cost the ingress CPU it spends on no request's answer: its two
     middlewares, a match against each of its ~80 routes in turn, and the dependency Serve's
-    class-based views add to give the handler ``self``. ``on_error(exc, path)`` answers an
-    exception the handler raises, logged with its traceback (through the app, Starlette answered a
-    plain-text 500 and closed the connection, and nothing was logged)."""
+    class-based views add to give the handler ``self``. ``on_error(exc, path)`` answers, and logs,
+    an exception the handler raises (the ingress's ``error_response`` logs an unexpected one with
+    its traceback; through the app, Starlette answered a plain-text 500 and logged nothing)."""
     from starlette.requests import ClientDisconnect, Request
 
     hot = frozenset(paths)
@@ -141,8 +138,7 @@ def direct_posts(app: ASGIApp, paths: Iterable[str], handler: Callable[[Any], Aw
             response = await handler(Request(scope, receive))
         except ClientDisconnect:  # gone while it sent its body: nobody to answer
             return
-        except Exception as exc:  # noqa: BLE001 - answered as the API answers any failure
-            log.exception("handler_failed", path=scope["path"])
+        except Exception as exc:  # noqa: BLE001 - answered (and logged) as the API answers any failure
             response = on_error(exc, scope["path"])
         await response(scope, receive, send)
 

@@ -136,10 +136,13 @@ def test_a_forms_model_is_read_from_multipart_and_urlencoded_bodies():
     assert info.value.field == "body"
 
 
-def test_an_unexpected_500_is_logged_with_its_traceback_and_ours_without():
+def test_an_unexpected_500_is_logged_with_its_traceback_and_ours_without(monkeypatch):
+    """Before and mid-stream. (The module's logger is made again inside the capture: a logger
+    bound before a reconfigure, as the CLI makes, keeps the processors it was made with.)"""
     from structlog.testing import capture_logs
 
-    from atomr_infer.serve.answers import error_response
+    from atomr_infer.log import get_logger
+    from atomr_infer.serve import answers
 
     def broken() -> None:
         raise KeyError("missing")
@@ -148,9 +151,20 @@ def test_an_unexpected_500_is_logged_with_its_traceback_and_ours_without():
         broken()
     except KeyError as exc:
         unexpected: Exception = exc
+
+    async def failing(exc: Exception):
+        yield b"data: {}\n\n"
+        raise exc
+
+    async def relayed(exc: Exception) -> list[bytes]:
+        return [e async for e in _relay(failing(exc))]
+
     with capture_logs() as logs:
-        assert error_response(unexpected).status_code == 500
-        assert error_response(EngineError("boom")).status_code == 500
-    assert [entry["event"] for entry in logs] == ["request_failed", "request_failed"]
-    assert logs[0]["exc_info"] is unexpected and unexpected.__traceback__ is not None
-    assert logs[1].get("exc_info") is None
+        monkeypatch.setattr(answers, "log", get_logger(answers.__name__))
+        assert answers.error_response(unexpected).status_code == 500
+        assert answers.error_response(EngineError("boom")).status_code == 500
+        asyncio.run(relayed(unexpected))
+        asyncio.run(relayed(EngineError("boom")))
+    assert [entry["event"] for entry in logs] == ["request_failed"] * 2 + ["stream_failed"] * 2
+    assert unexpected.__traceback__ is not None
+    assert [entry.get("exc_info") for entry in logs] == [unexpected, None, unexpected, None]
