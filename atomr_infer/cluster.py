@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -54,7 +55,7 @@ def local_address() -> str:
 
 def start_local_head(dashboard: bool = True) -> str:
     """``ray start --head`` on loopback; returns the GCS address."""
-    from atomr_infer.local_ray import DEFAULT_AGENT_PORT, DEFAULT_DASHBOARD_PORT, free_port, stop_head
+    from atomr_infer.local_ray import DEFAULT_AGENT_PORT, DEFAULT_DASHBOARD_PORT, free_port, port_bindable, stop_head
 
     port = local_address().rsplit(":", 1)[1]
     cmd = [
@@ -83,6 +84,9 @@ def start_local_head(dashboard: bool = True) -> str:
     env = {"RAY_prestart_worker_first_driver": "0", "RAY_enable_worker_prestart": "0", **os.environ}
     log.info("ray_head_starting", port=port)
     for attempt in (1, 2):  # the dashboard's start fails now and then on a busy machine
+        if not port_bindable(int(port)):  # else the GCS fails after 40 s, saying little
+            raise AtomrError(f"cannot start a local Ray head on port {port}: another process on this machine uses "
+                             "that port (hint: set ATOMR_RAY_PORT to a free port)")
         # A new session: the head's daemons have no controlling terminal, so closing the
         # terminal (SIGHUP) or Ctrl-C in it does not take them down with the command.
         proc = subprocess.run(
@@ -104,7 +108,11 @@ def start_local_head(dashboard: bool = True) -> str:
 
 def _error_line(proc: subprocess.CompletedProcess[str]) -> str:
     """The line of a failed command's output that says what went wrong."""
-    lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+    text = proc.stderr + proc.stdout
+    # A GCS that did not start: Ray's last line only points at a log; the GCS's own says why.
+    if gcs := re.search(r"\(gcs_server\).*?Check failed: \S+ ([^.]+\.(?: The specified port is \d+\.)?)", text):
+        return f"its GCS did not start: {gcs.group(1)}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in lines if "Error" in ln or "error:" in ln or "Failed" in ln]
     return (errors or lines or [f"exit code {proc.returncode}"])[-1]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -29,13 +30,45 @@ def port_open(host: str, port: int, timeout_s: float = 1.0) -> bool:
         return False
 
 
+# Ports the OS never hands out on its own: below its ephemeral range, where every port-0 bind
+# and every outgoing connection gets its local port, and above Ray's worker ports (10002-19999).
+# A port picked from the ephemeral range can be taken, by an outgoing connection of any process,
+# between the pick and the bind of what it was picked for: the GCS then fails after 40 s
+# ("Failed to start the grpc server"), which is how a CI run failed.
+_OWN_PORTS_FROM = 20000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_ports_from() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def port_bindable(port: int) -> bool:
+    """Whether a server could listen on ``port`` on every interface now, as Ray's gRPC servers
+    and uvicorn bind (SO_REUSEADDR: a closed connection's TIME_WAIT does not count). An outgoing
+    connection's local port, which no connect check sees, makes this False too."""
+    with contextlib.suppress(OSError), socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("", port))
+        return True
+    return False
+
+
 def free_port(preferred: int | None = None) -> int:
-    """``preferred`` when nothing listens there, else a port the OS picks."""
-    if preferred is not None and not port_open("127.0.0.1", preferred, 0.5):
-        with contextlib.suppress(OSError), socket.socket() as s:
-            s.bind(("127.0.0.1", preferred))
-            return preferred
-    with socket.socket() as s:
+    """``preferred`` when it is free, else a free port below the OS's ephemeral range (see
+    ``_OWN_PORTS_FROM``), never one this process handed out before."""
+    if preferred is not None and not port_open("127.0.0.1", preferred, 0.5) and port_bindable(preferred):
+        return preferred
+    upto = _ephemeral_ports_from()
+    if upto - _OWN_PORTS_FROM >= 1000:
+        for port in random.sample(range(_OWN_PORTS_FROM, upto), 64):
+            if port not in _handed_out and port_bindable(port):
+                _handed_out.add(port)
+                return port
+    with socket.socket() as s:  # an unusual port range: let the OS pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,13 +20,9 @@ from pathlib import Path
 
 import httpx
 
+from atomr_infer.local_ray import free_port
+
 START_TIMEOUT_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 API_SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
@@ -48,7 +43,7 @@ def vllm_server(spec, model_dir: str, say: Callable[[str], None] = lambda _: Non
                 server: list[str] = API_SERVER) -> Iterator[str]:
     """The server's base URL while it runs; stopped with SIGINT (SIGKILL after 60 s) after.
     ``server``: the command that runs vLLM's API server, before its arguments."""
-    port = _free_port()
+    port = free_port()
     cmd = vllm_serve_command(spec, model_dir, port, server)
     say("$ " + " ".join(cmd))
     log = Path(tempfile.mkdtemp(prefix="vllm-serve-")) / "server.log"

@@ -9,13 +9,13 @@ application and exit 0.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
+from atomr_infer.local_ray import free_port
 from tests.atomr_serve import ATOMR, AtomrServe
 
 START_TIMEOUT_S = 180.0
@@ -31,12 +31,6 @@ class RunningServer:
     @property
     def base_url(self) -> str:
         return f"{self.url}/v1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
