@@ -55,7 +55,7 @@ def local_address() -> str:
 
 def start_local_head(dashboard: bool = True) -> str:
     """``ray start --head`` on loopback; returns the GCS address."""
-    from atomr_infer.local_ray import DEFAULT_AGENT_PORT, DEFAULT_DASHBOARD_PORT, free_port, port_bindable, stop_head
+    from atomr_infer.local_ray import DEFAULT_DASHBOARD_PORT, bind_error, free_port, stop_head
 
     port = local_address().rsplit(":", 1)[1]
     cmd = [
@@ -66,8 +66,9 @@ def start_local_head(dashboard: bool = True) -> str:
     if dashboard:  # `ray start` fails outright when the dashboard's port is taken
         wanted = os.environ.get("ATOMR_RAY_DASHBOARD_PORT")
         cmd.append(f"--dashboard-port={wanted or free_port(DEFAULT_DASHBOARD_PORT)}")
-    # The node's agent (logs, state API) dies quietly when its port is taken by another Ray.
-    cmd.append(f"--dashboard-agent-listen-port={free_port(DEFAULT_AGENT_PORT)}")
+    # The node's agent (logs, state API) dies quietly when its port is taken, by another Ray's
+    # agent on Ray's default (52365) or by a connection's port from the ephemeral range.
+    cmd.append(f"--dashboard-agent-listen-port={free_port()}")
     if os.environ.get("ATOMR_RAY_TEMP_DIR"):
         cmd.append(f"--temp-dir={os.environ['ATOMR_RAY_TEMP_DIR']}")
     if os.environ.get("ATOMR_RAY_NUM_GPUS"):  # logical GPUs, for tests of placement on CPU hosts
@@ -84,9 +85,10 @@ def start_local_head(dashboard: bool = True) -> str:
     env = {"RAY_prestart_worker_first_driver": "0", "RAY_enable_worker_prestart": "0", **os.environ}
     log.info("ray_head_starting", port=port)
     for attempt in (1, 2):  # the dashboard's start fails now and then on a busy machine
-        if not port_bindable(int(port)):  # else the GCS fails after 40 s, saying little
-            raise AtomrError(f"cannot start a local Ray head on port {port}: another process on this machine uses "
-                             "that port (hint: set ATOMR_RAY_PORT to a free port)")
+        # The GCS listens on 127.0.0.1 (--node-ip-address); where it cannot, it fails after 40 s.
+        if taken := bind_error(int(port), "127.0.0.1"):
+            raise AtomrError(f"cannot start a local Ray head on 127.0.0.1:{port}: {taken.strerror} "
+                             "(hint: set ATOMR_RAY_PORT to a free port)")
         # A new session: the head's daemons have no controlling terminal, so closing the
         # terminal (SIGHUP) or Ctrl-C in it does not take them down with the command.
         proc = subprocess.run(
@@ -110,7 +112,7 @@ def _error_line(proc: subprocess.CompletedProcess[str]) -> str:
     """The line of a failed command's output that says what went wrong."""
     text = proc.stderr + proc.stdout
     # A GCS that did not start: Ray's last line only points at a log; the GCS's own says why.
-    if gcs := re.search(r"\(gcs_server\).*?Check failed: \S+ ([^.]+\.(?: The specified port is \d+\.)?)", text):
+    if gcs := re.search(r"\(gcs_server\).*?Check failed: \S+ ([^.\n]+\.(?: The specified port is \d+\.)?)", text):
         return f"its GCS did not start: {gcs.group(1)}"
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in lines if "Error" in ln or "error:" in ln or "Failed" in ln]

@@ -18,7 +18,6 @@ from pathlib import Path
 import psutil
 
 DEFAULT_DASHBOARD_PORT = 8265
-DEFAULT_AGENT_PORT = 52365  # the dashboard agent's HTTP port on each node
 
 
 def port_open(host: str, port: int, timeout_s: float = 1.0) -> bool:
@@ -30,13 +29,13 @@ def port_open(host: str, port: int, timeout_s: float = 1.0) -> bool:
         return False
 
 
-# Ports the OS never hands out on its own: below its ephemeral range, where every port-0 bind
-# and every outgoing connection gets its local port, and above Ray's worker ports (10002-19999).
-# A port picked from the ephemeral range can be taken, by an outgoing connection of any process,
-# between the pick and the bind of what it was picked for: the GCS then fails after 40 s
-# ("Failed to start the grpc server"), which is how a CI run failed.
+# Ports the OS never hands out on its own: below its ephemeral range, where every port-0 bind and
+# every outgoing connection gets its local port, so none is taken between its pick and its bind;
+# above Ray's default worker ports (10002-19999). vLLM's and torch's fixed ports are left out.
 _OWN_PORTS_FROM = 20000
+_FIXED_ELSEWHERE = range(29500, 29600)  # torch's and vLLM's master and data-parallel ports
 _handed_out: set[int] = set()
+_random = random.SystemRandom()  # vLLM and pytest seed the global one
 
 
 def _ephemeral_ports_from() -> int:
@@ -46,29 +45,30 @@ def _ephemeral_ports_from() -> int:
         return 32768  # Linux's default
 
 
-def port_bindable(port: int) -> bool:
-    """Whether a server could listen on ``port`` on every interface now, as Ray's gRPC servers
-    and uvicorn bind (SO_REUSEADDR: a closed connection's TIME_WAIT does not count). An outgoing
-    connection's local port, which no connect check sees, makes this False too."""
-    with contextlib.suppress(OSError), socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("", port))
-        return True
-    return False
+def bind_error(port: int, host: str = "") -> OSError | None:
+    """Why a server could not listen on ``host:port`` now (None: it could), binding as Ray's
+    gRPC servers and uvicorn do (SO_REUSEADDR: a closed connection's TIME_WAIT does not count).
+    An outgoing connection's local port, which no connect check sees, counts."""
+    try:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        return exc
+    return None
 
 
 def free_port(preferred: int | None = None) -> int:
-    """``preferred`` when it is free, else a free port below the OS's ephemeral range (see
-    ``_OWN_PORTS_FROM``), never one this process handed out before."""
-    if preferred is not None and not port_open("127.0.0.1", preferred, 0.5) and port_bindable(preferred):
+    """``preferred`` when it is free on every interface, else a free port from this machine's
+    ``_OWN_PORTS_FROM`` up to its ephemeral range, never one this process handed out before."""
+    if preferred is not None and bind_error(preferred) is None:
         return preferred
-    upto = _ephemeral_ports_from()
-    if upto - _OWN_PORTS_FROM >= 1000:
-        for port in random.sample(range(_OWN_PORTS_FROM, upto), 64):
-            if port not in _handed_out and port_bindable(port):
-                _handed_out.add(port)
-                return port
-    with socket.socket() as s:  # an unusual port range: let the OS pick
+    own = [p for p in range(_OWN_PORTS_FROM, _ephemeral_ports_from()) if p not in _FIXED_ELSEWHERE]
+    for port in _random.sample(own, min(64, len(own))):
+        if port not in _handed_out and bind_error(port) is None:
+            _handed_out.add(port)
+            return port
+    with socket.socket() as s:  # no such range on this machine (or all taken): let the OS pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

@@ -71,13 +71,14 @@ class LoopbackCluster:
             "--head", f"--port={self.port}", "--num-cpus=2", "--num-gpus=0", "--include-dashboard=false",
             f"--temp-dir={self.temp_dir}", f"--system-config={json.dumps(FAST_FAILURE_DETECTION)}",
             f"--dashboard-agent-listen-port={free_port()}",
+            "--min-worker-port=10002", "--max-worker-port=13999",  # the workers' nodes take 14000 on
         )
 
     def add_worker(self) -> None:
         from atomr_infer.local_ray import free_port
 
         node_port = free_port()
-        low = 20000 + 1000 * len(self.worker_ports) + 500
+        low = 14000 + 1000 * len(self.worker_ports)
         self._start(
             f"--address={self.address}", f"--num-cpus={WORKER_CPUS}", f"--num-gpus={GPUS_PER_WORKER}",
             f"--node-manager-port={node_port}", f"--object-manager-port={free_port()}",

@@ -6,17 +6,20 @@ from __future__ import annotations
 import socket
 import subprocess
 
+import pytest
+
 from atomr_infer.cluster import _error_line
-from atomr_infer.local_ray import _ephemeral_ports_from, free_port, port_bindable
+from atomr_infer.local_ray import _FIXED_ELSEWHERE, _OWN_PORTS_FROM, _ephemeral_ports_from, bind_error, free_port
 
 
+@pytest.mark.skipif(_ephemeral_ports_from() - _OWN_PORTS_FROM < 1000,
+                    reason=f"ephemeral ports start at {_ephemeral_ports_from()}: too few below them for 200 picks")
 def test_free_ports_come_from_below_the_range_the_os_hands_out_and_never_twice():
-    # A CI run failed because a port picked from the ephemeral range became the local port of
-    # some process's outgoing connection before the GCS bound it.
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
-    assert all(20000 <= port < _ephemeral_ports_from() for port in ports), ports
-    assert all(port_bindable(port) for port in ports)
+    assert all(_OWN_PORTS_FROM <= port < _ephemeral_ports_from() for port in ports), ports
+    assert not any(port in _FIXED_ELSEWHERE for port in ports)
+    assert all(bind_error(port) is None for port in ports)
 
 
 def test_an_outgoing_connections_local_port_is_not_bindable_and_not_handed_out():
@@ -24,8 +27,16 @@ def test_an_outgoing_connections_local_port_is_not_bindable_and_not_handed_out()
         held = out.getsockname()[1]
         accepted, _ = server.accept()
         with accepted:
-            assert not port_bindable(held)
+            assert bind_error(held) is not None and bind_error(held, "127.0.0.1") is not None
             assert free_port(preferred=held) != held
+
+
+def test_a_port_another_address_listens_on_is_free_for_a_head_on_127_0_0_1_only():
+    with socket.create_server(("127.0.0.2", 0)) as elsewhere:
+        port = elsewhere.getsockname()[1]
+        assert bind_error(port, "127.0.0.1") is None  # where the GCS listens
+        assert bind_error(port) is not None  # every interface: free_port takes another
+        assert free_port(preferred=port) != port
 
 
 def test_a_port_left_in_time_wait_is_bindable_as_servers_bind_it():
@@ -37,7 +48,7 @@ def test_a_port_left_in_time_wait_is_bindable_as_servers_bind_it():
         accepted, _ = server.accept()
         accepted.close()  # the server's side closes first: its port goes to TIME_WAIT
         client.close()
-    assert port_bindable(port)
+    assert bind_error(port) is None
     assert free_port(preferred=port) == port
 
 
@@ -61,3 +72,7 @@ def test_a_gcs_that_did_not_start_is_named_with_its_own_reason():
         "its GCS did not start: Failed to start the grpc server. The specified port is 55161."
     other = subprocess.CompletedProcess(["ray", "start"], 1, stdout="", stderr="ValueError: bad --num-cpus\n")
     assert _error_line(other) == "ValueError: bad --num-cpus"
+    unknown = RAY_START_ON_A_TAKEN_PORT.replace("server_ Failed to start the grpc server. The specified port is 55161.",
+                                                "port_ > 0 \n")
+    assert _error_line(subprocess.CompletedProcess(["ray", "start"], 1, stdout="", stderr=unknown)).startswith(
+        ".Please check /tmp/rg/session_")  # an unknown check's text is not cut into a wrong sentence
