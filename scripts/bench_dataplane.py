@@ -143,10 +143,10 @@ async def local_arm(
         out: dict[str, dict[int, float]] = {p: {} for p in arms if p in paths}
         for path in out:
             await measure(lambda i, t, via=arms[path]: via(replica, i, t), 4, 8, step_s)
-        for n in sizes:
+        for k, n in enumerate(sizes):
             for path in out:
-                out[path][n] = await measure(lambda i, t, via=arms[path]: via(replica, i, t), n, tokens, step_s)
-                report(path, n, out[path][n], step_s)
+                out[path][k] = await measure(lambda i, t, via=arms[path]: via(replica, i, t), n, tokens, step_s)
+                report(path, k, n, out[path][k], step_s)
         return out
     finally:
         await replica.shutdown()
@@ -162,17 +162,18 @@ def spec_of(model_dir: str, migration: bool = True):
     return parse_deployment({"name": NAME, "model": model_dir, "device": "cpu", "serving": serving})
 
 
-def report(path: str, n: int, ratio: float, step_s: float) -> None:
+def report(path: str, k: int, n: int, ratio: float, step_s: float) -> None:
+    """Prints burst ``k`` (of ``n`` streams); keyed by burst, so that repeated sizes each show."""
     rate, ideal = ratio * n / step_s, n / step_s
     print(f"{path:>7} {n:>5} streams: delivered/ideal {ratio:.3f} ({rate:,.0f} of {ideal:,.0f} tok/s); "
           f"all admitted in {LAST['admitted']:.2f} s, streaming/ideal {LAST['streaming']:.3f}; "
           f"this process used {LAST['driver_cpu']:.2f} of a core", flush=True)
-    STREAMING.setdefault(path, {})[n] = LAST["streaming"]
+    STREAMING.setdefault(path, {})[k] = LAST["streaming"]
     if CPU_BY_PROCESS:
         print(f"        CPU ms per request by process: {LAST['by_process']}", flush=True)
 
 
-STREAMING: dict[str, dict[int, float]] = {}  # path -> streams -> streaming/ideal
+STREAMING: dict[str, dict[int, float]] = {}  # path -> burst -> streaming/ideal
 CPU_BY_PROCESS = False  # --cpu-by-process
 
 
@@ -352,17 +353,17 @@ def main() -> None:
                     await ttft_rounds(arms, remote, ttft, opts.tokens)
                     return {}
                 out: dict[str, dict[int, float]] = {p: {} for p in remote}
-                for n in sizes:
+                for k, n in enumerate(sizes):
                     for path in remote:
                         before = sum(c.batches for c in router._channels.values())
                         if path == "router-nomig":  # in place: the same replica, no token ids sent
                             await manager.apply.remote(spec_of(model_dir, migration=False))
                             await router.refresh(force=True)
-                        out[path][n] = await measure(arms[path], n, opts.tokens, step_s)
+                        out[path][k] = await measure(arms[path], n, opts.tokens, step_s)
                         if path == "router-nomig":
                             await manager.apply.remote(spec_of(model_dir))
                             await router.refresh(force=True)
-                        report(path, n, out[path][n], step_s)
+                        report(path, k, n, out[path][k], step_s)
                         if path == "router":
                             batches = sum(c.batches for c in router._channels.values()) - before
                             print(f"         {batches} channel messages, {n * opts.tokens / max(1, batches):.1f} "
@@ -389,21 +390,22 @@ def main() -> None:
     where = "in a process of its own" if opts.core_process else "in a thread"
     print(f"emulated engine, {opts.step_ms:g} ms per step, core {where}, {opts.tokens} tokens per stream")
     print(f"{'streams':>8} " + " ".join(f"{p:>8}" for p in paths))
-    for n in sizes:
-        print(f"{n:>8} " + " ".join(f"{results[p][n]:>8.3f}" for p in paths))
+    bursts = list(enumerate(sizes))  # a size given twice is two bursts, each shown
+    for k, n in bursts:
+        print(f"{n:>8} " + " ".join(f"{results[p][k]:>8.3f}" for p in paths))
     print("streaming/ideal (admission left out)")
-    for n in sizes:
-        print(f"{n:>8} " + " ".join(f"{STREAMING[p][n]:>8.3f}" for p in paths))
+    for k, n in bursts:
+        print(f"{n:>8} " + " ".join(f"{STREAMING[p][k]:>8.3f}" for p in paths))
     for path in paths:
-        for n in sizes:
-            print(f"ratio {path} delivered/ideal @ {n}: {results[path][n]:.3f}")
+        for k, n in bursts:
+            print(f"ratio {path} delivered/ideal @ {n}: {results[path][k]:.3f}")
     for path in paths:
-        for n in sizes:
-            print(f"ratio {path} streaming/ideal @ {n}: {STREAMING[path][n]:.3f}")
+        for k, n in bursts:
+            print(f"ratio {path} streaming/ideal @ {n}: {STREAMING[path][k]:.3f}")
     if "vllm" in paths:  # atomr against the peer, in the same run
         for path in (p for p in paths if p in ("client", "http")):
-            for n in sizes:
-                print(f"ratio {path}/vllm delivered @ {n}: {results[path][n] / results['vllm'][n]:.3f}")
+            for k, n in bursts:
+                print(f"ratio {path}/vllm delivered @ {n}: {results[path][k] / results['vllm'][k]:.3f}")
 
 
 if __name__ == "__main__":
