@@ -166,7 +166,8 @@ def report(path: str, k: int, n: int, ratio: float, step_s: float) -> None:
     """Prints burst ``k`` (of ``n`` streams); keyed by burst, so that repeated sizes each show."""
     rate, ideal = ratio * n / step_s, n / step_s
     print(f"{path:>7} {n:>5} streams: delivered/ideal {ratio:.3f} ({rate:,.0f} of {ideal:,.0f} tok/s); "
-          f"all admitted in {LAST['admitted']:.2f} s, streaming/ideal {LAST['streaming']:.3f}; "
+          f"all admitted in {LAST['admitted']:.2f} s, streaming/ideal {LAST['streaming']:.3f}, "
+          f"all ended within {LAST['ended'] * 1000:.0f} ms; "
           f"this process used {LAST['driver_cpu']:.2f} of a core", flush=True)
     STREAMING.setdefault(path, {})[k] = LAST["streaming"]
     if CPU_BY_PROCESS:
@@ -209,7 +210,14 @@ async def measure(one, streams: int, tokens: int, step_s: float) -> float:
     FIRST_OUTPUT_AT.clear()
     every_before = cpu_seconds() if CPU_BY_PROCESS else {}
     started, cpu_before = time.perf_counter(), time.process_time()
-    counts = await asyncio.gather(*(one(i, tokens) for i in range(streams)))
+    ends: list[float] = []
+
+    async def timed(i: int) -> int:
+        count = await one(i, tokens)
+        ends.append(time.perf_counter())
+        return count
+
+    counts = await asyncio.gather(*(timed(i) for i in range(streams)))
     elapsed = time.perf_counter() - started
     LAST["driver_cpu"] = (time.process_time() - cpu_before) / elapsed  # before the scan below
     if CPU_BY_PROCESS:  # the busiest processes' CPU per request
@@ -217,7 +225,7 @@ async def measure(one, streams: int, tokens: int, step_s: float) -> float:
         LAST["by_process"] = ", ".join(f"{name} {s / streams * 1000:.2f}" for name, s in used if s > 0.01)
     assert all(c == tokens for c in counts), f"short streams: {sorted(set(counts))}"
     admitted = max(FIRST_OUTPUT_AT) - started
-    LAST.update(admitted=admitted, streaming=(tokens * step_s) / (elapsed - admitted))
+    LAST.update(admitted=admitted, streaming=(tokens * step_s) / (elapsed - admitted), ended=max(ends) - min(ends))
     return (tokens * step_s) / elapsed
 
 
