@@ -33,9 +33,10 @@ With ``--core-process`` the emulated core runs in a process of its own behind vL
 Each line also gives when the last stream's first output arrived (admission: vLLM's request
 parsing, tokenizing and input processing, per request, plus the transport's open) and
 streaming/ideal: the same ratio without that time, (tokens x step) / (wall - admission), the
-rate once every stream runs, i.e. the cost per token alone; how far apart the streams ended (a
-tail that the hops after the core add to the last stream); and how much of a core this process
-(the arm's client) used, which the replica does not have on a small machine.
+rate once every stream runs, i.e. the cost per token alone; how far apart the streams ended (it
+follows how far apart they were admitted, and grows with any hop slow to finish a stream); and
+how much of a core this process (the arm's client) used, which the replica does not have on a
+small machine.
 ``--ttft C:N`` measures time to first token instead, closed loop (C clients, each sending its next
 request when its last ends, N requests in all), on the remote arms, interleaved by round, and the
 loop's output tok/s (what ``bench_http`` reports per concurrency on a GPU).
