@@ -73,6 +73,10 @@ class MergingBuffer(Generic[T]):
             self._ended, self._error = True, error
             self._ready.set()
 
+    def _last(self, item: T) -> T:
+        """The last item of a stream that ended cleanly, as the reader gets it (marked by a subclass)."""
+        return item
+
     async def __aiter__(self) -> AsyncIterator[T]:
         while True:
             if not self._pending and not self._ended:
@@ -80,6 +84,8 @@ class MergingBuffer(Generic[T]):
                 self._ready.clear()
                 await self._ready.wait()
             items, self._pending = self._pending, []
+            if self._ended and self._error is None and items:  # nothing can be put after the end
+                items[-1] = self._last(items[-1])
             for item in items:
                 yield item
             if self._ended and not self._pending:

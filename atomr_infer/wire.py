@@ -82,6 +82,18 @@ class HttpHead:
     headers: tuple[tuple[str, str], ...]
 
 
+class LastBytes(bytes):
+    """A response's last body bytes: the stream ended without error after them, nothing follows.
+
+    A router yields its body pieces as plain ``bytes`` and the last as ``LastBytes`` when it
+    knows, by then, that the replica ended the response (the end came with them, as at the end
+    of an engine step): the ingress sends them with the end of the HTTP response, before the
+    bookkeeping of the stream's end. Any hop that rebuilds a piece yields plain ``bytes``,
+    and the end then goes as it always did, after the iterator stops."""
+
+    __slots__ = ()
+
+
 @dataclass(slots=True)
 class RoutingFacts:
     """What routing needs of a request, read once at the edge from the parsed body. Stays in

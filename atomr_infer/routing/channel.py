@@ -32,7 +32,7 @@ import ray
 from atomr_infer.merging import MergingBuffer, join_bytes
 from atomr_infer.replica_calls import ReplicaCalls
 from atomr_infer.task_context import outside_request
-from atomr_infer.wire import KEEPALIVE_S, HttpHead, OpenRequest
+from atomr_infer.wire import KEEPALIVE_S, HttpHead, LastBytes, OpenRequest
 
 # How long a replica's own word on its load counts (a router that sends it nothing hears nothing).
 LOAD_FRESH_S = 1.0
@@ -50,6 +50,9 @@ class _Inbox(MergingBuffer[Item]):
         super().__init__(join_bytes)  # type: ignore[arg-type]
         self.token_ids: list[int] = [] if token_ids is None else token_ids
         self.prefilled = prefilled  # told when the replica says its prompt is computed
+
+    def _last(self, item: Item) -> Item:
+        return LastBytes(item) if type(item) is bytes else item
 
 
 class ReplicaChannel:

@@ -49,7 +49,7 @@ async def without_usage(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             events = chunk.split(b"\n\n")
             kept = [e for e in events if not (e.startswith(b"data: {") and b'"usage"' in e and _usage_only(e))]
             if len(kept) != len(events):
-                chunk = b"\n\n".join(kept)
+                chunk = type(chunk)(b"\n\n".join(kept))  # the router's LastBytes stay the last
             if chunk:
                 yield chunk
     finally:

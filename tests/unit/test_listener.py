@@ -14,6 +14,7 @@ from atomr_infer.errors import AtomrError
 from atomr_infer.local_ray import free_port
 from atomr_infer.serve.answers import SSEResponse
 from atomr_infer.serve.listener import HttpListener, check_free, direct_posts, http_parser, listen
+from atomr_infer.wire import LastBytes
 from tests.waiting import await_until
 
 
@@ -182,6 +183,52 @@ def test_a_client_that_leaves_a_stream_closes_it():
 
     asyncio.run(run())
     assert events == ["closed"]
+
+
+def test_a_stream_ends_for_its_client_at_its_last_bytes_before_its_bookkeeping():
+    """The router's ``LastBytes`` end the HTTP response at once; what runs as the iterator stops
+    after them (the router's, the access log's bookkeeping) comes after. Here that cleanup waits
+    until the client holds the whole response: ending the response after it would hang. Plain
+    bytes end the response when the iterator stops, as before."""
+    events: list[str] = []
+    release = asyncio.Event()
+
+    async def answer(last: bytes):
+        try:
+            yield b"data: 1\n\n"
+            yield last
+        finally:
+            events.append("cleanup")
+            if isinstance(last, LastBytes):
+                await release.wait()
+            events.append("cleaned up")
+
+    app = FastAPI()
+
+    @app.post("/stream/{kind}")
+    async def stream(kind: str, request: Request) -> SSEResponse:
+        await request.body()
+        done = b"data: [DONE]\n\n"
+        return SSEResponse(answer(LastBytes(done) if kind == "last" else done))
+
+    async def run() -> None:
+        port = free_port()
+        listener = HttpListener(app, listen("127.0.0.1", port))
+        listener.start()
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as client:
+                marked = await asyncio.wait_for(client.post(f"http://127.0.0.1:{port}/stream/last"), 5.0)
+                assert marked.text == "data: 1\n\ndata: [DONE]\n\n"
+                assert events == ["cleanup"]  # still running, with the client's response complete
+                release.set()
+                assert await await_until(lambda: "cleaned up" in events, 5.0), events
+                plain = await client.post(f"http://127.0.0.1:{port}/stream/plain")
+                assert plain.text == "data: 1\n\ndata: [DONE]\n\n"
+                assert events == ["cleanup", "cleaned up", "cleanup", "cleaned up"]
+        finally:
+            await listener.stop(1.0)
+
+    asyncio.run(run())
 
 
 def test_http_parser_is_httptools_where_it_imports():

@@ -13,7 +13,7 @@ from atomr_infer.errors import EngineError, InvalidRequest, ReplicaUnavailable
 from atomr_infer.merging import MergingBuffer, join_bytes
 from atomr_infer.replica.lifecycle import Lifecycle
 from atomr_infer.status import ReplicaState
-from atomr_infer.wire import Batch, HttpHead, RequestKind, RoutingFacts
+from atomr_infer.wire import Batch, HttpHead, LastBytes, RequestKind, RoutingFacts
 
 
 def test_routing_facts_come_from_the_parsed_body_once():
@@ -45,6 +45,44 @@ def test_a_merging_buffer_joins_what_the_reader_has_not_taken_and_ends_with_its_
         return got
 
     assert asyncio.run(main()) == [HttpHead(200, ()), b"ab"]
+
+
+def test_a_routers_inbox_marks_the_last_bytes_of_a_stream_that_ended_with_them():
+    """The ingress ends an HTTP response with ``LastBytes`` (serve/answers.py), so they mark only
+    bytes after which nothing can come: the end came with them, without an error."""
+    from atomr_infer.routing.channel import _Inbox
+
+    async def read(inbox: _Inbox, feed=None) -> list:
+        got = []
+        try:
+            async for item in inbox:
+                got.append(item)
+                if feed is not None:
+                    feed, step = None, feed
+                    step()
+        except EngineError:
+            got.append("error")
+        return got
+
+    async def main():
+        ended_with = _Inbox()
+        ended_with.put_all([HttpHead(200, ()), b"a", b"b"])  # one batch: the head, then b"ab"
+        ended_with.end()
+        later = _Inbox()
+        later.put_all([HttpHead(200, ()), b"a"])
+        failed = _Inbox()
+        failed.put_all([HttpHead(200, ()), b"a"])
+        failed.end(EngineError("gone"))
+        head_only = _Inbox()
+        head_only.put(HttpHead(204, ()))
+        head_only.end()
+        return await read(ended_with), await read(later, feed=later.end), await read(failed), await read(head_only)
+
+    ended_with, later, failed, head_only = asyncio.run(main())
+    assert ended_with == [HttpHead(200, ()), b"ab"] and type(ended_with[1]) is LastBytes
+    assert later == [HttpHead(200, ()), b"a"] and not any(isinstance(x, LastBytes) for x in later)  # end came after
+    assert failed == [HttpHead(200, ()), b"a", "error"] and not any(isinstance(x, LastBytes) for x in failed)
+    assert head_only == [HttpHead(204, ())]  # a head is never marked
 
 
 def test_the_replica_lifecycle_allows_only_its_transitions():
