@@ -36,7 +36,10 @@ streaming/ideal: the same ratio without that time, (tokens x step) / (wall - adm
 rate once every stream runs, i.e. the cost per token alone; how far apart the streams ended (it
 follows how far apart they were admitted, and grows with any hop slow to finish a stream); and
 how much of a core this process (the arm's client) used, which the replica does not have on a
-small machine.
+small machine. With ``--core-process`` it also gives, from the core's own timeline, when the core
+took the burst's last request and made its last token, and how long after that the last stream
+ended here: the delivered ratio loses the first to admission and the second to the hops after
+the core.
 ``--ttft C:N`` measures time to first token instead, closed loop (C clients, each sending its next
 request when its last ends, N requests in all), on the remote arms, interleaved by round, and the
 loop's output tok/s (what ``bench_http`` reports per concurrency on a GPU).
@@ -53,6 +56,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -60,6 +64,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 NAME = "emulated"
+TIMELINE = ""  # with --core-process: the file every emulated core (atomr's, the peer's) writes its timeline to
 FIRST_OUTPUT_AT: list[float] = []  # per stream of the current measure(): when its first output came
 SENT_AT: contextvars.ContextVar[float | None] = contextvars.ContextVar("sent_at", default=None)
 TTFTS: list[float] = []  # closed_loop(): each request's time from its sending to its first output
@@ -170,7 +175,7 @@ def report(path: str, k: int, n: int, ratio: float, step_s: float) -> None:
     print(f"{path:>7} {n:>5} streams: delivered/ideal {ratio:.3f} ({rate:,.0f} of {ideal:,.0f} tok/s); "
           f"all admitted in {LAST['admitted']:.2f} s, streaming/ideal {LAST['streaming']:.3f}, "
           f"all ended within {LAST['ended'] * 1000:.0f} ms; "
-          f"this process used {LAST['driver_cpu']:.2f} of a core", flush=True)
+          f"this process used {LAST['driver_cpu']:.2f} of a core{LAST['core']}", flush=True)
     STREAMING.setdefault(path, {})[k] = LAST["streaming"]
     if CPU_BY_PROCESS:
         print(f"        CPU ms per request by process: {LAST['by_process']}", flush=True)
@@ -202,6 +207,25 @@ async def via_http(http, url: str, i: int, tokens: int) -> int:
     return usage_tokens(tail)
 
 
+def core_timeline(started: float, ended: float) -> str:
+    """With ``--core-process``, when the core took the burst's last request and made its last
+    token (``time.monotonic()``, the clock ``perf_counter`` reads on Linux, in every process), and
+    how long after that the last stream ended here: what the hops after the core added to it."""
+    if not TIMELINE or not os.path.exists(TIMELINE):
+        return ""
+    events: dict[str, list[float]] = {"add": [], "end": []}
+    with open(TIMELINE) as f:
+        for line in f:
+            event, at = line.split()
+            if started <= float(at) <= ended:
+                events[event].append(float(at))
+    if not events["add"] or not events["end"]:
+        return ""
+    taken, made = max(events["add"]) - started, max(events["end"]) - started
+    return (f"; the core took the last request at {taken * 1000:.0f} ms, made the last token at "
+            f"{made * 1000:.0f} ms, which ended its stream here {(ended - started - made) * 1000:.1f} ms later")
+
+
 LAST: dict[str, Any] = {}  # the last measure()'s admission, streaming/ideal, CPU (and by process)
 
 
@@ -228,6 +252,7 @@ async def measure(one, streams: int, tokens: int, step_s: float) -> float:
     assert all(c == tokens for c in counts), f"short streams: {sorted(set(counts))}"
     admitted = max(FIRST_OUTPUT_AT) - started
     LAST.update(admitted=admitted, streaming=(tokens * step_s) / (elapsed - admitted), ended=max(ends) - min(ends))
+    LAST["core"] = core_timeline(started, started + elapsed)
     return (tokens * step_s) / elapsed
 
 
@@ -291,7 +316,7 @@ def main() -> None:
     ap.add_argument("--cpu-by-process", action="store_true",
                     help="print the CPU ms per request of the busiest processes (ingress, replica, core, peer)")
     opts = ap.parse_args()
-    global CPU_BY_PROCESS
+    global CPU_BY_PROCESS, TIMELINE
     CPU_BY_PROCESS = opts.cpu_by_process
     sizes = [int(s) for s in opts.streams.split(",")]
     paths = opts.paths.split(",")
@@ -313,6 +338,11 @@ def main() -> None:
     from atomr_infer.models import prepare_bundled
     from atomr_infer.routing.router import Router
     model_dir = str(prepare_bundled("smollm2-135m-instruct"))
+    timeline_dir = tempfile.TemporaryDirectory(prefix="atomr-core-")
+    if opts.core_process:  # in the environment of every process started from here on
+        from atomr_infer.engine.vllm.emulated import TIMELINE_ENV
+
+        TIMELINE = os.environ[TIMELINE_ENV] = os.path.join(timeline_dir.name, "timeline")
     results: dict[str, dict[int, float]] = {}
     if "local" in paths or "backend" in paths:
         results.update(asyncio.run(local_arm(model_dir, step_s, sizes, opts.tokens, paths, opts.core_process)))
@@ -392,6 +422,7 @@ def main() -> None:
             ray.shutdown()
         finally:
             stack.close()  # the peer server, in a session of its own: it would outlive this script
+            timeline_dir.cleanup()
 
     from atomr_infer.engine.cpu import machine_line
     from atomr_infer.serve.listener import http_parser

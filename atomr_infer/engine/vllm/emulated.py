@@ -36,6 +36,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+# A file the core process appends "add <time>" and "end <time>" to (``time.monotonic()``) for
+# each request it takes and each step that ends some: the benchmark's timeline of the core.
+TIMELINE_ENV = "ATOMR_EMULATED_CORE_TIMELINE"
 TOKEN_TEXT = " go"  # one token of the vocabulary, emitted for every step of every request
 
 
@@ -336,6 +339,7 @@ def _core_main(argv: list[str]) -> None:
             tokens = (params.max_tokens if params else None) or 16
             running[request.request_id] = element.encode(EngineCoreOutput(request.request_id, [token]))
             ends.setdefault(step + tokens - 1, []).append(request.request_id)
+            timeline("add")
         elif kind == EngineCoreRequestType.ABORT:
             for rid in request:
                 running.pop(rid, None)
@@ -346,6 +350,7 @@ def _core_main(argv: list[str]) -> None:
                    UtilityOutput(call_id, failure_message=f"the emulated engine core has no {method}"))
             send(EngineCoreOutputs(utility_output=out))
 
+    timeline = _timeline(os.environ.get(TIMELINE_ENV))
     print("ready", flush=True)
     step, next_at = 0, time.monotonic()
     while True:
@@ -359,9 +364,19 @@ def _core_main(argv: list[str]) -> None:
         while not inbox.empty():  # what arrived meanwhile runs in this step, as TimedCore's does
             take(*inbox.get_nowait(), step)
         last = [rid for rid in ends.pop(step, ()) if running.pop(rid, None) is not None]
+        if last:
+            timeline("end")
         ending = (EngineCoreOutput(rid, [token], finish_reason=FinishReason.LENGTH) for rid in last)
         items = [*running.values(), *map(element.encode, ending)]
         send(EngineCoreOutputs(outputs=encoded_array(items), timestamp=time.monotonic()))
+
+
+def _timeline(path: str | None) -> Any:
+    """``record(event)``: the event and the time appended to ``path`` as a line (nothing without one)."""
+    if not path:
+        return lambda event: None
+    out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life
+    return lambda event: out.write(f"{event} {time.monotonic()}\n")
 
 
 def encoded_array(items: list[bytes]) -> Any:
