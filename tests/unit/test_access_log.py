@@ -31,7 +31,7 @@ def test_a_stream_that_did_not_ask_for_usage_gets_it_hidden_again() -> None:
     import asyncio
 
     from atomr_infer.serve.usage import without_usage
-    from atomr_infer.wire import RoutingFacts
+    from atomr_infer.wire import LastBytes, RoutingFacts
 
     def usage_not_asked(body):
         return not RoutingFacts.of("/v1/chat/completions", {"model": "m", **body}).usage_wanted
@@ -41,16 +41,18 @@ def test_a_stream_that_did_not_ask_for_usage_gets_it_hidden_again() -> None:
     assert not usage_not_asked({"stream": False}) and not usage_not_asked({"stream": True, "stream_options": 3})
     text = b'data: {"choices": [{"delta": {"content": "Hi"}}], "usage": null}\n\n'
     usage = b"data: " + json.dumps({"choices": [], "usage": USAGE}).encode() + b"\n\n"
-    chunks = [text, usage + b"data: [DONE]\n\n"]
+    chunks = [text, LastBytes(usage + b"data: [DONE]\n\n")]  # the router marks the last (routing/channel.py)
 
-    async def read() -> bytes:
+    async def read() -> list[bytes]:
         async def source():
             for c in chunks:
                 yield c
 
-        return b"".join([c async for c in without_usage(source())])
+        return [c async for c in without_usage(source())]
 
-    assert asyncio.run(read()) == text + b"data: [DONE]\n\n"
+    got = asyncio.run(read())
+    assert b"".join(got) == text + b"data: [DONE]\n\n"
+    assert type(got[-1]) is LastBytes  # still ends the HTTP response (serve/answers.py SSEResponse)
 
 
 def test_responses_and_messages_report_their_usage() -> None:

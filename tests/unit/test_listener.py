@@ -231,6 +231,38 @@ def test_a_stream_ends_for_its_client_at_its_last_bytes_before_its_bookkeeping()
     asyncio.run(run())
 
 
+def test_streams_that_end_on_one_batch_all_end_before_any_does_its_bookkeeping():
+    """A router's batch ends many streams in one turn of the loop; each ``SSEResponse`` yields
+    after its ``LastBytes`` so that every one of them ends for its client before the first one's
+    cleanup (the router's, the access log's) runs."""
+    events: list[str] = []
+    batch = asyncio.Event()
+
+    async def answer(i: int):
+        try:
+            await batch.wait()
+            yield LastBytes(b"data: [DONE]\n\n")
+        finally:
+            events.append(f"cleanup {i}")
+
+    def sender(i: int):
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body" and not message["more_body"]:
+                events.append(f"end {i}")
+
+        return send
+
+    async def run() -> None:
+        responses = [SSEResponse(answer(i)) for i in range(3)]
+        tasks = [asyncio.create_task(r({"type": "http"}, None, sender(i))) for i, r in enumerate(responses)]
+        await asyncio.sleep(0)
+        batch.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    assert events == ["end 0", "end 1", "end 2", "cleanup 0", "cleanup 1", "cleanup 2"]
+
+
 def test_http_parser_is_httptools_where_it_imports():
     try:
         import httptools  # noqa: F401
