@@ -216,7 +216,10 @@ def core_timeline(started: float, ended: float) -> str:
     events: dict[str, list[float]] = {"add": [], "end": []}
     with open(TIMELINE) as f:
         for line in f:
-            event, at = line.split()
+            fields = line.split()
+            if len(fields) != 2 or fields[0] not in events:
+                continue  # a line a core is still writing
+            event, at = fields
             if started <= float(at) <= ended:
                 events[event].append(float(at))
     if not events["add"] or not events["end"]:
@@ -338,16 +341,16 @@ def main() -> None:
     from atomr_infer.models import prepare_bundled
     from atomr_infer.routing.router import Router
     model_dir = str(prepare_bundled("smollm2-135m-instruct"))
-    timeline_dir = tempfile.TemporaryDirectory(prefix="atomr-core-")
+    stack = contextlib.ExitStack()
     if opts.core_process:  # in the environment of every process started from here on
         from atomr_infer.engine.vllm.emulated import TIMELINE_ENV
 
-        TIMELINE = os.environ[TIMELINE_ENV] = os.path.join(timeline_dir.name, "timeline")
+        timeline_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="atomr-core-"))
+        TIMELINE = os.environ[TIMELINE_ENV] = os.path.join(timeline_dir, "timeline")
     results: dict[str, dict[int, float]] = {}
-    if "local" in paths or "backend" in paths:
+    if "local" in paths or "backend" in paths:  # on an error before the try below, the directory's finalizer removes it
         results.update(asyncio.run(local_arm(model_dir, step_s, sizes, opts.tokens, paths, opts.core_process)))
     remote = [p for p in paths if p not in ("local", "backend")]
-    stack = contextlib.ExitStack()
     vllm_url = ""
     if "vllm" in remote:  # started first, so that Ray's start does not slow its own
         from tests.vllm_serve import vllm_server
@@ -421,8 +424,7 @@ def main() -> None:
         try:
             ray.shutdown()
         finally:
-            stack.close()  # the peer server, in a session of its own: it would outlive this script
-            timeline_dir.cleanup()
+            stack.close()  # the peer server, in a session of its own: it would outlive this script; the timeline
 
     from atomr_infer.engine.cpu import machine_line
     from atomr_infer.serve.listener import http_parser
