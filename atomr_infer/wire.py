@@ -88,8 +88,9 @@ class LastBytes(bytes):
     A router yields its body pieces as plain ``bytes`` and the last as ``LastBytes`` when it
     knows, by then, that the replica ended the response (the end came with them, as at the end
     of an engine step): the ingress sends them with the end of the HTTP response, before the
-    bookkeeping of the stream's end. Any hop that rebuilds a piece yields plain ``bytes``,
-    and the end then goes as it always did, after the iterator stops."""
+    bookkeeping of the stream's end. A hop that rebuilds the last piece keeps its type
+    (``without_usage``: ``type(chunk)(...)``) or yields plain ``bytes`` (the migration seam);
+    with plain bytes the end goes as it always did, after the iterator stops."""
 
     __slots__ = ()
 

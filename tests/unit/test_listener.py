@@ -263,6 +263,20 @@ def test_streams_that_end_on_one_batch_all_end_before_any_does_its_bookkeeping()
     assert events == ["end 0", "end 1", "end 2", "cleanup 0", "cleanup 1", "cleanup 2"]
 
 
+def test_a_str_chunk_is_sent_encoded_as_starlette_sends_it():
+    sent: list[bytes] = []
+
+    async def answer():
+        yield "data: é\n\n"
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            sent.append(message["body"])
+
+    asyncio.run(SSEResponse(answer())({"type": "http"}, None, send))
+    assert sent == ["data: é\n\n".encode(), b""]
+
+
 def test_http_parser_is_httptools_where_it_imports():
     try:
         import httptools  # noqa: F401
