@@ -348,7 +348,8 @@ def main() -> None:
         timeline_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="atomr-core-"))
         TIMELINE = os.environ[TIMELINE_ENV] = os.path.join(timeline_dir, "timeline")
     results: dict[str, dict[int, float]] = {}
-    if "local" in paths or "backend" in paths:  # on an error before the try below, the directory's finalizer removes it
+    # An error before the try below leaves the timeline's directory to its finalizer, at exit.
+    if "local" in paths or "backend" in paths:
         results.update(asyncio.run(local_arm(model_dir, step_s, sizes, opts.tokens, paths, opts.core_process)))
     remote = [p for p in paths if p not in ("local", "backend")]
     vllm_url = ""
@@ -424,7 +425,8 @@ def main() -> None:
         try:
             ray.shutdown()
         finally:
-            stack.close()  # the peer server, in a session of its own: it would outlive this script; the timeline
+            # The peer server (in a session of its own, it would outlive this script), the timeline's directory.
+            stack.close()
 
     from atomr_infer.engine.cpu import machine_line
     from atomr_infer.serve.listener import http_parser

@@ -63,8 +63,8 @@ class SSEResponse(StreamingResponse):
         many streams, every one of them ends for its client before any does its bookkeeping (the
         router's, the access log's, the rate limits'), which runs as the iterator stops after it.
         At 64 streams ending on one engine step, the last stream ended a median 2 ms sooner with
-        this in alternating runs (8 bursts each), within the runs' spread (docs/performance.md, "where HTTP's
-        last 0.3% at 64 streams goes"). A ``str`` chunk is encoded as Starlette does."""
+        this in alternating runs (8 bursts each), within the runs' spread (docs/performance.md,
+        "where HTTP's last 0.3% at 64 streams goes"). A ``str`` chunk is encoded as Starlette does."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         ended = False
         async for chunk in self.body_iterator:
