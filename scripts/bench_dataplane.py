@@ -217,8 +217,9 @@ def core_timeline(started: float, ended: float) -> str:
     with open(TIMELINE) as f:
         for line in f:
             fields = line.split()
-            if len(fields) != 2 or fields[0] not in events:
-                continue  # a line a core is still writing
+            # a line a core is still writing has no newline yet (it may end inside its number)
+            if not line.endswith("\n") or len(fields) != 2 or fields[0] not in events:
+                continue
             event, at = fields
             if started <= float(at) <= ended:
                 events[event].append(float(at))
