@@ -4,12 +4,23 @@ name their field."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
 
 # A number: int or float, never a bool or a string (strict floats accept ints).
 Number = Annotated[float, Field(strict=True)]
+
+
+def int_choice(*allowed: int) -> Any:
+    """An int that is one of ``allowed``; never a bool or a string (``Literal[1, 8]`` takes ``true`` as 1)."""
+
+    def check(value: int) -> int:
+        if value not in allowed:
+            raise ValueError(f"input should be {', '.join(map(str, allowed[:-1]))} or {allowed[-1]}, got {value}")
+        return value
+
+    return Annotated[StrictInt, AfterValidator(check)]
 
 
 class FieldValueError(ValueError):

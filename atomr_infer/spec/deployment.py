@@ -15,13 +15,25 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from atomr_infer.models.registry import BUNDLED_MODELS, HF_REPO_ID_RE, LOCAL_PREFIXES, bundled_name
-from atomr_infer.spec.base import FieldValueError, Number, Strict
+from atomr_infer.spec.base import FieldValueError, Number, Strict, int_choice
 from atomr_infer.spec.lora import Lora
 from atomr_infer.spec.serving import Serving
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-# EngineArgs keys the spec sets from other fields, and where to set them instead.
-_ENGINE_ARGS_OWNED = {"model": "model", "download_dir": "runtime_config.hf_cache_dir"}
+# EngineArgs keys the spec sets from other fields, and where to set them instead
+# (engine/vllm/engine_args.py applies extra_engine_args last: they would win silently).
+_ENGINE_ARGS_OWNED = {
+    "model": "model",
+    "download_dir": "runtime_config.hf_cache_dir",
+    "enable_lora": "lora",
+    **{name: f"lora.{name}" for name in ("max_loras", "max_lora_rank", "max_cpu_loras")},
+    **{
+        name: f"serving.openai.{name}"
+        for name in ("generation_config", "override_generation_config", "reasoning_parser")
+    },
+}
+# EngineArgs keys atomr needs as it sets them, and why.
+_ENGINE_ARGS_FIXED = {"disable_log_stats": "the replica reports KV-cache use from vLLM's stats"}
 
 class VllmConfig(Strict):
     """Engine settings, passed to vLLM's ``EngineArgs``. ``None`` means vLLM's default."""
@@ -47,7 +59,9 @@ class VllmConfig(Strict):
     max_num_seqs: Annotated[StrictInt, Field(ge=1, le=65_536)] | None = Field(
         None, description="Most sequences the engine schedules in one step."
     )
-    block_size: Literal[1, 8, 16, 32, 64, 128, 256] | None = Field(None, description="KV-cache block size in tokens.")
+    block_size: int_choice(1, 8, 16, 32, 64, 128, 256) | None = Field(  # type: ignore[valid-type]
+        None, description="KV-cache block size in tokens."
+    )
     quantization: StrictStr | None = Field(None, description="Quantization method, e.g. 'awq', 'gptq', 'fp8'.")
     limit_mm_per_prompt: dict[StrictStr, Annotated[StrictInt, Field(ge=0, le=1024)]] | None = Field(
         None, description="Most multimodal items per prompt, by modality, e.g. {image: 1}."
@@ -88,6 +102,11 @@ class VllmConfig(Strict):
                 "extra_engine_args",
                 f"sets {', '.join(map(repr, clash))}, which the spec sets from its own field: "
                 f"set {', '.join(owned[k] for k in clash)} instead",
+            )
+        fixed = sorted(set(_ENGINE_ARGS_FIXED) & set(self.extra_engine_args))
+        if fixed:
+            raise FieldValueError(
+                f"extra_engine_args.{fixed[0]}", f"is set, but atomr sets it: {_ENGINE_ARGS_FIXED[fixed[0]]}"
             )
         return self
 
@@ -229,7 +248,12 @@ class Deployment(Strict):
         if not isinstance(data, dict) or data.get("autoscaling") is None or "replicas" in data:
             return data
         scaling = data["autoscaling"]
-        low = scaling.min_replicas if isinstance(scaling, Autoscaling) else (scaling or {}).get("min_replicas", 1)
+        if isinstance(scaling, Autoscaling):
+            low = scaling.min_replicas
+        elif isinstance(scaling, dict):
+            low = scaling.get("min_replicas", 1)
+        else:  # not a mapping: the field's own validation says so
+            return data
         return {**data, "replicas": low} if isinstance(low, int) and not isinstance(low, bool) else data
 
     @property
@@ -240,7 +264,7 @@ class Deployment(Strict):
     @field_validator("name")
     @classmethod
     def _check_name(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
+        if not _NAME_RE.fullmatch(v):
             raise ValueError(
                 f"{v!r} is not a valid name: use 1-63 lowercase letters, digits and '-', "
                 "starting and ending with a letter or digit"
@@ -260,7 +284,7 @@ class Deployment(Strict):
             return v
         if not v.strip():
             raise ValueError("model is empty: give an HF repo id, a local directory or a bundled: model")
-        if v.startswith(LOCAL_PREFIXES) or HF_REPO_ID_RE.match(v):
+        if v.startswith(LOCAL_PREFIXES) or HF_REPO_ID_RE.fullmatch(v):
             return v
         raise ValueError(
             f"{v!r} is neither an HF repo id (org/name), a local path (/…, ./…, ~/…) "

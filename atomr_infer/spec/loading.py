@@ -43,7 +43,7 @@ def parse_deployment(obj: Mapping[str, Any] | Deployment, source: str = "<dict>"
 def load_deployments(*sources: Source) -> list[Deployment]:
     """Load deployments from files, directories (their ``*.yaml``/``*.yml``), dicts or specs.
 
-    Raises ``SpecError`` listing every problem, including names used twice across the input.
+    Raises ``SpecError`` listing every problem, including names (or aliases) used twice across the input.
     """
     found: list[tuple[str, Deployment]] = []
     problems: list[SpecProblem] = []
@@ -53,12 +53,13 @@ def load_deployments(*sources: Source) -> list[Deployment]:
                 found.append((where, parse_deployment(doc, where)))
             except SpecError as exc:
                 problems.extend(exc.problems)
-    first_seen: dict[str, str] = {}
-    for where, dep in found:
-        if dep.name in first_seen:
-            problems.append(SpecProblem(where, "name", f"{dep.name!r} is already used by {first_seen[dep.name]}"))
-        else:
-            first_seen[dep.name] = where
+    first_seen: dict[str, tuple[int, str]] = {}  # a name or alias -> the deployment that gave it first
+    for i, (where, dep) in enumerate(found):
+        aliases = [("serving.openai.served_model_name", alias) for alias in dep.serving.openai.served_model_name]
+        for field, value in [("name", dep.name), *aliases]:
+            seen = first_seen.setdefault(value, (i, where))
+            if seen[0] != i:  # the OpenAI `model` routes by it: one deployment each
+                problems.append(SpecProblem(where, field, f"{value!r} is already used by {seen[1]}"))
     if problems:
         raise SpecError(problems)
     return [dep for _, dep in found]
@@ -70,7 +71,11 @@ def _documents(src: Source, problems: list[SpecProblem]) -> Iterable[tuple[str, 
         return
     path = Path(src)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in YAML_SUFFIXES and p.is_file())
+        files = sorted(
+            p for p in path.rglob("*")
+            if p.suffix.lower() in YAML_SUFFIXES and p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)  # .git, .venv, ...
+        )
         if not files:
             problems.append(SpecProblem(str(path), "", "directory has no *.yaml or *.yml files"))
         for f in files:
@@ -89,7 +94,7 @@ def _file_documents(path: Path, problems: list[SpecProblem]) -> Iterable[tuple[s
         problems.append(SpecProblem(str(path), "", f"cannot read file: {exc}"))
         return
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [(i, d) for i, d in enumerate(yaml.load_all(text, Loader=_UniqueKeyLoader)) if d is not None]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -99,8 +104,24 @@ def _file_documents(path: Path, problems: list[SpecProblem]) -> Iterable[tuple[s
     if not docs:
         problems.append(SpecProblem(str(path), "", "file is empty: expected a deployment (name, model, ...)"))
         return
-    for i, doc in enumerate(docs):
+    for i, doc in docs:  # numbered as they are in the file, empty ones too
         yield (f"{path}#{i + 1}" if len(docs) > 1 else str(path)), doc
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``, but a key given twice in one mapping is an error (PyYAML keeps the last
+    silently). Keys a merge (``<<: *anchor``) brings in may be overridden, as YAML says."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _value in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _problem(source: str, err: Any) -> SpecProblem:

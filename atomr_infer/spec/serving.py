@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-from atomr_infer.spec.base import FieldValueError, Strict
+from atomr_infer.spec.base import FieldValueError, Number, Strict
 
 
 class ResponseStore(Strict):
@@ -22,7 +22,7 @@ class ResponseStore(Strict):
     max_responses: Annotated[StrictInt, Field(ge=1, le=10_000_000)] = Field(
         10_000, description="Responses one replica keeps at most; the oldest go first."
     )
-    max_age_s: Annotated[float, Field(gt=0, le=30 * 86400)] = Field(
+    max_age_s: Annotated[Number, Field(gt=0, le=30 * 86400)] = Field(
         3600.0, description="Seconds a stored response is kept after it was last written."
     )
 
@@ -57,6 +57,16 @@ class OpenAIServing(Strict):
     response_store: ResponseStore = Field(
         default_factory=ResponseStore, description="Stored Responses-API responses, kept per replica."
     )
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _aliases(cls, names: list[str]) -> list[str]:
+        for i, name in enumerate(names):
+            if not name.strip():
+                raise ValueError(f"[{i}] is {name!r}: a name a request can give as its model, not empty")
+            if name in names[:i]:
+                raise ValueError(f"[{i}] {name!r} is given twice")
+        return names
 
     @model_validator(mode="after")
     def _auto_needs_parser(self) -> OpenAIServing:

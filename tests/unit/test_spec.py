@@ -43,7 +43,7 @@ FULL: dict[str, Any] = {
         "convert": "none",
         "cpu_kvcache_space_gb": 2.5,
         "cpu_threads": 4,
-        "extra_engine_args": {"swap_space": 8, "seed": 7, "override_generation_config": {"temperature": 0.2}},
+        "extra_engine_args": {"swap_space": 8, "seed": 7, "kv_cache_dtype": "fp8"},
     },
     "gpus": 2,
     "replicas": 3,
@@ -223,6 +223,14 @@ def test_unknown_key_with_no_close_match_lists_the_allowed_keys(path: str, model
         ("serving", "fast", "valid dictionary"),
         ("runtime_config.extra_engine_args", ["seed", 1], "valid dictionary"),
         ("runtime_config.limit_mm_per_prompt", ["image"], "valid dictionary"),
+        ("autoscaling", 5, "valid dictionary"),
+        ("autoscaling", "fast", "valid dictionary"),
+        ("serving.openai.response_store.max_age_s", "60", "valid number"),
+        ("serving.openai.response_store.max_age_s", True, "valid number"),
+        ("runtime_config.block_size", True, "valid integer"),
+        ("runtime_config.block_size", "16", "valid integer"),
+        ("lora.max_lora_rank", True, "valid integer"),
+        ("lora.max_lora_rank", "16", "valid integer"),
     ],
 )
 def test_wrong_type_is_not_coerced(path: str, value: Any, expected: str) -> None:
@@ -348,7 +356,7 @@ def test_daily_budget_equal_to_hourly_is_accepted() -> None:
         ("budget.on_exceeded", False, "'reject' or 'warn'"),  # YAML `on_exceeded: no`
         ("runtime_config.block_size", 24, "1, 8, 16, 32, 64, 128 or 256"),
         ("runtime_config.block_size", 0, "1, 8, 16, 32, 64, 128 or 256"),
-        ("runtime_config.block_size", "16", "1, 8, 16, 32, 64, 128 or 256"),
+        ("lora.max_lora_rank", 100, "1, 8, 16, 32, 64, 128, 256, 320 or 512"),
     ],
 )
 def test_bad_literal_lists_the_allowed_values(path: str, value: Any, allowed: str) -> None:

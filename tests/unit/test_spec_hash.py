@@ -87,6 +87,8 @@ _OTHER_VALUE: dict[str, Any] = {
     "serving.openai.served_model_name": ["gemma", "gemma-4"],
     "runtime_config.cpu_threads": 2,
     "routing.load_bound": 2.0,
+    "runtime_config.block_size": 64,  # one of the sizes vLLM allows
+    "lora.max_lora_rank": 32,  # one of the ranks vLLM allows
     "lora.adapters": {"french": "/srv/adapters/other"},
     "autoscaling": {
         "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 2.0, "upscale_delay_s": 30.0,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib.util
+import importlib.machinery
 from pathlib import Path
 
 from atomr_infer.engine.vllm.engine_args import check_extra_engine_args, check_names
@@ -22,7 +22,9 @@ from atomr_infer.spec import Deployment
 
 
 def _vllm_dir() -> Path | None:
-    spec = importlib.util.find_spec("vllm")  # finds the package without running it
+    # Finds the package on sys.path without running it; not importlib.util.find_spec, which asks
+    # every finder on sys.meta_path, among them heavy_imports' watch, which would log an import.
+    spec = importlib.machinery.PathFinder.find_spec("vllm")
     locations = list(spec.submodule_search_locations or ()) if spec is not None else []
     return Path(locations[0]) if locations else None
 
