@@ -59,7 +59,8 @@ class _Entry(BaseModel):
     def _one_secret(self) -> _Entry:
         if (self.key is None) == (self.key_sha256 is None):
             raise ValueError("give exactly one of key and key_sha256")
-        if self.key_sha256 is not None and not _HEX64.fullmatch(self.key_sha256.lower()):
+        # `$` lets one final newline through (a YAML block scalar): bytes.fromhex skips it
+        if self.key_sha256 is not None and not _HEX64.match(self.key_sha256.lower()):
             raise ValueError("key_sha256 must be 64 hex digits (sha256sum of the key)")
         return self
 
