@@ -2,7 +2,9 @@
 
 ``deploy`` validates every file first (exit 2, nothing touched), checks that each deployment's
 device can be had (a ``device: cuda`` spec on a host and cluster without a GPU fails here,
-before a Ray is started), then applies each one and, with ``--wait``, follows them until ready.
+before a Ray is started), has the manager check several together (names, vLLM settings, the
+budget of all of them: a refusal applies none), then applies each one and, with ``--wait``,
+follows them until ready.
 Exit codes: 0 ready (or applied, with ``--no-wait``), 1 failed or timed out, 2 invalid,
 3 rejected by a budget check.
 """
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from atomr_infer.cli import common, render
-from atomr_infer.cli.app import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, app, err, fail, out
+from atomr_infer.cli.app import EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, app, err, fail, out
 from atomr_infer.errors import AtomrError, one_line
 
 if TYPE_CHECKING:
@@ -63,6 +65,9 @@ def deploy_command(
         control = common.control_plane(address, start=True)
     except Exception as exc:  # noqa: BLE001 - fail() prints one line
         fail(exc)
+    if len(deployments) > 1 and (code := _check_together(control, deployments)):
+        err.print("nothing was applied", markup=False)
+        raise typer.Exit(code)
 
     code, applied, unchanged = EXIT_OK, [], []
     for d in deployments:
@@ -82,6 +87,22 @@ def deploy_command(
     elif names:
         _say("not waiting; follow with `atomr status`")
     raise typer.Exit(code)
+
+
+def _check_together(control: ControlPlane, deployments: list) -> int:  # type: ignore[type-arg]
+    """The manager's checks of every spec (names, vLLM settings, budget), each with those before
+    it counted as applied: a refusal of one stops the deploy before any is applied."""
+    code = EXIT_OK
+    for i, d in enumerate(deployments):
+        try:
+            plan = control.plan(d, alongside=tuple(deployments[:i]))
+        except AtomrError as exc:
+            code = code or report(exc)
+            continue
+        if not plan.budget_ok:
+            err.print(f"error: {plan.error or plan.budget}", markup=False)
+            code = code or EXIT_BUDGET
+    return code
 
 
 def _wait(control: ControlPlane, names: list[str], timeout: float) -> int:
@@ -119,7 +140,8 @@ def _wait(control: ControlPlane, names: list[str], timeout: float) -> int:
 
 
 def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
-    """Per deployment: the plan's actions and the budget verdict. Starts and changes nothing."""
+    """Per deployment: the plan's actions and the budget verdict, or why the manager would refuse
+    it (each with the deployments before it counted as applied). Starts and changes nothing."""
     from atomr_infer.provision import require_device
 
     try:
@@ -128,7 +150,7 @@ def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
         control = None
         offline = one_line(exc)
     code = EXIT_OK
-    for d in deployments:
+    for i, d in enumerate(deployments):
         device_error = None
         try:
             require_device(d)
@@ -143,7 +165,7 @@ def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
             _say(f"  budget: not checked: {offline}")
         else:
             try:
-                plan = control.plan(d)
+                plan = control.plan(d, alongside=tuple(deployments[:i]))  # as the deploy would apply them
             except AtomrError as exc:
                 code = code or report(exc)
                 continue

@@ -14,8 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from atomr_infer.cluster import MANAGER_NAME, NAMESPACE, connect
-from atomr_infer.control.manager import ApplyResult, DeploymentManager, PlanResult
+from atomr_infer.control.manager import DeploymentManager
 from atomr_infer.control.placement import on_head_node
+from atomr_infer.control.plan import ApplyResult, PlanResult
 from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica, one_line, unwrap
 from atomr_infer.spec import Deployment
 from atomr_infer.status import DeploymentStatus, ReplicaState
@@ -93,9 +94,10 @@ class ControlPlane:
         vLLM before its engine starts, and the deployment's status names the field."""
         return call(self.handle.apply.remote(spec), self._timeout_s)
 
-    def plan(self, spec: Deployment | dict[str, Any]) -> PlanResult:
-        """What ``apply`` would do and the budget verdict; changes nothing."""
-        return call(self.handle.plan.remote(spec), self._timeout_s)
+    def plan(self, spec: Deployment | dict[str, Any], alongside: tuple[Any, ...] = ()) -> PlanResult:
+        """What ``apply`` would do and the budget verdict, with the specs of ``alongside`` counted
+        as applied first; changes nothing."""
+        return call(self.handle.plan.remote(spec, alongside), self._timeout_s)
 
     def remove(self, name: str) -> ApplyResult:
         return call(self.handle.remove.remote(name), self._timeout_s)

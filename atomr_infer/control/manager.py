@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from atomr_infer import heavy_imports
@@ -29,7 +28,7 @@ from atomr_infer.control.budget import (
 )
 from atomr_infer.control.cluster_view import ray_cluster_view
 from atomr_infer.control.managed import ManagedDeployment
-from atomr_infer.control.plan import Plan, check_names, plan_apply, plan_remove
+from atomr_infer.control.plan import ApplyResult, Plan, PlanResult, check_names, plan_apply, plan_remove
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
 from atomr_infer.control.replicas import ReplicaLauncher
 from atomr_infer.control.store import StateStore
@@ -42,26 +41,6 @@ from atomr_infer.status import DeploymentStatus
 
 log = get_logger(__name__)
 RECONCILE_PERIOD_S = 1.0
-
-
-@dataclass(frozen=True)
-class ApplyResult:
-    name: str
-    changed: bool
-    generation: int
-    actions: tuple[str, ...]
-    warnings: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class PlanResult:
-    name: str
-    changed: bool
-    actions: tuple[str, ...]
-    budget_ok: bool
-    budget: str
-    error: str | None = None  # the error apply would raise, if any
-    scaling: str = ""  # autoscaling bounds and worst-case cost (``scaling_summary``)
 
 
 class DeploymentManager:
@@ -213,11 +192,13 @@ class DeploymentManager:
         cap, _why = self._scale_cap(managed.spec, want, want + 1)
         return cap > want
 
-    def _others(self, name: str) -> list[Deployment]:
-        """The other deployments as the budget counts them: at their current replica targets."""
-        return [
-            d.spec.model_copy(update={"replicas": d.reconciler.want}) for n, d in self._desired.items() if n != name
-        ]
+    def _others(self, name: str, alongside: list[Deployment] | None = None) -> list[Deployment]:
+        """The other deployments as the budget counts them: at their current replica targets,
+        those of ``alongside`` as they would be applied."""
+        batch = {d.name: d for d in alongside or () if d.name != name}
+        kept = [d.spec.model_copy(update={"replicas": d.reconciler.want})
+                for n, d in self._desired.items() if n != name and n not in batch]
+        return kept + list(batch.values())
 
     def _publish(self) -> None:
         deployments = {name: d.route() for name, d in self._desired.items()}
@@ -249,8 +230,9 @@ class DeploymentManager:
                 self._metrics.applied(deployment.name, "unchanged")
                 return ApplyResult(deployment.name, False, current.record.generation, ("unchanged",))
             try:
-                check_names(deployment, [d.spec for n, d in self._desired.items() if n != deployment.name])
-                verdict = self._check(deployment, raise_on_fail=True)
+                others = self._others(deployment.name)
+                check_names(deployment, others)
+                verdict = self._check(deployment, others, raise_on_fail=True)
                 self._check_engine_args(deployment)
             except Exception as exc:
                 self._metrics.applied(deployment.name, "rejected")
@@ -263,16 +245,22 @@ class DeploymentManager:
         self._kick.set()
         return ApplyResult(deployment.name, True, generation, tuple(a.summary for a in plan.actions), verdict.warnings)
 
-    async def plan(self, spec: Deployment | dict[str, Any]) -> PlanResult:
-        """What ``apply`` would do, and the budget verdict; changes nothing."""
+    async def plan(self, spec: Deployment | dict[str, Any], alongside: tuple[Any, ...] = ()) -> PlanResult:
+        """What ``apply`` would do, and the budget verdict; changes nothing. Raises what apply
+        would for the spec's names and vLLM settings. ``alongside``: specs applied with it (as
+        if recorded first: ``atomr deploy`` of several files checks them all before any apply)."""
         deployment = parse_deployment(spec)
+        others = self._others(deployment.name, [parse_deployment(s) for s in alongside])
         plan = self._plan(deployment, self._desired.get(deployment.name))
+        if plan.changed:
+            check_names(deployment, others)
+            self._check_engine_args(deployment)
         error = None
         try:
-            verdict = self._check(deployment, raise_on_fail=True) if plan.changed else BudgetVerdict(())
+            verdict = self._check(deployment, others, raise_on_fail=True) if plan.changed else BudgetVerdict(())
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             error = str(exc)
-            verdict = self._check(deployment, raise_on_fail=False)
+            verdict = self._check(deployment, others, raise_on_fail=False)
         actions = tuple(a.summary for a in plan.actions)
         scaling = ""
         if deployment.autoscaling is not None:
@@ -364,8 +352,7 @@ class DeploymentManager:
         force = current is not None and spec.restart_on_apply
         return plan_apply(current.spec if current else None, spec, force_restart=force)
 
-    def _check(self, spec: Deployment, raise_on_fail: bool) -> BudgetVerdict:
-        others = self._others(spec.name)
+    def _check(self, spec: Deployment, others: list[Deployment], raise_on_fail: bool) -> BudgetVerdict:
         cluster = self._cluster_view()
         weights, kv, max_len = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
         return check_budget(spec, others, cluster, raise_on_fail, weights, kv, max_len)

@@ -39,6 +39,30 @@ class Plan:
         return "; ".join(a.summary for a in self.actions)
 
 
+@dataclass(frozen=True)
+class ApplyResult:
+    """What ``manager.apply`` did."""
+
+    name: str
+    changed: bool
+    generation: int
+    actions: tuple[str, ...]
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """What ``manager.plan`` says an apply would do."""
+
+    name: str
+    changed: bool
+    actions: tuple[str, ...]
+    budget_ok: bool
+    budget: str
+    error: str | None = None  # the error apply would raise, if any
+    scaling: str = ""  # autoscaling bounds and worst-case cost (``scaling_summary``)
+
+
 def _plural(n: int) -> str:
     return f"{n} replica" + ("" if n == 1 else "s")
 
@@ -84,5 +108,8 @@ def check_names(spec: Deployment, others: list[Deployment]) -> None:
         taken.update({alias: other.name for alias in other.serving.openai.served_model_name})
     for name in (spec.name, *spec.serving.openai.served_model_name):
         if name in taken:
+            field = "name" if name == spec.name else "serving.openai.served_model_name"
             problem = f"{name!r} already names deployment {taken[name]!r}"
-            raise SpecError([SpecProblem(spec.name, "serving.openai.served_model_name", problem)])
+            if taken[name] != name:
+                problem += " (one of its serving.openai.served_model_name)"
+            raise SpecError([SpecProblem(spec.name, field, problem)])

@@ -269,6 +269,33 @@ def test_over_budget_exits_3_and_creates_nothing(cli, smollm2, tmp_path):
     assert [d["name"] for d in cli.status()] == ["smollm2"]
 
 
+def test_several_files_are_checked_together_and_a_refusal_applies_none(cli, smollm2, tmp_path):
+    """Each file alone fits; together they need 3 of the 2 GPUs: the first is not applied either.
+    Nor is it when the second names a vLLM setting that does not exist."""
+    one = tmp_path / "one.yaml"
+    one.write_text("name: one\nmodel: bundled:smollm2-135m-instruct\ndevice: auto\ngpus: 1\n")
+    two = tmp_path / "two.yaml"
+    two.write_text("name: two\nmodel: bundled:smollm2-135m-instruct\ndevice: auto\ngpus: 2\n")
+    proc = cli.run("deploy", one, two)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        "error: deployment 'two' over its gpus budget: needs 3 GPUs, 2 GPUs available",
+        "nothing was applied",
+    ], proc.stderr
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(
+        "name: typo\nmodel: bundled:smollm2-135m-instruct\n"
+        "runtime_config: {extra_engine_args: {max_num_batched_token: 100}}\n"
+    )
+    proc = cli.run("deploy", one, typo)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "runtime_config.extra_engine_args.max_num_batched_token" in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1] == "nothing was applied", proc.stderr
+    proc = cli.run("deploy", "--dry-run", one, typo)  # the dry run says the same, and exits 2 too
+    assert proc.returncode == 2 and "max_num_batched_token" in proc.stderr, proc.stdout + proc.stderr
+    assert [d["name"] for d in cli.status()] == ["smollm2"]
+
+
 def test_gemma_on_a_host_without_gpu_fails_before_starting_anything(tmp_path):
     from atomr_infer.provision import probe
 

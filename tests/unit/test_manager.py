@@ -219,3 +219,25 @@ def test_a_roll_with_a_gpu_to_spare_starts_the_new_replica_first() -> None:
     h.call("apply", spec(model="org/other"))
     h.manager.reconcile_once()
     assert h.live() == ["atomr:demo:r0", "atomr:demo:r1"]  # r0 serves while r1 starts
+
+
+def test_plan_counts_the_specs_deployed_alongside_and_refuses_what_apply_would() -> None:
+    """``atomr deploy a.yaml b.yaml`` asks for each spec's plan with those before it counted as
+    applied, so that a refusal of one stops the deploy before any is applied."""
+    h = Harness()
+    first, big = spec(name="first", gpus=2), spec(name="big", gpus=4)
+    assert h.call("plan", big).budget_ok  # alone, the 4 GPUs are free
+    together = h.call("plan", big, (first,))
+    assert not together.budget_ok and "needs 6 GPUs" in together.error, together
+    # a spec deployed with it under its own name replaces the recorded one, not adds to it
+    h.call("apply", first)
+    assert not h.call("plan", big).budget_ok
+    assert h.call("plan", big, (spec(name="first", gpus=2, replicas=0),)).budget_ok
+    alias = spec(name="other", serving={"openai": {"served_model_name": ["first"]}})
+    with pytest.raises(SpecError, match="'first' already names deployment 'first'"):
+        h.call("plan", alias)
+    with pytest.raises(SpecError, match="'other' already names deployment 'x'"):
+        h.call("plan", spec(name="other"), (spec(name="x", serving={"openai": {"served_model_name": ["other"]}}),))
+    with pytest.raises(SpecError, match="max_num_batched_token"):  # vLLM's EngineArgs has no such field
+        h.call("plan", spec(name="typo", runtime_config={"extra_engine_args": {"max_num_batched_token": 100}}))
+    assert h.launcher.started == [] and [s.name for s in h.call("list")] == ["first"]

@@ -68,8 +68,15 @@ def test_a_name_or_alias_answers_for_one_deployment_only():
     )
     check_names(spec(serving={"openai": {"served_model_name": ["mine"]}}), [other])
     for clash in ("shared", "other"):
-        with pytest.raises(SpecError, match=f"'{clash}' already names deployment 'other'"):
+        with pytest.raises(SpecError, match=f"'{clash}' already names deployment 'other'") as info:
             check_names(spec(serving={"openai": {"served_model_name": [clash]}}), [other])
+        assert info.value.problems[0].field == "serving.openai.served_model_name"
+    # the clash is the spec's own name: said on `name`, and that it is the other's alias
+    with pytest.raises(SpecError) as info:
+        check_names(spec(name="shared"), [other])
+    problem = info.value.problems[0]
+    assert problem.field == "name", problem
+    assert problem.message == "'shared' already names deployment 'other' (one of its serving.openai.served_model_name)"
 
 
 def test_remove_plans():
