@@ -231,16 +231,23 @@ class Client:
         return self._sync(self.astream_complete(name, prompt, **fields))
 
     def _sync(self, agen: AsyncIterator[Any]) -> Iterator[Any]:
+        step: list[asyncio.Task[Any] | None] = [None]  # the loop's task waiting for the next chunk
+
+        async def next_chunk() -> Any:
+            step[0] = asyncio.current_task()
+            return await agen.__anext__()
+
         try:
             while True:
                 try:
-                    yield self._run(agen.__anext__()).result()
+                    yield self._run(next_chunk()).result()
                 except StopAsyncIteration:
                     return
         finally:
-            # Runs on break, errors and KeyboardInterrupt: closing the async generator makes
-            # the router cancel the replica's generator, which aborts the engine request.
-            self._run(agen.aclose()).result(timeout=10)  # type: ignore[attr-defined]
+            # Runs on break, errors and KeyboardInterrupt (also while a chunk is awaited: the
+            # wait is cancelled first, as a generator still running cannot be closed): closing
+            # the async generator makes the router cancel the replica's, which aborts the request.
+            self._run(_close(agen, step[0])).result(timeout=10)
 
     async def aclose(self) -> None:
         """Close the router of the running event loop (its channels to the replicas)."""
@@ -254,3 +261,10 @@ class Client:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
 
+
+async def _close(agen: AsyncIterator[Any], waiting: asyncio.Task[Any] | None) -> None:
+    if waiting is not None and not waiting.done():
+        waiting.cancel()
+        with contextlib.suppress(BaseException):  # its cancellation, or the chunk it had just got
+            await waiting
+    await agen.aclose()  # type: ignore[attr-defined]
