@@ -30,17 +30,18 @@ from atomr_infer.control.cluster_view import ray_cluster_view
 from atomr_infer.control.managed import ManagedDeployment
 from atomr_infer.control.plan import ApplyResult, Plan, PlanResult, check_names, plan_apply, plan_remove
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
-from atomr_infer.control.replicas import ReplicaLauncher
+from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
 from atomr_infer.control.store import StateStore
 from atomr_infer.engine.backend import backend_class
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import ManagerMetrics
 from atomr_infer.routing.table import RoutingTable
 from atomr_infer.spec import Deployment, parse_deployment, spec_hash
-from atomr_infer.status import DeploymentStatus
+from atomr_infer.status import DeploymentStatus, ReplicaState
 
 log = get_logger(__name__)
 RECONCILE_PERIOD_S = 1.0
+RECOVERY_WAIT_S = 30.0
 
 
 class DeploymentManager:
@@ -70,7 +71,11 @@ class DeploymentManager:
         self._table_changed = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._metrics = ManagerMetrics()
+        # Replicas a restarted manager adopted and has not heard answer yet: until they have (or
+        # RECOVERY_WAIT_S passed), routers keep the table they route by (routing_table).
+        self._adopted: list[ReplicaRecord] = []
         self._recover()
+        self._recovered_by = self._clock() + RECOVERY_WAIT_S
         self._start_loop_soon()
 
     def __repr__(self) -> str:
@@ -121,6 +126,7 @@ class DeploymentManager:
             reconciler = self._new_reconciler(name, rec.next_index)
             self._desired[name] = ManagedDeployment.recover(rec, reconciler, self._launcher, self._clock)
             adopted = len(reconciler.replicas)
+            self._adopted += reconciler.replicas
             log.info("deployment_recovered", deployment=name, generation=rec.generation, adopted=adopted)
 
     # -- the loop ----------------------------------------------------------------------------
@@ -156,6 +162,9 @@ class DeploymentManager:
         for name in [n for n, r in self._removing.items() if r.finished_removing]:
             del self._removing[name]
             routes_changed = True
+        if self._adopted and (self._clock() >= self._recovered_by
+                              or all(r.state is not ReplicaState.STARTING for r in self._adopted)):
+            self._adopted, routes_changed = [], True  # recovered: the table lists them (or not)
         reap = getattr(self._launcher, "reaper", None)
         if reap is not None:
             reap.reap()
@@ -297,14 +306,16 @@ class DeploymentManager:
         return self._status(name) if name in self._desired or name in self._removing else None
 
     async def routing_table(self, since_version: int = -1, timeout_s: float = 0.0) -> RoutingTable | None:
-        """The current table if newer than ``since_version``; waits up to ``timeout_s`` for one."""
+        """The current table if newer than ``since_version``; waits up to ``timeout_s`` for one.
+        None while a restarted manager has not heard its adopted replicas answer: its table would
+        list none of them, and a router that took it would answer 404 for their deployments."""
         self._ensure_loop()
-        if self._table.version == since_version and timeout_s > 0:
+        if (self._table.version == since_version or self._adopted) and timeout_s > 0:
             try:
                 await asyncio.wait_for(self._table_changed.wait(), timeout_s)
             except asyncio.TimeoutError:
                 return None
-        return self._table if self._table.version != since_version else None
+        return self._table if self._table.version != since_version and not self._adopted else None
 
     async def wait_ready(self, name: str, timeout_s: float = 600.0) -> DeploymentStatus | None:
         """Wait until ``name`` has converged (observed = desired generation) or ``timeout_s`` passes."""

@@ -241,3 +241,36 @@ def test_plan_counts_the_specs_deployed_alongside_and_refuses_what_apply_would()
     with pytest.raises(SpecError, match="max_num_batched_token"):  # vLLM's EngineArgs has no such field
         h.call("plan", spec(name="typo", runtime_config={"extra_engine_args": {"max_num_batched_token": 100}}))
     assert h.launcher.started == [] and [s.name for s in h.call("list")] == ["first"]
+
+
+def test_a_restarted_manager_keeps_its_table_back_until_its_adopted_replicas_answer() -> None:
+    """Its first table would list none of them (they are "starting" until their ready() answers):
+    a router that took it would answer 404 for a deployment whose replicas serve on."""
+    first = Harness()
+    first.call("apply", spec(replicas=2))
+    first.converge()
+    routers_table = first.call("routing_table", -1)
+    for handle in first.launcher.started:  # the new manager has not heard them answer yet
+        handle.ready = Poll.pending()
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.manager.reconcile_once()
+    assert second.call("routing_table", routers_table.version) is None  # routers keep the one they have
+    assert second.call("routing_table", -1) is None
+    first.launcher.make_ready()
+    second.manager.reconcile_once()
+    table = second.call("routing_table", routers_table.version)
+    assert [r.actor_name for r in table.deployments["demo"].replicas] == ["atomr:demo:r0", "atomr:demo:r1"]
+
+
+def test_a_restarted_manager_whose_adopted_replica_never_answers_publishes_after_a_while() -> None:
+    first = Harness()
+    first.call("apply", spec())
+    first.converge()
+    first.launcher.started[0].ready = Poll.pending()
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.manager.reconcile_once()
+    assert second.call("routing_table", -1) is None
+    second.clock.advance(31.0)  # RECOVERY_WAIT_S
+    second.manager.reconcile_once()
+    table = second.call("routing_table", -1)
+    assert table is not None and table.deployments["demo"].replicas == ()  # said as it is: none ready
