@@ -64,6 +64,7 @@ class ReplicaStatus:
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> loading | loaded | failed: why
     kv_events: dict[str, Any] | None = None  # where it publishes KV-cache events (endpoint, replay, block size)
     model: str | None = None  # the spec's model it was started with (mid-roll: the old spec's or the new)
+    max_model_len: int | None = None  # its engine's context length
 
 
 @dataclass(frozen=True)

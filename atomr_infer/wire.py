@@ -110,6 +110,9 @@ class RoutingFacts:
     # A Responses-API request that sets no ``request_id``: the router names its response after
     # the replica it picks, so that a later request for it finds that replica.
     names_response: bool = False
+    # The body names the request (``request_id``): vLLM builds its ids from it, as the router's
+    # ``X-Request-Id`` for a stream that may move would otherwise (routing/migration.py).
+    named: bool = False
     # Whether another replica may take over this stream if its replica dies (``resumable``):
     # "anywhere" after the token ids generated so far, "unstarted" only before its first token.
     resumable: str = ""
@@ -147,6 +150,7 @@ class RoutingFacts:
             ),
             response_id=previous if isinstance(previous, str) else None,
             names_response=kind is RequestKind.RESPONSES and "request_id" not in data,
+            named=isinstance(data.get("request_id"), str),
             resumable=resumable(data) if stream and kind in _RESUMABLE else "",
             prompt=messages if isinstance(messages, list) else text if isinstance(text, str) else None,
         )
@@ -180,7 +184,13 @@ def resumable(data: dict[str, Any]) -> str:
     if stateful and isinstance(fmt, dict) and fmt.get("type") == "text":  # text is no format at all
         stateful = any(data.get(k) not in (None, False) for k in _STATEFUL if k != "response_format")
     tools = data.get("tools") and data.get("tool_choice") != "none"
-    return "unstarted" if stateful or tools else "anywhere"
+    # Stop strings: vLLM holds back the text that may begin one, so the token ids a replica
+    # reports run ahead of the text it sent, and one across the seam would go unseen.
+    stops = data.get("stop")
+    # Several prompts: one engine request each, whose token ids one stream cannot tell apart.
+    prompt = data.get("prompt")
+    prompts = isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(p, int) for p in prompt)
+    return "unstarted" if stateful or tools or stops or prompts else "anywhere"
 
 
 @dataclass(slots=True)

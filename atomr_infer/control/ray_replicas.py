@@ -75,6 +75,7 @@ class RayReplicaHandle:
             "routes": tuple(self._info.get("routes") or ()),
             "kv_events": self._info.get("kv_events"),
             "model": self._info.get("model"),  # the spec's model it was started with
+            "max_model_len": self._info.get("max_model_len"),
         }
 
     def poll_ready(self) -> Poll:

@@ -313,7 +313,7 @@ class Router:
         resume: list[int] | None = None  # set once it moved: continue after these
         sent = body_sent = False  # anything (any body bytes) sent to the caller, by any replica
         failed_at = 0.0
-        if facts.resumable:
+        if facts.resumable and not facts.named:  # the body's request_id names its chunks on any replica
             request = migration.named(request)
         while True:
             dep, route, adapter, work = await self._route(facts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -112,27 +113,45 @@ async def relay(items: AsyncIterator[bytes], kind: RequestKind = RequestKind.OTH
         await items.aclose()  # type: ignore[attr-defined]
 
 
-def model_card(status: DeploymentStatus) -> dict[str, Any]:
+def model_card(status: DeploymentStatus, name: str | None = None) -> dict[str, Any]:
+    """The deployment's card (or one of an alias of it, ``name``), with the fields of vLLM's
+    ``ModelCard``; ``endpoints`` says which routes its model serves (an embedding model has no chat)."""
     started = [r.started_at or 0 for r in status.replicas]
+    created = int(min(started)) if started else 0
     card = {
-        "id": status.name,
+        "id": name or status.name,
         "object": "model",
-        "created": int(min(started)) if started else 0,
+        "created": created,
         "owned_by": "atomr",
         "root": status.model,
+        "parent": None,
+        "max_model_len": next((r.max_model_len for r in status.replicas if r.max_model_len), None),
+        "permission": [_permission(created)],
     }
     routes = next((r.routes for r in status.replicas if r.routes), ())
-    if routes:  # which endpoints it serves: an embedding model has no chat
+    if routes:
         card["endpoints"] = served_paths(routes)
     return card
+
+
+def _permission(created: int) -> dict[str, Any]:
+    """vLLM's ``ModelPermission``, as its cards carry one (the same values: nothing is restricted)."""
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,
+        "allow_view": True, "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False,
+    }
 
 
 def adapter_cards(status: DeploymentStatus) -> list[dict[str, Any]]:
     """A card per LoRA adapter loaded on a ready replica of the deployment, with its parent (as
     vLLM lists its adapters)."""
-    loaded = sorted({a for r in status.replicas for a, state in r.adapters.items() if state == "loaded"})
     base = model_card(status)
-    return [{**base, "id": f"{status.name}:{a}", "parent": status.name, "root": status.model} for a in loaded]
+    return [{**base, "id": f"{status.name}:{a}", "parent": status.name} for a in loaded_adapters(status)]
+
+
+def loaded_adapters(status: DeploymentStatus) -> list[str]:
+    return sorted({a for r in status.replicas for a, state in r.adapters.items() if state == "loaded"})
 
 
 async def form_model(raw: bytes, content_type: str) -> Any:

@@ -143,12 +143,17 @@ class OpenAIIngress:
 
     async def stored_response(self, response_id: str, request: Request) -> Response:
         """Retrieve or cancel a stored response, on the replica that holds it."""
+        try:
+            self._authenticate(request)  # 401 before anything is said about the id
+        except AtomrError as exc:
+            return self._logged(error_response(exc, request.url.path), None, "-", time.perf_counter())
         where = response_ids.home(response_id)
         if where is None or not await self._deployed(where.deployment):  # no replica can hold it
             return response_not_found(response_id)
 
         async def facts(raw: bytes, request: Request) -> tuple[RoutingFacts, Any]:
-            return RoutingFacts(where.deployment, RequestKind.OTHER, response_id=response_id), None
+            # RESPONSES: an error in a retrieved stream comes as the Responses API's error event
+            return RoutingFacts(where.deployment, RequestKind.RESPONSES, response_id=response_id), None
 
         return await self._forward(request, facts)
 
@@ -201,9 +206,9 @@ class OpenAIIngress:
         # A token budget is charged the usage the response reports: ask a stream for it, and
         # take it out again if the client did not ask.
         hide_usage = bool(token_budgets) and not facts.usage_wanted and isinstance(data, dict)
-        if hide_usage:
-            raw = json.dumps({**data, "stream_options": {**(data.get("stream_options") or {}), "include_usage": True}})
-            raw = raw.encode()
+        if hide_usage:  # (continuous usage, which vLLM gives only with include_usage, stays off)
+            options = {**(data.get("stream_options") or {}), "include_usage": True, "continuous_usage_stats": False}
+            raw = json.dumps({**data, "stream_options": options}).encode()
         target = path + (f"?{request.url.query}" if request.url.query else "")
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED)
         items = self._router.stream(facts, HttpRequest(request.method, target, headers, raw))
@@ -247,11 +252,7 @@ class OpenAIIngress:
     async def _admit(self, key: ApiKey | None, model: str) -> tuple[dict[str, str], list[Budget]]:
         """Under the key's and the deployment's rate limits (budgets shared by every ingress
         replica): the rate-limit headers and the token budgets to charge, or ``RateLimited``."""
-        try:
-            table = await self._router.refresh()
-        except Exception:  # noqa: BLE001 - no table yet: the routing that follows reports why
-            table = self._router.table
-        route = table.find(model)
+        route = (await self._fresh_table()).find(model)
         return await self._limits.admit(
             key.name if key is not None else None,
             (key.requests_per_minute, key.tokens_per_minute) if key is not None else (None, None),
@@ -260,10 +261,12 @@ class OpenAIIngress:
         )
 
     def _canonical(self, model: str) -> str:
-        """``model`` as keys and logs name it: an adapter named by its bare name becomes
-        ``"<deployment>:<adapter>"``."""
+        """``model`` as keys and logs name it: an alias (``served_model_name``) becomes its
+        deployment's name, an adapter ``"<deployment>:<adapter>"`` (also named by its bare name)."""
         dep, adapter = self._router.table.resolve(model)
-        return f"{dep.name}:{adapter}" if dep is not None and adapter is not None else model
+        if dep is None:
+            return model
+        return dep.name if adapter is None else f"{dep.name}:{adapter}"
 
     @staticmethod
     def _authorize(key: ApiKey | None, model: str) -> None:
@@ -288,24 +291,47 @@ class OpenAIIngress:
             deployments = await self._deployments()
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        allowed = [d for d in deployments if key is None or key.may_use(d.name)]
-        data = [model_card(d) for d in allowed if d.replicas_ready > 0]
+        table = await self._fresh_table()
+        allowed = [d for d in deployments if (key is None or key.may_use(d.name)) and d.replicas_ready > 0]
+        # A card per name a request may give, as vLLM lists one per served model name.
+        data = [model_card(d, name) for d in allowed for name in (d.name, *self._aliases(table, d.name))]
         data += [card for d in deployments for card in adapter_cards(d) if key is None or key.may_use(card["id"])]
         return JSONResponse({"object": "list", "data": data})
 
     @api.get("/v1/models/{name}")
     async def get_model(self, name: str, request: Request) -> Response:
+        """The card of a deployment, one of its aliases or one of its loaded adapters."""
         try:
-            self._authorize(self._authenticate(request), name)
+            key = self._authenticate(request)
             deployments = {d.name: d for d in await self._deployments()}
+            dep, adapter = (await self._fresh_table()).resolve(name)
+            self._authorize(key, name if dep is None else dep.name if adapter is None else f"{dep.name}:{adapter}")
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        status = deployments.get(name)
+        status = deployments.get(dep.name if dep is not None else name)
         if status is None:
             return error_response(DeploymentNotFound(name, sorted(deployments)))
         if status.replicas_ready < 1:
-            return error_response(NoReadyReplica(name))
-        return JSONResponse(model_card(status))
+            return error_response(NoReadyReplica(status.name))
+        if adapter is None:
+            return JSONResponse(model_card(status, name))
+        card = next((c for c in adapter_cards(status) if c["id"] == f"{status.name}:{adapter}"), None)
+        if card is None:
+            return error_response(DeploymentNotFound(name, sorted(deployments)))
+        return JSONResponse(card)
+
+    async def _fresh_table(self) -> Any:
+        """The routing table, refreshed if the manager answers (else the one this ingress has:
+        the routing that follows says why there is none)."""
+        try:
+            return await self._router.refresh()
+        except Exception:  # noqa: BLE001
+            return self._router.table
+
+    @staticmethod
+    def _aliases(table: Any, name: str) -> tuple[str, ...]:
+        route = table.deployments.get(name)
+        return route.aliases if route is not None else ()
 
     @api.get("/health")
     async def health(self) -> Response:

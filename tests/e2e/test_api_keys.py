@@ -268,7 +268,9 @@ def test_a_key_over_its_tokens_per_minute_is_refused_until_it_refills(keyed):
 
 def test_a_stream_is_charged_the_usage_its_client_did_not_ask_to_see(keyed):
     url, _ = keyed
-    body = {"model": "smollm2", "messages": ASK, "max_tokens": 8, "stream": True}
+    # continuous_usage_stats without include_usage: vLLM gives no usage; nor does the charged stream
+    body = {"model": "smollm2", "messages": ASK, "max_tokens": 8, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}}
     answers = _until_refused(url, FRANK, body)
     first = answers[0]
     assert first.status_code == 200 and first.text.rstrip().endswith("data: [DONE]")
@@ -308,6 +310,9 @@ def test_a_stored_response_is_found_through_every_ingress_replica(keyed):
         assert found.status_code == 200 and found.json()["id"] == stored.id, found.text
     nobody = httpx.get(f"{url}/v1/responses/{stored.id}", headers={"x-api-key": "sk-nobody-01234"}, timeout=60)
     assert nobody.status_code == 401  # a stored response is behind the keys, as every routed route
+    for unknown in (httpx.get(f"{url}/v1/responses/resp_abc", timeout=60),  # nothing said of an id without a key
+                    httpx.post(f"{url}/v1/responses/resp_abc/cancel", timeout=60)):
+        assert unknown.status_code == 401 and unknown.json()["error"]["code"] == "missing_api_key", unknown.text
 
 
 @pytest.mark.parametrize("key, path, stream", [(GRACE, "/v1/messages", True), (HEIDI, "/v1/responses", False)])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from typing import Any
+from unittest.mock import ANY
 
 import httpx
 import pytest
@@ -21,6 +22,7 @@ from tests.vllm_serve import vllm_server
 
 pytestmark = pytest.mark.e2e
 NAME = "conform"
+ALIAS = "conform-alias"  # serving.openai.served_model_name: vllm serve --served-model-name conform conform-alias
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 WEATHER_TOOL = {
     "type": "function",
@@ -41,7 +43,8 @@ CITY_SCHEMA = {
 
 def conform_spec():
     rc = {**smollm2_spec().runtime_config.model_dump(), "enable_prefix_caching": False, "max_num_seqs": 16}
-    openai = {"tool_call_parser": "hermes", "enable_auto_tool_choice": True, "response_store": {"enabled": True}}
+    openai = {"tool_call_parser": "hermes", "enable_auto_tool_choice": True, "response_store": {"enabled": True},
+              "served_model_name": [ALIAS]}
     return smollm2_spec(name=NAME, runtime_config=rc, serving={"max_concurrent": 16, "openai": openai})
 
 
@@ -148,6 +151,8 @@ CASES = {
     "min_tokens": chat(min_tokens=20, max_tokens=24),
     "stream_usage_logprobs": chat(stream=True, stream_options={"include_usage": True}, logprobs=True, top_logprobs=1),
     "stream_tool": chat(stream=True, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=48),
+    "alias": chat(model=ALIAS),
+    "alias_stream": chat(model=ALIAS, stream=True),
     "completion_echo": completion(echo=True),
     "completion_prompts": completion(prompt=["The capital of France is", "Two plus two is"]),
     "completion_logprobs": completion(logprobs=2),
@@ -199,6 +204,31 @@ def test_same_response_as_vllm_serve(vllm_serve, atomr, case):
     elif body.get("stream"):
         assert ours[1]["text"], ours
     assert ours == theirs
+
+
+def test_model_cards_list_every_served_name_with_vllms_fields(vllm_serve, atomr):
+    cards = {}
+    for base in (atomr, vllm_serve):
+        listed = httpx.get(f"{base}/v1/models", timeout=60).json()["data"]
+        cards[base] = {c["id"]: c for c in listed if c["id"] in (NAME, ALIAS)}
+    alias = httpx.get(f"{atomr}/v1/models/{ALIAS}", timeout=60)  # (vllm serve has no such route)
+    assert alias.status_code == 200 and alias.json() == {**cards[atomr][ALIAS], "permission": ANY}, alias.text
+    ours, theirs = cards[atomr], cards[vllm_serve]
+    assert set(ours) == set(theirs) == {NAME, ALIAS}
+    for name, card in theirs.items():
+        assert set(card) <= set(ours[name]), (card, ours[name])  # and `endpoints`, atomr's own
+        assert ours[name]["max_model_len"] == card["max_model_len"] == 2048
+        assert (ours[name]["object"], ours[name]["parent"]) == (card["object"], card["parent"])
+        assert set(ours[name]["permission"][0]) == set(card["permission"][0])
+
+
+def test_a_streams_request_id_names_its_chunks_as_on_vllm_serve(vllm_serve, atomr):
+    """A stream that may move to another replica is named by the router, unless the body names it."""
+    for base in (atomr, vllm_serve):
+        path, body = chat(stream=True, request_id="conform-req-1", max_tokens=4)
+        events = [e.removeprefix("data: ") for e in httpx.post(base + path, json=body, timeout=120).text.split("\n\n")]
+        ids = {json.loads(e)["id"] for e in events if e.strip() and e != "[DONE]"}
+        assert ids == {"chatcmpl-conform-req-1"}, (base, ids)
 
 
 def test_tokenize_and_detokenize_match(vllm_serve, atomr):

@@ -147,5 +147,11 @@ def test_which_requests_may_move():
     assert facts("/v1/chat/completions", response_format={"type": "json_schema"}) == "unstarted"
     assert facts("/v1/chat/completions", tools=[{}], tool_choice="none") == "anywhere"
     assert facts("/v1/completions", echo=True) == facts("/v1/completions", logprobs=2) == "unstarted"
+    # stop strings: the text that may start one is held back, so the ids run ahead of the text sent
+    assert facts("/v1/chat/completions", stop=["\n\nUser:"]) == facts("/v1/completions", stop="x") == "unstarted"
+    assert facts("/v1/chat/completions", stop=[], stop_token_ids=[2]) == "anywhere"  # ids are whole tokens
+    # several prompts: an engine request each, their token ids in one stream
+    assert facts("/v1/completions", prompt=["a", "b"]) == facts("/v1/completions", prompt=[[1], [2]]) == "unstarted"
+    assert facts("/v1/completions", prompt=[1, 2, 3]) == facts("/v1/completions", prompt=["a"]) == "anywhere"
     assert facts("/v1/chat/completions", n=3) == facts("/v1/responses") == facts("/v1/messages") == ""
     assert RoutingFacts.of("/v1/chat/completions", {"model": "d"}).resumable == ""  # not a stream: re-run
