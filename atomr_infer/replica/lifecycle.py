@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from atomr_infer.errors import AtomrError, EngineError, ReplicaUnavailable
+from atomr_infer.errors import AtomrError, ReplicaUnavailable
 from atomr_infer.status import ReplicaState
 
 S = ReplicaState
@@ -67,8 +67,8 @@ class Lifecycle:
         elsewhere), or None."""
         if self.state in (S.DRAINING, S.STOPPED):
             return ReplicaUnavailable(f"{self._name} is {self.state.value}")
-        if self.state is S.UNHEALTHY:
-            return EngineError(f"{self._name} is unhealthy: {self.error!r}")
+        if self.state is S.UNHEALTHY:  # its engine died or wedged: another replica may serve the request
+            return ReplicaUnavailable(f"{self._name} is unhealthy: {self.error!r}")
         return None
 
     def report(self, in_flight: int, waiting: int) -> ReplicaHealth:

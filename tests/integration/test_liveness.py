@@ -16,7 +16,7 @@ import time
 import pytest
 import ray
 
-from atomr_infer.errors import EngineError, unwrap
+from atomr_infer.errors import EngineError, ReplicaUnavailable, unwrap
 from tests.conftest import smollm2_spec
 from tests.replica_http import run
 from tests.waiting import wait_until
@@ -61,7 +61,7 @@ def test_wedged_step_fails_open_streams_and_health(ray_cluster, bundled_model_di
             ray.get(actor.health.remote(), timeout=10)  # health answers: it says the engine is stuck
         assert isinstance(unwrap(info.value), EngineError) and "has not returned" in str(unwrap(info.value))
         err = refused(actor)
-        assert isinstance(err, EngineError) and "unhealthy" in str(err)
+        assert isinstance(err, ReplicaUnavailable) and "unhealthy" in str(err)  # the router tries another
     finally:
         ray.kill(actor)
 

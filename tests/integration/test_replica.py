@@ -8,7 +8,7 @@ import pytest
 import ray
 from transformers import AutoTokenizer
 
-from atomr_infer.errors import EngineError, unwrap
+from atomr_infer.errors import EngineError, ReplicaUnavailable, unwrap
 from tests.replica_http import http_request, run
 from tests.waiting import wait_until
 
@@ -138,7 +138,7 @@ def test_broken_engine_errors_every_stream_and_fails_health(ray_cluster, bundled
         with pytest.raises(Exception) as info:
             run(actor, {"model": "broken", "prompt": "again", "max_tokens": 5})
         err = unwrap(info.value)
-        assert isinstance(err, EngineError) and "unhealthy" in str(err)
+        assert isinstance(err, ReplicaUnavailable) and "unhealthy" in str(err)  # the router tries another
     finally:
         ray.kill(actor)
 

@@ -93,7 +93,9 @@ def test_the_replica_lifecycle_allows_only_its_transitions():
     assert not life.to(ReplicaState.READY)  # a draining replica never serves again
     assert isinstance(life.admission_error(), ReplicaUnavailable)
     assert life.to(ReplicaState.UNHEALTHY, error=EngineError("boom"))
-    assert not life.to(ReplicaState.READY) and isinstance(life.admission_error(), EngineError)
+    # unhealthy: the router tries another replica (the manager replaces this one)
+    assert not life.to(ReplicaState.READY) and isinstance(life.admission_error(), ReplicaUnavailable)
+    assert "unhealthy: EngineError('boom')" in str(life.admission_error())
     assert life.to(ReplicaState.STOPPED) and not life.to(ReplicaState.UNHEALTHY)  # stopped is final
     report = life.report(in_flight=2, waiting=1)
     assert (report.state, report.in_flight, report.error) == (ReplicaState.STOPPED, 2, "EngineError: boom")
