@@ -278,10 +278,10 @@ def test_several_files_are_checked_together_and_a_refusal_applies_none(cli, smol
     two.write_text("name: two\nmodel: bundled:smollm2-135m-instruct\ndevice: auto\ngpus: 2\n")
     proc = cli.run("deploy", one, two)
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert proc.stderr.splitlines() == [
-        "error: deployment 'two' over its gpus budget: needs 3 GPUs, 2 GPUs available",
-        "nothing was applied",
-    ], proc.stderr
+    refused, said = proc.stderr.splitlines()
+    assert refused.startswith("error: deployment 'two' over its gpus budget: needs 3 GPUs, 2 GPUs available (hint: "
+                              "this deployment needs 2 (gpus 2 x replicas 1), others hold 1;"), refused
+    assert said == "nothing was applied", proc.stderr
     typo = tmp_path / "typo.yaml"
     typo.write_text(
         "name: typo\nmodel: bundled:smollm2-135m-instruct\n"
