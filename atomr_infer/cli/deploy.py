@@ -99,8 +99,8 @@ def _check_together(control: ControlPlane, deployments: list) -> int:  # type: i
         except AtomrError as exc:
             code = code or report(exc)
             continue
-        if not plan.budget_ok:
-            err.print(f"error: {plan.error or plan.budget}", markup=False)
+        if plan.error:  # what apply would raise (a budget with on_exceeded: warn only warns)
+            err.print(f"error: {plan.error}", markup=False)
             code = code or EXIT_BUDGET
     return code
 
@@ -178,10 +178,11 @@ def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
                 _say(f"  lora: {lora_summary(d)}")
             if plan.budget_ok:
                 _say(f"  budget: {plan.budget or 'ok'}")
+            elif plan.error is None:  # over, with on_exceeded: warn: apply goes ahead and warns
+                _say(f"  budget: over, warn only: {plan.budget}")
             else:
-                _say(f"  budget: REJECTED: {plan.error or plan.budget}")
-            if not plan.budget_ok:
-                code = code or 3
+                _say(f"  budget: REJECTED: {plan.error}")
+                code = code or EXIT_BUDGET
         if device_error:
             _say(f"  device: REJECTED: {device_error}")
             code = code or EXIT_FAILED

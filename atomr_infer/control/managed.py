@@ -64,6 +64,15 @@ class ManagedDeployment:
         self.reconciler.replicas_wanted = self.autoscaler.target
         return decision
 
+    def as_applied(self, spec: Deployment) -> Deployment:
+        """``spec`` with the replicas it would run once applied here: autoscaled, the current
+        target within its bounds (``_follow_autoscaling``); else its own ``replicas``."""
+        cfg = spec.autoscaling
+        if cfg is None:
+            return spec
+        want = min(max(self.reconciler.want, cfg.min_replicas), cfg.max_replicas)
+        return spec.model_copy(update={"replicas": want})
+
     def update(self, spec: Deployment, forced_restart: bool) -> None:
         """A changed spec: the next generation (a new runtime key if the replicas must restart)."""
         rec = self.record

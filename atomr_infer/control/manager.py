@@ -71,8 +71,7 @@ class DeploymentManager:
         self._table_changed = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._metrics = ManagerMetrics()
-        # Replicas a restarted manager adopted and has not heard answer yet: until they have (or
-        # RECOVERY_WAIT_S passed), routers keep the table they route by (routing_table).
+        # Adopted replicas not heard from yet (until RECOVERY_WAIT_S): routers keep their table meanwhile.
         self._adopted: list[ReplicaRecord] = []
         self._recover()
         self._recovered_by = self._clock() + RECOVERY_WAIT_S
@@ -124,10 +123,14 @@ class DeploymentManager:
             return
         for name, rec in records.items():
             reconciler = self._new_reconciler(name, rec.next_index)
-            self._desired[name] = ManagedDeployment.recover(rec, reconciler, self._launcher, self._clock)
-            adopted = len(reconciler.replicas)
-            self._adopted += reconciler.replicas
-            log.info("deployment_recovered", deployment=name, generation=rec.generation, adopted=adopted)
+            try:
+                self._desired[name] = ManagedDeployment.recover(rec, reconciler, self._launcher, self._clock)
+            except Exception as exc:  # noqa: BLE001 - a record this version refuses: the others recover
+                log.error("deployment_not_recovered", deployment=name, error=str(exc))
+            else:
+                self._adopted += (adopted := list(reconciler.replicas))
+                log.info("deployment_recovered", deployment=name, generation=rec.generation, adopted=len(adopted))
+        self._publish()  # every deployment, some with no replica (scaled to zero); withheld while _adopted
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -204,7 +207,8 @@ class DeploymentManager:
     def _others(self, name: str, alongside: list[Deployment] | None = None) -> list[Deployment]:
         """The other deployments as the budget counts them: at their current replica targets,
         those of ``alongside`` as they would be applied."""
-        batch = {d.name: d for d in alongside or () if d.name != name}
+        batch = {d.name: self._desired[d.name].as_applied(d) if d.name in self._desired else d
+                 for d in alongside or () if d.name != name}
         kept = [d.spec.model_copy(update={"replicas": d.reconciler.want})
                 for n, d in self._desired.items() if n != name and n not in batch]
         return kept + list(batch.values())
@@ -306,9 +310,8 @@ class DeploymentManager:
         return self._status(name) if name in self._desired or name in self._removing else None
 
     async def routing_table(self, since_version: int = -1, timeout_s: float = 0.0) -> RoutingTable | None:
-        """The current table if newer than ``since_version``; waits up to ``timeout_s`` for one.
-        None while a restarted manager has not heard its adopted replicas answer: its table would
-        list none of them, and a router that took it would answer 404 for their deployments."""
+        """The current table if newer than ``since_version``; waits up to ``timeout_s`` for one. None
+        while a restarted manager has not heard its adopted replicas answer (routers keep theirs)."""
         self._ensure_loop()
         if (self._table.version == since_version or self._adopted) and timeout_s > 0:
             try:

@@ -274,3 +274,36 @@ def test_a_restarted_manager_whose_adopted_replica_never_answers_publishes_after
     second.manager.reconcile_once()
     table = second.call("routing_table", -1)
     assert table is not None and table.deployments["demo"].replicas == ()  # said as it is: none ready
+
+
+def test_deployed_alongside_an_autoscaled_deployment_counts_at_its_current_target_and_warn_is_no_refusal() -> None:
+    h = Harness()
+    scaling = {"min_replicas": 1, "max_replicas": 4}
+    h.call("apply", spec(name="a", replicas=3, autoscaling=scaling))  # running at 3 of the 4 GPUs
+    # Applied again with new bounds and no replicas (its min, 1), it keeps its target of 3:
+    again = spec(name="a", autoscaling={**scaling, "target_ongoing_requests": 4})
+    assert again.replicas == 1
+    refused = h.call("plan", spec(name="b", gpus=2), (again,))
+    assert not refused.budget_ok and "needs 5 GPUs" in refused.error, refused
+    # A spend limit that only warns: over it, yet apply would go ahead, so no error to refuse on.
+    warn = spec(name="w", budget={"max_spend_per_hour_usd": 0.01, "on_exceeded": "warn"})
+    plan = h.call("plan", warn, (again,))
+    assert not plan.budget_ok and plan.error is None, plan
+    assert h.call("apply", warn).warnings
+
+
+def test_a_restarted_manager_lists_a_deployment_scaled_to_zero_and_skips_a_record_it_refuses() -> None:
+    import json
+
+    first = Harness()
+    first.call("apply", spec(name="idle", replicas=0))
+    first.call("apply", spec(name="old"))
+    first.converge()
+    record = json.loads(first.store._blob["old"])  # a spec an older version accepted, this one refuses
+    record["spec"]["runtime_config"]["extra_engine_args"] = {"enable_lora": True}
+    first.store._blob["old"] = json.dumps(record)
+    second = Harness(store=first.store, launcher=first.launcher)  # starts: the bad record does not stop it
+    second.manager.reconcile_once()
+    table = second.call("routing_table", -1)
+    assert table is not None and "idle" in table.deployments  # routers find it, and start it on demand
+    assert "old" not in table.deployments and second.call("status", "old") is None
