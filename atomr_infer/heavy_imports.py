@@ -39,6 +39,11 @@ def watch(process: str) -> None:
         sys.meta_path.insert(0, _Watch(process))
 
 
+def is_watch(finder: object) -> bool:
+    """Whether ``finder`` (on ``sys.meta_path``) is this module's watch, which logs what it is asked."""
+    return isinstance(finder, _Watch)
+
+
 def loaded() -> dict[str, str]:
     """torch and vLLM as loaded in this process: module -> the stack that imported it (or
     "before the watch began")."""

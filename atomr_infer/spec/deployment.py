@@ -32,8 +32,8 @@ _ENGINE_ARGS_OWNED = {
         for name in ("generation_config", "override_generation_config", "reasoning_parser")
     },
 }
-# EngineArgs keys atomr needs as it sets them, and why.
-_ENGINE_ARGS_FIXED = {"disable_log_stats": "the replica reports KV-cache use from vLLM's stats"}
+# EngineArgs keys atomr needs as it sets them: the value, and why.
+_ENGINE_ARGS_FIXED = {"disable_log_stats": (False, "the replica reports KV-cache use from vLLM's stats")}
 
 class VllmConfig(Strict):
     """Engine settings, passed to vLLM's ``EngineArgs``. ``None`` means vLLM's default."""
@@ -103,11 +103,11 @@ class VllmConfig(Strict):
                 f"sets {', '.join(map(repr, clash))}, which the spec sets from its own field: "
                 f"set {', '.join(owned[k] for k in clash)} instead",
             )
-        fixed = sorted(set(_ENGINE_ARGS_FIXED) & set(self.extra_engine_args))
-        if fixed:
-            raise FieldValueError(
-                f"extra_engine_args.{fixed[0]}", f"is set, but atomr sets it: {_ENGINE_ARGS_FIXED[fixed[0]]}"
-            )
+        for key, (value, why) in _ENGINE_ARGS_FIXED.items():
+            if key in self.extra_engine_args and self.extra_engine_args[key] != value:
+                raise FieldValueError(
+                    f"extra_engine_args.{key}", f"is {self.extra_engine_args[key]!r}, but atomr sets {value!r}: {why}"
+                )
         return self
 
 

@@ -110,18 +110,25 @@ def _file_documents(path: Path, problems: list[SpecProblem]) -> Iterable[tuple[s
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.safe_load``, but a key given twice in one mapping is an error (PyYAML keeps the last
-    silently). Keys a merge (``<<: *anchor``) brings in may be overridden, as YAML says."""
+    silently). Keys a merge (``<<: *anchor``) brings in may be overridden, as YAML says: each
+    mapping's own keys are checked once, before a merge rewrites its node."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _value in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
-                continue
-            key = self.construct_object(key_node)  # type: ignore[no-untyped-call]
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()  # the mapping nodes whose own keys were checked
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            seen: set[Any] = set()
+            for key_node, _value in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = self.construct_object(key_node)  # type: ignore[no-untyped-call]
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+        super().flatten_mapping(node)  # type: ignore[no-untyped-call]
 
 
 def _problem(source: str, err: Any) -> SpecProblem:

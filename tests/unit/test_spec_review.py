@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from atomr_infer.errors import SpecError, SpecProblem
 from atomr_infer.spec import load_deployments, parse_deployment
@@ -54,6 +55,7 @@ def test_autoscaling_that_is_not_a_mapping_is_one_problem_not_a_traceback() -> N
 def test_extra_engine_args_may_not_undo_what_the_spec_or_atomr_sets(extra: dict, field: str, instead: str) -> None:
     [problem] = problems({**BASE, "runtime_config": {"extra_engine_args": extra}})
     assert problem.field == field and instead in problem.message, problem
+    assert parse_deployment({**BASE, "runtime_config": {"extra_engine_args": {"disable_log_stats": False}}})
 
 
 def test_vllm_lora_limits_are_checked_before_an_engine_would_refuse_them() -> None:
@@ -102,6 +104,15 @@ def test_a_key_given_twice_is_an_error_with_its_line(tmp_path: Path) -> None:
     merged = tmp_path / "merged.yaml"  # a merge's keys may be overridden, as YAML says
     merged.write_text("name: demo\nmodel: org/m\nserving:\n  <<: {max_concurrent: 3}\n  max_concurrent: 4\n")
     assert load_deployments(merged)[0].serving.max_concurrent == 4
+    # a merged anchor that itself overrides what it merges (PyYAML rewrites its node first)
+    from atomr_infer.spec.loading import _UniqueKeyLoader
+
+    anchored = "x: &b\n  <<: {k: 1}\n  k: 2\ny:\n  <<: *b\n"
+    assert yaml.load(anchored, Loader=_UniqueKeyLoader) == yaml.safe_load(anchored)
+    twice_merged = tmp_path / "twice-merged.yaml"
+    twice_merged.write_text("name: demo\nmodel: org/m\nserving:\n  <<: {max_concurrent: 3, max_concurrent: 4}\n")
+    [problem] = problems(twice_merged)
+    assert "duplicate key 'max_concurrent'" in problem.message
 
 
 def test_documents_are_numbered_as_they_are_in_the_file_empty_ones_too(tmp_path: Path) -> None:
@@ -132,3 +143,26 @@ def test_reading_vllms_source_for_the_spec_check_is_not_an_import_of_vllm() -> N
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
+
+
+def test_vllm_installed_editable_is_found_by_its_own_finder_for_the_spec_check() -> None:
+    code = (
+        "import importlib.machinery, sys\n"
+        "real = importlib.machinery.PathFinder.find_spec('vllm').submodule_search_locations[0]\n"
+        "class Editable:  # as setuptools' editable install finds a package\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name != 'vllm': return None\n"
+        "        spec = importlib.machinery.ModuleSpec('vllm', None, is_package=True)\n"
+        "        spec.submodule_search_locations = [real]\n"
+        "        return spec\n"
+        "sys.meta_path.append(Editable())\n"
+        "plain = importlib.machinery.PathFinder.find_spec\n"
+        "importlib.machinery.PathFinder.find_spec = classmethod(\n"
+        "    lambda cls, name, path=None, target=None: None if name == 'vllm' else plain(name, path, target))\n"
+        "from atomr_infer import heavy_imports; heavy_imports.watch('t')\n"
+        "from atomr_infer.engine.vllm import spec_check\n"
+        "assert spec_check.engine_arg_names(), 'not found'\n"
+        "assert 'vllm' not in sys.modules and not heavy_imports._first_import\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

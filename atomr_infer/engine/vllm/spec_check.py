@@ -14,17 +14,22 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.machinery
+import sys
 from pathlib import Path
 
+from atomr_infer import heavy_imports
 from atomr_infer.engine.vllm.engine_args import check_extra_engine_args, check_names
 from atomr_infer.errors import SpecError, SpecProblem
 from atomr_infer.spec import Deployment
 
 
 def _vllm_dir() -> Path | None:
-    # Finds the package on sys.path without running it; not importlib.util.find_spec, which asks
-    # every finder on sys.meta_path, among them heavy_imports' watch, which would log an import.
+    # Finds the package without running it. Not importlib.util.find_spec: that asks every finder
+    # on sys.meta_path, heavy_imports' watch among them, which would log an import of vLLM.
     spec = importlib.machinery.PathFinder.find_spec("vllm")
+    if spec is None:  # an editable install has a finder of its own on sys.meta_path
+        finders = [f for f in sys.meta_path if not heavy_imports.is_watch(f) and hasattr(f, "find_spec")]
+        spec = next((found for f in finders if (found := f.find_spec("vllm", None)) is not None), None)
     locations = list(spec.submodule_search_locations or ()) if spec is not None else []
     return Path(locations[0]) if locations else None
 
