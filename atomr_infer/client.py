@@ -247,7 +247,7 @@ class Client:
             # Runs on break, errors and KeyboardInterrupt (also while a chunk is awaited: the
             # wait is cancelled first, as a generator still running cannot be closed): closing
             # the async generator makes the router cancel the replica's, which aborts the request.
-            self._run(_close(agen, step[0])).result(timeout=10)
+            self._run(_close(agen, step)).result(timeout=10)
 
     async def aclose(self) -> None:
         """Close the router of the running event loop (its channels to the replicas)."""
@@ -262,7 +262,8 @@ class Client:
             self._loop = None
 
 
-async def _close(agen: AsyncIterator[Any], waiting: asyncio.Task[Any] | None) -> None:
+async def _close(agen: AsyncIterator[Any], step: list[asyncio.Task[Any] | None]) -> None:
+    waiting = step[0]  # read on the loop: a step submitted just before the interrupt has started
     if waiting is not None and not waiting.done():
         waiting.cancel()
         with contextlib.suppress(BaseException):  # its cancellation, or the chunk it had just got
