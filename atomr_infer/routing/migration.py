@@ -7,13 +7,15 @@ the replica dies, unreachable, or its channel breaks, opens the same request on 
 with ``resume`` = those ids. That replica continues at the token level (the prompt gains them,
 the budget loses them) and answers in the same stream format with the whole answer's usage; the
 router drops what the client already has at the seam: the head, and a chat stream's opening
-role-only chunk. The chunks' ids stay the same (the router names the request with
-``X-Request-Id``, which vLLM's ids are built from).
+role-only chunk. The chunks' ids stay the same (vLLM builds them from the body's ``request_id``
+or, where it has none, the ``X-Request-Id`` the router gives the request).
 
 Which streams can move (``RoutingFacts.resumable``, wire.py): a chat or completion stream with one
 choice anywhere, unless a grammar (``response_format``, structured outputs), logprobs, echo,
-returned token ids or tools are in play (a tool-call parser reads only requests with tools), or
-the deployment parses reasoning out of the output; those move only before their first token.
+returned token ids, tools (a tool-call parser reads only requests with tools), stop strings (vLLM
+holds back the text that may begin one: the ids run ahead of the text sent) or several prompts
+(one engine request each) are in play, or the deployment parses reasoning out of the output;
+those move only before their first token.
 Non-streaming requests send nothing before their end and are re-run from the start on another
 replica, as before. A ``seed`` seeds the
 continuation afresh: a resumed sampled answer is not the one an unbroken run would have given.

@@ -198,7 +198,7 @@ class OpenAIIngress:
             raw = await read_body(request.stream(), request.headers.get("content-length"), self._max_body_bytes)
             facts, data = await read_facts(raw, request)
             model = self._canonical(facts.deployment)
-            self._authorize(key, model)
+            self._authorize(key, model, facts.deployment)
             limit_headers, token_budgets = await self._admit(key, model)
         except AtomrError as exc:
             return self._logged(error_response(exc, path), key, model, started)
@@ -260,17 +260,18 @@ class OpenAIIngress:
             (route.requests_per_minute, route.tokens_per_minute) if route is not None else (None, None),
         )
 
-    def _canonical(self, model: str) -> str:
+    def _canonical(self, model: str, table: Any = None) -> str:
         """``model`` as keys and logs name it: an alias (``served_model_name``) becomes its
         deployment's name, an adapter ``"<deployment>:<adapter>"`` (also named by its bare name)."""
-        dep, adapter = self._router.table.resolve(model)
+        dep, adapter = (table or self._router.table).resolve(model)
         if dep is None:
             return model
         return dep.name if adapter is None else f"{dep.name}:{adapter}"
 
     @staticmethod
-    def _authorize(key: ApiKey | None, model: str) -> None:
-        if key is not None and not key.may_use(model):
+    def _authorize(key: ApiKey | None, model: str, asked: str | None = None) -> None:
+        """403 unless the key may use ``model`` (canonical) or the name the request gave (an alias it lists)."""
+        if key is not None and not key.may_use(model) and not (asked and key.may_use(asked)):
             log.info("api_key_refused", key=key.name, deployment=model)
             raise ApiKeyError(403, f"the API key {key.name!r} may not use deployment {model!r}", "model_not_allowed")
 
@@ -292,9 +293,10 @@ class OpenAIIngress:
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         table = await self._fresh_table()
-        allowed = [d for d in deployments if (key is None or key.may_use(d.name)) and d.replicas_ready > 0]
         # A card per name a request may give, as vLLM lists one per served model name.
-        data = [model_card(d, name) for d in allowed for name in (d.name, *self._aliases(table, d.name))]
+        data = [model_card(d, name) for d in deployments if d.replicas_ready > 0
+                for name in (d.name, *self._aliases(table, d.name))
+                if key is None or key.may_use(d.name) or key.may_use(name)]
         data += [card for d in deployments for card in adapter_cards(d) if key is None or key.may_use(card["id"])]
         return JSONResponse({"object": "list", "data": data})
 
@@ -303,9 +305,10 @@ class OpenAIIngress:
         """The card of a deployment, one of its aliases or one of its loaded adapters."""
         try:
             key = self._authenticate(request)
+            table = await self._fresh_table()
+            self._authorize(key, self._canonical(name, table), name)
             deployments = {d.name: d for d in await self._deployments()}
-            dep, adapter = (await self._fresh_table()).resolve(name)
-            self._authorize(key, name if dep is None else dep.name if adapter is None else f"{dep.name}:{adapter}")
+            dep, adapter = table.resolve(name)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         status = deployments.get(dep.name if dep is not None else name)

@@ -42,6 +42,10 @@ def test_a_key_for_a_deployment_may_use_its_aliases_and_no_other() -> None:
     cls._authorize(bob, cls._canonical(self, "smol"))
     with pytest.raises(ApiKeyError, match="may not use deployment 'other'"):
         cls._authorize(bob, cls._canonical(self, "other"))
+    by_alias = ApiKey("carol", frozenset({"smol"}))  # a key file that lists the alias itself
+    cls._authorize(by_alias, cls._canonical(self, "smol"), "smol")
+    with pytest.raises(ApiKeyError):
+        cls._authorize(by_alias, cls._canonical(self, "smollm2"), "smollm2")
 
 
 def test_model_cards_have_vllms_fields_and_its_context_length() -> None:
