@@ -130,23 +130,30 @@ def test_a_directory_is_read_without_its_hidden_folders(tmp_path: Path) -> None:
     assert sorted(d.name for d in load_deployments(tmp_path)) == ["a", "b"]
 
 
+# In a fresh interpreter (where vLLM is not imported yet): the spec check reads vLLM's source,
+# and neither imports vLLM nor has the heavy-import watch record it.
+SPEC_CHECK = (
+    "from atomr_infer import heavy_imports; heavy_imports.watch('t')\n"
+    "from atomr_infer.engine.vllm import spec_check\n"
+    "assert spec_check.engine_arg_names(), 'vLLM source not found'\n"
+    "import sys; assert 'vllm' not in sys.modules, 'vLLM imported'\n"
+    "assert not heavy_imports._first_import, heavy_imports._first_import\n"
+)
+
+
+def spec_check_in_a_fresh_interpreter(setup: str = "") -> None:
+    done = subprocess.run([sys.executable, "-c", setup + SPEC_CHECK], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_reading_vllms_source_for_the_spec_check_is_not_an_import_of_vllm() -> None:
     """The manager's check finds vLLM's files without the import system's hooks: the watch on
     heavy imports saw a lookup as an import and logged a false "heavy_import"."""
-    code = (
-        "from atomr_infer import heavy_imports; heavy_imports.watch('t')\n"
-        "from atomr_infer.engine.vllm import spec_check\n"
-        "assert spec_check.engine_arg_names(), 'vLLM source not found'\n"
-        "import sys; assert 'vllm' not in sys.modules\n"
-        "print(sorted(heavy_imports._first_import))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
+    spec_check_in_a_fresh_interpreter()
 
 
 def test_vllm_installed_editable_is_found_by_its_own_finder_for_the_spec_check() -> None:
-    code = (
+    spec_check_in_a_fresh_interpreter(
         "import importlib.machinery, sys\n"
         "real = importlib.machinery.PathFinder.find_spec('vllm').submodule_search_locations[0]\n"
         "class Editable:  # as setuptools' editable install finds a package\n"
@@ -159,10 +166,4 @@ def test_vllm_installed_editable_is_found_by_its_own_finder_for_the_spec_check()
         "plain = importlib.machinery.PathFinder.find_spec\n"
         "importlib.machinery.PathFinder.find_spec = classmethod(\n"
         "    lambda cls, name, path=None, target=None: None if name == 'vllm' else plain(name, path, target))\n"
-        "from atomr_infer import heavy_imports; heavy_imports.watch('t')\n"
-        "from atomr_infer.engine.vllm import spec_check\n"
-        "assert spec_check.engine_arg_names(), 'not found'\n"
-        "assert 'vllm' not in sys.modules and not heavy_imports._first_import\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
