@@ -127,3 +127,16 @@ def test_the_replica_tokenizes_short_text_prompts_on_its_event_loop(smollm2_repl
     assert inline is True
     head, raw = call(smollm2_replica, "/v1/completions", {"model": "smollm2", "prompt": "Paris is", "max_tokens": 4})
     assert head.status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4
+
+
+def test_two_requests_with_one_id_run_at_once_on_one_replica(smollm2_replica):
+    """A client's retry while its first attempt still runs (the same request_id, or X-Request-Id):
+    both are served, as by vllm serve, whose engine makes ids unique; the chunks keep the id."""
+    from tests.replica_http import http_request, read
+
+    body = {"model": "smollm2", "prompt": "Count: 1, 2,", "max_tokens": 24, "stream": True, "request_id": "twice"}
+    calls = [smollm2_replica.http.remote(http_request("/v1/completions", dict(body))) for _ in range(2)]
+    answers = [read([ray.get(ref) for ref in call]) for call in calls]
+    for answer in answers:
+        assert answer.status == 200 and answer.finish_reason == "length", answer.body[-400:]
+        assert {e["id"] for e in answer.events} == {"cmpl-twice"}, answer.events[:2]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -216,8 +217,11 @@ class VllmBackend:
     # -- the engine client's gate (engine_client.py): vLLM's serving layer submits here ------
 
     def submit(self, request: Any, prompt_text: str | None, prompt_tokens: int) -> RequestStream:
+        # Unique on this replica, as vLLM's AsyncLLM makes them (assign_request_id): two requests
+        # with one X-Request-Id or request_id (a client's retry while the first runs) both run.
+        logged_id, request.request_id = request.request_id, f"{request.request_id}-{uuid.uuid4().hex[:8]}"
         stream = self._streams.open(
-            request.request_id, prompt_tokens, request, request.params, prompt_text=prompt_text
+            request.request_id, prompt_tokens, request, request.params, logged_id, prompt_text=prompt_text
         )
         return stream
 

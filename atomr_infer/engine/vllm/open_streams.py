@@ -31,15 +31,18 @@ class OpenStreams:
         """Open requests without their first token yet."""
         return sum(1 for s in self._streams.values() if s.first_token_at is None)
 
-    def open(self, request_id: str, prompt_tokens: int, prompt: Any, params: Any, **options: Any) -> RequestStream:
+    def open(
+        self, request_id: str, prompt_tokens: int, prompt: Any, params: Any, logged_id: str | None = None,
+        **options: Any,
+    ) -> RequestStream:
         """Register a stream, then submit its request to the step loop (in that order)."""
         if request_id in self._streams:
             raise InvalidRequest("request_id", f"{request_id!r} is already in flight on this replica")
-        stream = RequestStream(request_id, prompt_tokens)
+        stream = RequestStream(request_id, prompt_tokens, logged_id)
         self._streams[request_id] = stream  # registered before it can produce output
         self._stats.started()
         self._metrics.request_started()
-        self._log.debug("request_started", request_id=request_id, prompt_tokens=prompt_tokens)
+        self._log.debug("request_started", request_id=stream.logged_id, prompt_tokens=prompt_tokens)
         self._loop.submit(request_id, prompt, params, **options)
         return stream
 
@@ -50,7 +53,7 @@ class OpenStreams:
             self._loop.abort([stream.request_id])
             self._stats.aborted()
             self._metrics.request_failed("aborted")
-            self._log.info("request_aborted", request_id=stream.request_id)
+            self._log.info("request_aborted", request_id=stream.logged_id)
 
     def dispatch(self, outputs: list[Any]) -> None:
         """One engine step's outputs, each to its stream."""
@@ -69,7 +72,7 @@ class OpenStreams:
         )
         self._log.debug(
             "request_finished",
-            request_id=s.request_id,
+            request_id=s.logged_id,
             finish_reason=finish,
             prompt_tokens=s.prompt_tokens,
             completion_tokens=s.completion_tokens,
@@ -82,7 +85,7 @@ class OpenStreams:
         if stream is not None and not stream.finished:
             stream.fail(error)
             self._metrics.request_failed(failure_reason(error))
-            self._log.debug("request_failed", request_id=request_id, error=str(error))
+            self._log.debug("request_failed", request_id=stream.logged_id, error=str(error))
 
     def fail_all(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):

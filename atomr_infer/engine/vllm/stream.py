@@ -25,6 +25,7 @@ def _merge_outputs(earlier: Any, later: Any) -> Any:
 class RequestStream:
     __slots__ = (
         "request_id",
+        "logged_id",
         "prompt_tokens",
         "completion_tokens",
         "cached_tokens",
@@ -34,8 +35,9 @@ class RequestStream:
         "_outputs",
     )
 
-    def __init__(self, request_id: str, prompt_tokens: int) -> None:
-        self.request_id = request_id
+    def __init__(self, request_id: str, prompt_tokens: int, logged_id: str | None = None) -> None:
+        self.request_id = request_id  # unique on the replica: the engine's
+        self.logged_id = logged_id or request_id  # as the serving layer named it (the client's id in it)
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens vLLM's prefix cache had (its first output says)
