@@ -37,7 +37,7 @@ def up_command(
     no_gemma: bool = typer.Option(False, "--no-gemma", help="Do not provision Gemma, even on a host that can run it."),
     serve: bool = typer.Option(False, "--serve", help="Also start the OpenAI HTTP API (`atomr down` stops it)."),
     host: str = typer.Option("127.0.0.1", "--host", help="With --serve: address the API listens on."),
-    port: int = typer.Option(8000, "--port", help="With --serve: port the API listens on."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="With --serve: port the API listens on."),
     api_keys: str | None = typer.Option(
         None, "--api-keys", help="With --serve: YAML file of API keys every /v1/* request then needs."
     ),

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 @app.command("serve")
 def serve_command(
     host: str = typer.Option("127.0.0.1", "--host", help="Address the API listens on."),
-    port: int = typer.Option(8000, "--port", help="Port the API listens on."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port the API listens on."),
     address: str | None = typer.Option(None, "--address", help="Ray cluster address (default: RAY_ADDRESS or local)."),
     replica_wait: float = typer.Option(
         30.0, "--replica-wait", min=0.0, help="Seconds a request waits for a ready replica before 503."

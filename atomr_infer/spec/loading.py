@@ -85,6 +85,9 @@ def _documents(src: Source, problems: list[SpecProblem]) -> Iterable[tuple[str, 
 
 
 def _file_documents(path: Path, problems: list[SpecProblem]) -> Iterable[tuple[str, Any]]:
+    if path.exists() and not path.is_file():  # a FIFO or a device: reading it could wait forever
+        problems.append(SpecProblem(str(path), "", "not a regular file or a directory"))
+        return
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

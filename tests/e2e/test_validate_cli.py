@@ -157,3 +157,11 @@ def test_the_old_name_idempotent_is_valid_with_a_warning_naming_the_file(tmp_pat
     assert proc.returncode == 0, proc.stderr
     assert lines(proc.stderr) == [f"warning: {path}: idempotent is deprecated: write restart_on_apply: true instead"]
     assert lines(proc.stdout) == ["valid: old  bundled:smollm2-135m-instruct  (1 replica, cpu)"]
+
+
+@pytest.mark.parametrize("command", [("serve", "--port", "70000"), ("up", "--serve", "--port", "0")])
+def test_a_port_out_of_range_is_refused_before_anything_starts(command):
+    proc = subprocess.run([str(ATOMR), *command], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "NO_COLOR": "1", "RAY_ADDRESS": "127.0.0.1:1"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "'--port'" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -3,6 +3,7 @@ session): each is refused in one line that names the field and the value, or rea
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -167,3 +168,10 @@ def test_vllm_installed_editable_is_found_by_its_own_finder_for_the_spec_check()
         "importlib.machinery.PathFinder.find_spec = classmethod(\n"
         "    lambda cls, name, path=None, target=None: None if name == 'vllm' else plain(name, path, target))\n"
     )
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    [problem] = problems(fifo)  # reading it would wait for a writer forever
+    assert (problem.source, problem.message) == (str(fifo), "not a regular file or a directory")
