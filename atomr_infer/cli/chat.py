@@ -19,7 +19,7 @@ from typing import Any
 import typer
 
 from atomr_infer.cli import common
-from atomr_infer.cli.app import EXIT_INTERRUPTED, EXIT_OK, app, err, fail
+from atomr_infer.cli.app import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, app, err, fail
 from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica, one_line
 
 HELP = "/clear forgets the conversation, /bye or Ctrl-D leaves; Ctrl-C stops an answer."
@@ -40,6 +40,9 @@ def chat_command(
     """Chat with a deployment; the answer streams to stdout as it is generated."""
     from atomr_infer.client import Client
 
+    if ignore_eos and max_tokens is None:  # no end of sequence: it would run to the end of the context
+        err.print("error: --ignore-eos needs --max-tokens (without it the answer runs to the end of the context)")
+        raise typer.Exit(EXIT_INVALID)
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read().strip()
         if not prompt:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from atomr_infer.cli import common
-from atomr_infer.cli.app import EXIT_OK, app, err, fail, out
+from atomr_infer.cli.app import EXIT_INVALID, EXIT_OK, app, err, fail, out
 from atomr_infer.errors import AtomrError, one_line
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ def _line(label: str, text: str) -> None:
 
 @app.command("up")
 def up_command(
+    ctx: typer.Context,
     address: str | None = common.address_option(),
     no_gemma: bool = typer.Option(False, "--no-gemma", help="Do not provision Gemma, even on a host that can run it."),
     serve: bool = typer.Option(False, "--serve", help="Also start the OpenAI HTTP API (`atomr down` stops it)."),
@@ -46,8 +47,13 @@ def up_command(
     ),
 ) -> None:
     """Start (or join) Ray and the atomr manager; print the dashboard URL."""
-    if api_keys and not serve:
-        fail(AtomrError("--api-keys is for the HTTP API: add --serve (or use `atomr serve --api-keys`)"))
+    # (by the source's name: typer runs a copy of click of its own)
+    api_flags = [f"--{name.replace('_', '-')}" for name in ("host", "port", "api_keys", "max_body_mb")
+                 if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
+    if api_flags and not serve:  # said, not ignored
+        err.print(f"error: {', '.join(api_flags)}: for the HTTP API, which only --serve starts "
+                  "(or use `atomr serve`)", markup=False)
+        raise typer.Exit(EXIT_INVALID)
     from atomr_infer import cluster
 
     common.quiet_logs()

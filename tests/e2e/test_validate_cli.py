@@ -165,3 +165,22 @@ def test_a_port_out_of_range_is_refused_before_anything_starts(command):
                           env={**os.environ, "NO_COLOR": "1", "RAY_ADDRESS": "127.0.0.1:1"})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "'--port'" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_chat_with_ignore_eos_and_no_max_tokens_is_refused_before_connecting():
+    proc = subprocess.run([str(ATOMR), "chat", "smollm2", "hi", "--ignore-eos"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "NO_COLOR": "1", "RAY_ADDRESS": "127.0.0.1:1"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (
+        "error: --ignore-eos needs --max-tokens (without it the answer runs to the end of the context)"
+    ), proc.stderr
+
+
+def test_up_refuses_the_apis_flags_without_serve_instead_of_ignoring_them():
+    proc = subprocess.run([str(ATOMR), "up", "--port", "9000", "--max-body-mb", "2"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "NO_COLOR": "1", "RAY_ADDRESS": "127.0.0.1:1"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (
+        "error: --port, --max-body-mb: for the HTTP API, which only --serve starts (or use `atomr serve`)"
+    ), proc.stderr
+    assert proc.stdout == ""  # nothing started
