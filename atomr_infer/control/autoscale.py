@@ -27,6 +27,11 @@ DEMAND_FRESH_S = 2.0
 BudgetCap = Callable[[int], tuple[int, str | None]]
 
 
+def within_bounds(replicas: int, cfg: Autoscaling) -> int:
+    """``replicas`` moved inside ``[min_replicas, max_replicas]``."""
+    return min(max(replicas, cfg.min_replicas), cfg.max_replicas)
+
+
 @dataclass(frozen=True)
 class ScaleDecision:
     at: float  # epoch seconds
@@ -59,14 +64,14 @@ class Autoscaler:
 
     def rebound(self, cfg: Autoscaling) -> None:
         """New bounds (a changed spec): the current target moved inside them."""
-        self.target = min(max(self.target, cfg.min_replicas), cfg.max_replicas)
+        self.target = within_bounds(self.target, cfg)
 
     def decide(self, cfg: Autoscaling, in_flight: int, now: float, cap: BudgetCap) -> ScaleDecision | None:
         """One look at the load; a decision when the target changes."""
         waiting = self.waiting(now)
         self.load = float(in_flight + waiting)
         wanted = math.ceil(self.load / cfg.target_ongoing_requests)
-        self.wanted = wanted = min(max(wanted, cfg.min_replicas), cfg.max_replicas)
+        self.wanted = wanted = within_bounds(wanted, cfg)
         current = self.target
         if wanted > current:
             self._down_since = None

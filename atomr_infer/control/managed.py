@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from atomr_infer.control.autoscale import Autoscaler, BudgetCap, ScaleDecision
+from atomr_infer.control.autoscale import Autoscaler, BudgetCap, ScaleDecision, within_bounds
 from atomr_infer.control.reconcile import DeploymentReconciler
 from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord, adapter_routes
 from atomr_infer.control.store import DeploymentRecord
@@ -66,12 +66,11 @@ class ManagedDeployment:
 
     def as_applied(self, spec: Deployment) -> Deployment:
         """``spec`` with the replicas it would run once applied here: autoscaled, the current
-        target within its bounds (``_follow_autoscaling``); else its own ``replicas``."""
+        target within its bounds (as ``_follow_autoscaling`` rebounds it); else its own ``replicas``."""
         cfg = spec.autoscaling
         if cfg is None:
             return spec
-        want = min(max(self.reconciler.want, cfg.min_replicas), cfg.max_replicas)
-        return spec.model_copy(update={"replicas": want})
+        return spec.model_copy(update={"replicas": within_bounds(self.reconciler.want, cfg)})
 
     def update(self, spec: Deployment, forced_restart: bool) -> None:
         """A changed spec: the next generation (a new runtime key if the replicas must restart)."""

@@ -146,12 +146,9 @@ def _permission(created: int) -> dict[str, Any]:
 def adapter_cards(status: DeploymentStatus) -> list[dict[str, Any]]:
     """A card per LoRA adapter loaded on a ready replica of the deployment, with its parent (as
     vLLM lists its adapters)."""
+    loaded = sorted({a for r in status.replicas for a, state in r.adapters.items() if state == "loaded"})
     base = model_card(status)
-    return [{**base, "id": f"{status.name}:{a}", "parent": status.name} for a in loaded_adapters(status)]
-
-
-def loaded_adapters(status: DeploymentStatus) -> list[str]:
-    return sorted({a for r in status.replicas for a, state in r.adapters.items() if state == "loaded"})
+    return [{**base, "id": f"{status.name}:{a}", "parent": status.name} for a in loaded]
 
 
 async def form_model(raw: bytes, content_type: str) -> Any:
