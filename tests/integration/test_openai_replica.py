@@ -134,7 +134,8 @@ def test_two_requests_with_one_id_run_at_once_on_one_replica(smollm2_replica):
     both are served, as by vllm serve, whose engine makes ids unique; the chunks keep the id."""
     from tests.replica_http import http_request, read
 
-    body = {"model": "smollm2", "prompt": "Count: 1, 2,", "max_tokens": 24, "stream": True, "request_id": "twice"}
+    body = {"model": "smollm2", "prompt": "Count: 1, 2,", "max_tokens": 24, "ignore_eos": True, "stream": True,
+            "request_id": "twice"}  # ignore_eos: both run their 24 tokens, whatever the sampling
     calls = [smollm2_replica.http.remote(http_request("/v1/completions", dict(body))) for _ in range(2)]
     answers = [read([ray.get(ref) for ref in call]) for call in calls]
     for answer in answers:
