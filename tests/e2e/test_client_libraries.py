@@ -1,16 +1,20 @@
 """The client libraries users build on, unchanged, against ``atomr serve``: the ``openai`` SDK's
 Responses API (plain, streamed, stored and chained, in the background), the ``openai-agents``
-SDK with its default model class (which speaks the Responses API), and the ``anthropic`` SDK
-(create, stream, count_tokens). The session's ``smollm2`` deployment stores responses
-(deployments/smollm2.yaml ``serving.openai.response_store``)."""
+SDK with its default model class (which speaks the Responses API), the ``anthropic`` SDK
+(create, stream, count_tokens), and the two agent libraries that speak Chat Completions:
+``langchain-openai`` (invoke, stream, structured output) and ``pydantic-ai`` (an agent's
+text, streamed and typed output). The session's ``smollm2`` deployment stores responses and
+parses tool calls (deployments/smollm2.yaml ``serving.openai``)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import anthropic
 import openai
 import pytest
+from pydantic import BaseModel
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2"
@@ -77,6 +81,61 @@ def test_openai_agents_runs_an_agent_on_a_deployment(openai_server, smollm2):
     )
     result = Runner.run_sync(agent, "What is the capital of France?")
     assert "Paris" in result.final_output, result.final_output
+
+
+class City(BaseModel):
+    """The structured answer both agent libraries ask for."""
+
+    name: str
+    country: str
+
+
+def test_langchain_openai_invokes_streams_and_gets_structured_output(openai_server, smollm2):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=openai_server.base_url, api_key="unused", temperature=0, max_tokens=24,
+                     max_retries=0, timeout=120, stream_usage=True)
+    reply = llm.invoke(ASK)
+    assert "Paris" in reply.content, reply
+    assert reply.usage_metadata["input_tokens"] > 0 and reply.usage_metadata["output_tokens"] > 0
+    assert reply.response_metadata["model_name"] == MODEL
+    chunks = list(llm.stream(ASK))
+    assert "".join(c.content for c in chunks) == reply.content
+    assert sum(c.usage_metadata["output_tokens"] for c in chunks if c.usage_metadata) == \
+        reply.usage_metadata["output_tokens"]  # stream_usage: vLLM's usage chunk reached it
+    # Structured output as langchain asks for it by default (response_format json_schema): vLLM's
+    # structured outputs keep even a 135M model's answer to the schema.
+    roomy = llm.model_copy(update={"max_tokens": 64})  # room for the whole object
+    city = roomy.with_structured_output(City).invoke("Which city is the capital of France?")
+    assert isinstance(city, City) and city.name and city.country, city
+
+
+def test_pydantic_ai_agent_answers_streams_and_returns_a_typed_output(openai_server, smollm2):
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=openai_server.base_url, api_key="unused"))
+    greedy = {"temperature": 0, "max_tokens": 32}
+    agent = Agent(model, instructions="Answer in one short sentence.", model_settings=greedy)
+    result = agent.run_sync("What is the capital of France?")
+    assert "Paris" in result.output, result.output
+    assert result.usage.input_tokens > 0 and result.usage.output_tokens > 0
+
+    async def streamed() -> tuple[str, str]:
+        async with agent.run_stream("What is the capital of France?") as run:
+            deltas = [delta async for delta in run.stream_text(delta=True)]
+            return "".join(deltas), await run.get_output()
+
+    text, output = asyncio.run(streamed())
+    assert text == output == result.output
+    # A typed output, asked as response_format json_schema (pydantic-ai's NativeOutput). Its
+    # default, a tool the model must call, is left to tests/e2e/test_conformance.py: with the
+    # hermes parser, vLLM's forced tool calls do not hold SmolLM2's arguments to the schema (the
+    # same on `vllm serve`), and pydantic-ai rejects them.
+    typed = Agent(model, output_type=NativeOutput(City), model_settings={"temperature": 0, "max_tokens": 64})
+    city = typed.run_sync("Which city is the capital of France?").output
+    assert isinstance(city, City) and city.name and city.country, city
 
 
 def test_anthropic_messages_create_stream_and_count_tokens(claude):
