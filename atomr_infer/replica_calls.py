@@ -6,7 +6,9 @@ the one translation of what such a call can raise.
 of these calls into what the caller does about it:
 
 - ``DEAD``: the actor is gone for good (it died, or was killed): exclude it, retry elsewhere;
-- ``UNREACHABLE``: Ray cannot reach it now (it may come back), or its channel closed;
+- ``UNREACHABLE``: Ray cannot reach it now (it may come back), or its channel closed, or Ray
+  lost the call or its output on the way (any other error of Ray's own, not the replica's: a
+  batch held in the object store of a node that died is an ``ObjectLostError``);
 - ``BUSY``: at its ``max_concurrent`` (``ReplicaBusy``): route again, it counts as full;
 - ``UNAVAILABLE``: draining or stopped (``ReplicaUnavailable``): never picked again;
 - ``FAILED``: the request itself failed there (atomr's own error, or anything else as
@@ -47,12 +49,14 @@ class ReplicaFailure:
 
 def replica_failure(exc: BaseException) -> ReplicaFailure:
     """What a call to a replica raised, sorted (see the module's docstring)."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.exceptions import ActorUnavailableError, NodeDiedError, RayActorError, RayError, RayTaskError
 
     if isinstance(exc, ActorUnavailableError | ConnectionError):  # a subclass of RayActorError: first
         return ReplicaFailure(Failure.UNREACHABLE, exc)
-    if isinstance(exc, ActorDiedError | RayActorError):
+    if isinstance(exc, RayActorError | NodeDiedError):  # ActorDiedError among them
         return ReplicaFailure(Failure.DEAD, exc)
+    if isinstance(exc, RayError) and not isinstance(exc, RayTaskError):  # Ray's, not the replica's
+        return ReplicaFailure(Failure.UNREACHABLE, exc)
     cause = unwrap(exc)
     if isinstance(cause, ReplicaBusy):
         return ReplicaFailure(Failure.BUSY, cause)

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayError
 
 from atomr_infer.errors import (
     AdapterNotFound,
@@ -344,7 +344,7 @@ class Router:
                     yield chunk
                 finished = True
                 return
-            except (RayActorError, RayTaskError, ConnectionError, AtomrError) as exc:
+            except (RayError, ConnectionError, AtomrError) as exc:
                 finished = True
                 failure = replica_failure(exc)  # replica_calls.py: the one translation
                 if failure.kind in (Failure.DEAD, Failure.UNREACHABLE):

@@ -9,7 +9,7 @@ import asyncio
 import json
 
 import pytest
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, ObjectLostError
 
 from atomr_infer.errors import EngineError
 from atomr_infer.routing.router import Router
@@ -28,10 +28,12 @@ def event(content: str, finish: str | None = None) -> bytes:
 
 
 class Dying(FakeReplica):
-    """Streams a role chunk and one token ("one", id 7), then its actor dies."""
+    """Streams a role chunk and one token ("one", id 7), then its actor dies (reading its channel
+    raises ``death``)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, death: Exception | None = None) -> None:
         super().__init__(name)
+        self.death = death or ActorDiedError()
         self.dead = asyncio.Event()
         self.heads: list[dict[str, str]] = []
 
@@ -57,7 +59,7 @@ class Dying(FakeReplica):
                 yield following.result()
                 continue
             following.cancel()
-            raise ActorDiedError()
+            raise self.death
 
 
 class Continuing(FakeReplica):
@@ -82,9 +84,9 @@ def chat(**fields) -> tuple[RoutingFacts, HttpRequest]:
     )
 
 
-def serve(facts, request, tries: int = 2, parses_output: bool = False):
+def serve(facts, request, tries: int = 2, parses_output: bool = False, death: Exception | None = None):
     """Stream ``request`` where the table names the dying replica, then (once it died) the other."""
-    dying, continuing = Dying("r0"), Continuing("r1")
+    dying, continuing = Dying("r0", death), Continuing("r1")
 
     def table(version, replica):
         dep = DeploymentRoute("d", 8, "queue", (route(replica),), migration_tries=tries, parses_output=parses_output)
@@ -120,6 +122,17 @@ def test_a_chat_stream_goes_on_after_the_tokens_it_had_with_nothing_repeated_or_
     request_id = dying.heads[0]["x-request-id"]  # named once: both parts' chunk ids are built from it
     assert continuing.heads[0]["x-request-id"] == request_id
     assert router.migrations == {("d", "dead"): 1}
+
+
+def test_a_stream_whose_next_batch_was_lost_with_its_node_goes_on_too():
+    # The replica's batch lived in the object store of a node that died: reading it raises Ray's
+    # ObjectLostError, not an actor error. It used to escape the router (a 500, nothing moved).
+    lost = ObjectLostError("ab" * 14, "owner", "call site")
+    got, failure, router, _, continuing = serve(*chat(), death=lost)
+    assert failure is None and continuing.resumed == [[7]]
+    body = b"".join(i for i in got if not isinstance(i, HttpHead))
+    assert body == ROLE + event("one") + event(" two", "length") + b"data: [DONE]\n\n"
+    assert router.migrations == {("d", "unreachable"): 1}
 
 
 @pytest.mark.parametrize("fields", [

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import asyncio
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+import pytest
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    NodeDiedError,
+    ObjectLostError,
+    RaySystemError,
+    RayTaskError,
+)
 
 from atomr_infer.errors import ReplicaUnavailable
 from atomr_infer.routing.router import Router
@@ -51,6 +59,22 @@ def test_after_a_replica_dies_every_request_succeeds_and_it_is_not_picked_again(
 
     assert asyncio.run(main()) == ["from r1"] * 20
     assert dead.calls <= 1  # tried at most once, then excluded for good
+
+
+@pytest.mark.parametrize("error", [
+    NodeDiedError("its node died"), ObjectLostError("ab" * 14, "owner", "call site"),
+    RaySystemError("lost the call"),
+])
+def test_a_call_that_ray_itself_failed_is_retried_on_another_replica(error):
+    failing, alive = FakeReplica("r0", error), FakeReplica("r1")
+    tables = Tables(failing, alive)
+
+    async def main():
+        router = Router(tables.source, refresh_s=0.0)
+        return [await text_of(router) for _ in range(20)]
+
+    assert asyncio.run(main()) == ["from r1"] * 20
+    assert failing.calls <= 1
 
 
 def test_draining_replica_is_left_and_the_request_retried():
