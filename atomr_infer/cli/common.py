@@ -18,6 +18,7 @@ from atomr_infer.status import ReplicaState, ReplicaStatus
 
 if TYPE_CHECKING:
     from atomr_infer.control.client import ControlPlane
+    from atomr_infer.serve.cors import Cors
 
 # Library logs (structlog) stay at WARNING in the CLI process: a command prints its own lines.
 # Only this process is affected, not the Ray head and replicas the CLI starts.
@@ -31,6 +32,43 @@ ADDRESS_HELP = "Ray cluster address, host:port (default: RAY_ADDRESS, else the l
 
 def address_option() -> Any:
     return typer.Option(None, "--address", help=ADDRESS_HELP, show_default=False)
+
+
+CORS_LISTS = {  # flag -> what it lists (serve/cors.py)
+    "--allowed-origins": "web pages' origins that may call the API (default none)",
+    "--allowed-methods": "HTTP methods they may use (default any)",
+    "--allowed-headers": "request headers they may send (default any)",
+}
+
+
+def cors_list_option(flag: str, prefix: str = "") -> Any:
+    """``--allowed-origins``/``-methods``/``-headers`` (serve/cors.py), checked before anything starts."""
+
+    def parse(value: str | None) -> tuple[str, ...] | None:
+        from atomr_infer.serve.cors import cors_list
+
+        try:
+            return None if value is None else cors_list(flag, value)
+        except AtomrError as exc:
+            raise typer.BadParameter(str(exc).removeprefix(f"{flag}: ")) from None
+
+    what = f"{prefix}{CORS_LISTS[flag]}" if prefix else CORS_LISTS[flag][0].upper() + CORS_LISTS[flag][1:]
+    return typer.Option(None, flag, callback=parse, show_default=False,
+                        help=f"{what} (CORS): a JSON list as vLLM takes it, or comma-separated; '*' for any.")
+
+
+def allow_credentials_option(prefix: str = "") -> Any:
+    what = "let cross-origin pages send cookies (CORS)."
+    return typer.Option(False, "--allow-credentials", help=f"{prefix}{what}" if prefix else what.capitalize())
+
+
+def cors_of(origins: Any, methods: Any, headers: Any, credentials: bool) -> Cors | None:
+    """The API's CORS from the flags (each parsed by its option); None when none was given."""
+    from atomr_infer.serve.cors import Cors
+
+    given = {name: value for name, value in (("allowed_origins", origins), ("allowed_methods", methods),
+                                             ("allowed_headers", headers)) if value is not None}
+    return Cors(**given, allow_credentials=credentials) if given or credentials else None
 
 
 def quiet_logs() -> None:

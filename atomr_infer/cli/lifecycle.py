@@ -25,6 +25,11 @@ from atomr_infer.errors import AtomrError, one_line
 
 if TYPE_CHECKING:
     from atomr_infer.control.client import ControlPlane
+    from atomr_infer.serve.cors import Cors
+
+# The flags of `up` that only the HTTP API (--serve) reads.
+API_PARAMETERS = ("host", "port", "api_keys", "max_body_mb", "allowed_origins", "allowed_methods", "allowed_headers",
+                  "allow_credentials")
 
 
 def _line(label: str, text: str) -> None:
@@ -45,10 +50,14 @@ def up_command(
     max_body_mb: float | None = typer.Option(
         None, "--max-body-mb", min=0.001, help="With --serve: larger request bodies get 413 (default 16)."
     ),
+    allowed_origins: str | None = common.cors_list_option("--allowed-origins", "With --serve: "),
+    allowed_methods: str | None = common.cors_list_option("--allowed-methods", "With --serve: "),
+    allowed_headers: str | None = common.cors_list_option("--allowed-headers", "With --serve: "),
+    allow_credentials: bool = common.allow_credentials_option("With --serve: "),
 ) -> None:
     """Start (or join) Ray and the atomr manager; print the dashboard URL."""
     # (by the source's name: typer runs a copy of click of its own)
-    api_flags = [f"--{name.replace('_', '-')}" for name in ("host", "port", "api_keys", "max_body_mb")
+    api_flags = [f"--{name.replace('_', '-')}" for name in API_PARAMETERS
                  if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
     if api_flags and not serve:  # said, not ignored
         err.print(f"error: {', '.join(api_flags)}: for the HTTP API, which only --serve starts "
@@ -74,16 +83,19 @@ def up_command(
     _line("manager", f"atomr-manager running, {count} deployment{'s' if count != 1 else ''}")
     _line("dashboard", common.dashboard_url() or "not running")
     if serve:
-        _start_api(host, port, api_keys, int(max_body_mb * 1024 * 1024) if max_body_mb else None)
+        cors = common.cors_of(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
+        _start_api(host, port, api_keys, int(max_body_mb * 1024 * 1024) if max_body_mb else None, cors)
     code = EXIT_OK if no_gemma else _provision_gemma(control)
     if not deployments:
         _line("next", "atomr deploy deployments/smollm2.yaml")
     raise typer.Exit(code)
 
 
-def _start_api(host: str, port: int, api_keys: str | None = None, max_body_bytes: int | None = None) -> None:
+def _start_api(
+    host: str, port: int, api_keys: str | None = None, max_body_bytes: int | None = None, cors: Cors | None = None,
+) -> None:
     """The API on ``host:port``: started, or reported when it already runs there (updated in
-    place when ``api_keys`` or ``max_body_bytes`` is given, so that they take effect)."""
+    place when ``api_keys``, ``max_body_bytes`` or ``cors`` is given, so that they take effect)."""
     try:
         common.import_serve()
     except AtomrError as exc:
@@ -92,12 +104,12 @@ def _start_api(host: str, port: int, api_keys: str | None = None, max_body_bytes
 
     try:
         current = running_server()
-        reconfigure = api_keys is not None or max_body_bytes is not None
+        reconfigure = api_keys is not None or max_body_bytes is not None or cors is not None
         if current is not None and (current.host, current.port) == (host, port) and not reconfigure:
             _line("api", f"{current.base_url} (OpenAI-compatible, already running)")
             return
         _line("api", f"starting the OpenAI-compatible API on {host}:{port} …")
-        server = run_server(host, port, blocking=True, api_keys_path=api_keys, max_body_bytes=max_body_bytes)
+        server = run_server(host, port, blocking=True, api_keys_path=api_keys, max_body_bytes=max_body_bytes, cors=cors)
     except AtomrError as exc:  # the port is taken: the error says which
         fail(exc)
     except Exception as exc:  # noqa: BLE001 - Serve's own errors, in one line

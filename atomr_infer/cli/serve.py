@@ -33,6 +33,10 @@ def serve_command(
     max_body_mb: float | None = typer.Option(
         None, "--max-body-mb", min=0.001, help="Larger request bodies get 413 before they are routed (default 16)."
     ),
+    allowed_origins: str | None = common.cors_list_option("--allowed-origins"),
+    allowed_methods: str | None = common.cors_list_option("--allowed-methods"),
+    allowed_headers: str | None = common.cors_list_option("--allowed-headers"),
+    allow_credentials: bool = common.allow_credentials_option(),
 ) -> None:
     """Serve every deployment over an OpenAI-compatible HTTP API (model = deployment name)."""
     try:
@@ -50,6 +54,7 @@ def serve_command(
         server = run_server(
             host, port, address, blocking=True, replica_wait_s=replica_wait, api_keys_path=api_keys,
             max_body_bytes=int(max_body_mb * 1024 * 1024) if max_body_mb else None,
+            cors=common.cors_of(allowed_origins, allowed_methods, allowed_headers, allow_credentials),
         )
     except Exception as exc:  # noqa: BLE001 - one line, the CLI's exit codes
         fail(exc)

@@ -53,6 +53,7 @@ from atomr_infer.serve.answers import (
 )
 from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile
 from atomr_infer.serve.body import MAX_BODY_BYTES, parse_json, read_body
+from atomr_infer.serve.cors import Cors
 from atomr_infer.serve.errors import ManagerUnreachable
 from atomr_infer.serve.listener import HttpListener, direct_posts, listen
 from atomr_infer.serve.rate_limit import Budget, IngressLimits
@@ -101,9 +102,10 @@ for _route in (r for r in BY_KEY.values() if r.via in (Via.OPERATOR, Via.NOT_SER
 class OpenAIIngress:
     def __init__(
         self, replica_wait_s: float = 30.0, max_body_bytes: int = MAX_BODY_BYTES, api_keys_path: str | None = None,
-        listen_on: tuple[str, int] | None = None,
+        listen_on: tuple[str, int] | None = None, cors: Cors | None = None,
     ) -> None:
-        """``listen_on``: the API's ``(host, port)``, served by this replica itself (serve/listener.py)."""
+        """``listen_on``: the API's ``(host, port)``, served by this replica itself (serve/listener.py),
+        with ``cors`` (serve/cors.py; vLLM's defaults when None) around every route."""
         heavy_imports.watch("ingress")  # it must load neither torch nor vLLM (heavy_imports.py)
         self._max_body_bytes = max_body_bytes
         self._keys = KeyFile(api_keys_path, watch=True) if api_keys_path else None
@@ -119,7 +121,7 @@ class OpenAIIngress:
         if listen_on is not None:  # bound here, so that a taken port fails the replica at once
             # Model requests skip the app's routing: they are most of what it would route.
             app = direct_posts(api, paths(Via.BODY), self.routed_by_body, error_response)
-            self._listener = HttpListener(app, listen(*listen_on))
+            self._listener = HttpListener((cors or Cors()).wrap(app), listen(*listen_on))
             # The routes find this instance through Serve's replica context, set after __init__.
             self._listener.start(ready=lambda: serve.get_replica_context().servable_object is not None)
         tune_serving_process()  # this process streams every response (serving_process.py)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from atomr_infer.errors import AtomrError
 from atomr_infer.log import get_logger
+from atomr_infer.serve.cors import Cors
 
 log = get_logger(__name__)
 APP_NAME = "atomr-openai"
@@ -150,12 +151,14 @@ def run_server(
     num_replicas: int = 1,
     api_keys_path: str | None = None,
     max_body_bytes: int | None = None,
+    cors: Cors | None = None,
 ) -> Server:
     """Deploy the API and return once it is running (``blocking``) or once it is submitted.
 
     ``replica_wait_s``: how long a request waits for a ready replica before 503.
     ``num_replicas``: ingress replicas (each holds its own routing-table cache).
     ``max_body_bytes``: larger request bodies get 413 before routing (default 16 MiB).
+    ``cors``: which web pages may call it (serve/cors.py; default: any, as ``vllm serve``).
     ``api_keys_path``: an API keys file (serve/api_keys.py), checked here first; the ingress
     replicas read it, and re-read it when it changes, from this path (on their node).
     """
@@ -179,7 +182,9 @@ def run_server(
     if current is None:
         check_free(host, port)  # else the ingress replicas would fail to start, and Serve retry them
     started = _start_serve()
-    limits = {"max_body_bytes": max_body_bytes} if max_body_bytes is not None else {}
+    limits: dict[str, object] = {"max_body_bytes": max_body_bytes} if max_body_bytes is not None else {}
+    if cors is not None:
+        limits["cors"] = cors
     app = OpenAIIngress.options(
         num_replicas=num_replicas, ray_actor_options={"num_cpus": 0, "resources": _this_node()}
     ).bind(replica_wait_s=replica_wait_s, api_keys_path=api_keys_path, listen_on=(host, port), **limits)

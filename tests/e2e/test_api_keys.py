@@ -52,12 +52,14 @@ keys:
 """
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_BODY = 1 << 20  # configured for this module (the default is 16 MiB)
+PAGE = "https://app.example"  # the one origin whose web pages may call it, for this module
 
 
 @pytest.fixture(scope="module")
 def keyed(openai_server, smollm2, tmp_path_factory) -> Iterator[tuple[str, Path]]:
-    """The API with ``KEYS`` in effect; its URL and the key file."""
+    """The API with ``KEYS`` in effect, and web pages of ``PAGE`` allowed (CORS); its URL and the key file."""
     from atomr_infer.serve import run_server
+    from atomr_infer.serve.cors import Cors
 
     path = tmp_path_factory.mktemp("keys") / "keys.yaml"
     path.write_text(KEYS)
@@ -65,7 +67,7 @@ def keyed(openai_server, smollm2, tmp_path_factory) -> Iterator[tuple[str, Path]
     # Two ingress replicas: a limit must hold across them (one budget, not one per replica).
     run_server(
         host, port, blocking=True, replica_wait_s=REPLICA_WAIT_S, api_keys_path=str(path), num_replicas=2,
-        max_body_bytes=MAX_BODY,
+        max_body_bytes=MAX_BODY, cors=Cors(allowed_origins=(PAGE,)),
     )
     try:
         yield openai_server.url, path
@@ -330,3 +332,22 @@ def test_messages_and_responses_are_charged_their_usage(keyed, key, path, stream
         assert refused["type"] == "error" and refused["error"]["type"] == "rate_limit_error", refused
     else:
         assert refused["error"]["code"] == "rate_limit_exceeded", refused
+
+
+def test_a_page_of_the_allowed_origin_is_answered_before_and_after_the_key_check(keyed):
+    """A browser's preflight carries no key: CORS answers it before the key check, for the
+    allowed origin only; the answers to the request itself (401 too) carry what the browser needs
+    to hand them to the page."""
+    url, _ = keyed
+    preflight = {"access-control-request-method": "POST", "access-control-request-headers": "authorization"}
+    allowed = httpx.options(f"{url}/v1/chat/completions", headers={"origin": PAGE, **preflight}, timeout=30)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == PAGE
+    other = httpx.options(f"{url}/v1/chat/completions", headers={"origin": "https://other.example", **preflight},
+                          timeout=30)
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    body = {"model": "smollm2", "messages": ASK, "max_tokens": 4}
+    keyed_post = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120,
+                            headers={"origin": PAGE, "authorization": f"Bearer {ALICE}"})
+    assert keyed_post.status_code == 200 and keyed_post.headers["access-control-allow-origin"] == PAGE
+    bare = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"origin": PAGE}, timeout=30)
+    assert bare.status_code == 401 and bare.headers["access-control-allow-origin"] == PAGE

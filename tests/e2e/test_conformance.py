@@ -231,6 +231,27 @@ def test_a_streams_request_id_names_its_chunks_as_on_vllm_serve(vllm_serve, atom
         assert ids == {"chatcmpl-conform-req-1"}, (base, ids)
 
 
+def test_a_web_page_on_another_origin_gets_the_same_cors_answers(vllm_serve, atomr):
+    """Both with their defaults (no origin allowed, any method and header; no credentials): a
+    browser's preflight of a chat request (refused), then the request itself and a model listing
+    from that origin (answered, with nothing that lets a browser hand them to the page)."""
+    page = {"origin": "https://app.example"}
+    preflight = {**page, "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization,content-type"}
+    path, body = chat(max_tokens=4)
+
+    def cors(reply: httpx.Response) -> tuple[int, dict[str, str]]:
+        return reply.status_code, {k: v for k, v in reply.headers.items() if k.startswith("access-control-")}
+
+    seen = {}
+    for base in (atomr, vllm_serve):
+        seen[base] = [cors(httpx.options(base + path, headers=preflight, timeout=60)),
+                      cors(httpx.post(base + path, json=body, headers=page, timeout=120)),
+                      cors(httpx.get(f"{base}/v1/models", headers=page, timeout=60))]
+    assert seen[atomr][0][0] == 400 and not any("allow-origin" in h for _, got in seen[atomr] for h in got), seen
+    assert seen[atomr] == seen[vllm_serve]
+
+
 def test_tokenize_and_detokenize_match(vllm_serve, atomr):
     for path, body in (("/tokenize", {"model": NAME, "prompt": "Hello Paris"}),
                        ("/tokenize", {"model": NAME, "messages": CHAT}),

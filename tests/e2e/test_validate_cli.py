@@ -159,12 +159,16 @@ def test_the_old_name_idempotent_is_valid_with_a_warning_naming_the_file(tmp_pat
     assert lines(proc.stdout) == ["valid: old  bundled:smollm2-135m-instruct  (1 replica, cpu)"]
 
 
-@pytest.mark.parametrize("command", [("serve", "--port", "70000"), ("up", "--serve", "--port", "0")])
-def test_a_port_out_of_range_is_refused_before_anything_starts(command):
+@pytest.mark.parametrize(("command", "flag"), [
+    (("serve", "--port", "70000"), "'--port'"), (("up", "--serve", "--port", "0"), "'--port'"),
+    (("serve", "--allowed-origins", '["https://a.example"'), "'--allowed-origins': '[\"https://a.example\"' is not"),
+    (("up", "--serve", "--allowed-headers", "a,,b"), "'--allowed-headers': 'a,,b' has an empty entry"),
+])
+def test_a_bad_api_flag_is_refused_before_anything_starts(command, flag):
     proc = subprocess.run([str(ATOMR), *command], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "NO_COLOR": "1", "RAY_ADDRESS": "127.0.0.1:1"})
+                          env={**os.environ, "NO_COLOR": "1", "RAY_ADDRESS": "127.0.0.1:1", "COLUMNS": "300"})
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "'--port'" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert flag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_chat_with_ignore_eos_and_no_max_tokens_is_refused_before_connecting():
@@ -177,10 +181,12 @@ def test_chat_with_ignore_eos_and_no_max_tokens_is_refused_before_connecting():
 
 
 def test_up_refuses_the_apis_flags_without_serve_instead_of_ignoring_them():
-    proc = subprocess.run([str(ATOMR), "up", "--port", "9000", "--max-body-mb", "2"], capture_output=True,
+    proc = subprocess.run([str(ATOMR), "up", "--port", "9000", "--max-body-mb", "2", "--allowed-origins", "*"],
+                          capture_output=True,
                           text=True, timeout=60, env={**os.environ, "NO_COLOR": "1", "RAY_ADDRESS": "127.0.0.1:1"})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip() == (
-        "error: --port, --max-body-mb: for the HTTP API, which only --serve starts (or use `atomr serve`)"
+        "error: --port, --max-body-mb, --allowed-origins: for the HTTP API, which only --serve starts "
+        "(or use `atomr serve`)"
     ), proc.stderr
     assert proc.stdout == ""  # nothing started
