@@ -185,6 +185,8 @@ def scaling_line(status: DeploymentStatus) -> str:
 def failure_line(status: DeploymentStatus) -> str:
     """Why the last replica failed, and whether the manager is still trying."""
     line = f"{status.name}: last failure: {status.last_failure}"
+    if status.removing:  # e.g. a stored spec a restarted manager refused
+        return line + "\n  its replicas are being stopped; `atomr deploy` a corrected spec to deploy it again"
     if status.failed:
         return line + (
             f"\n  will recur: stopped after {status.start_failures} tries; fix the spec and "

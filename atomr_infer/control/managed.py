@@ -6,6 +6,7 @@ only here, before it is saved.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable
@@ -16,8 +17,12 @@ from atomr_infer.control.autoscale import Autoscaler, BudgetCap, ScaleDecision, 
 from atomr_infer.control.reconcile import DeploymentReconciler
 from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord, adapter_routes
 from atomr_infer.control.store import DeploymentRecord
+from atomr_infer.errors import one_line
+from atomr_infer.log import get_logger
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
 from atomr_infer.spec import Deployment, normalized, parse_deployment, runtime_fields
+
+log = get_logger(__name__)
 
 
 def runtime_key(spec: Deployment, nonce: int) -> str:
@@ -101,15 +106,7 @@ class ManagedDeployment:
         """From a saved record (a restarted manager): the replicas still alive are re-adopted by name."""
         spec = parse_deployment(record.spec)
         reconciler.set_desired(spec, record.generation, record.runtime_key)
-        for replica_id, info in sorted(record.replicas.items()):
-            handle = launcher.adopt(spec, replica_id)
-            if handle is not None:
-                reconciler.adopt(
-                    ReplicaRecord(
-                        replica_id, info["runtime_key"], info["generation"], handle,
-                        started_at=info.get("started_at", 0.0), state_since=now(),
-                    )
-                )
+        adopt_replicas(record, reconciler, launcher, now)
         managed = cls(spec, record, reconciler)
         scaled = record.autoscaled_replicas
         managed._follow_autoscaling(scaled if scaled is not None else spec.replicas)
@@ -152,3 +149,39 @@ def kv_source(reported: dict[str, Any] | None) -> tuple[str, str | None, int] | 
     if not reported or not reported.get("endpoint") or not reported.get("block_size"):
         return None
     return reported["endpoint"], reported.get("replay_endpoint"), int(reported["block_size"])
+
+
+def adopt_replicas(
+    record: DeploymentRecord, reconciler: DeploymentReconciler, launcher: ReplicaLauncher, now: Callable[[], float],
+) -> None:
+    """The record's replicas still alive, re-adopted by name into ``reconciler``."""
+    for replica_id, info in sorted(record.replicas.items()):
+        handle = launcher.adopt(reconciler.name, replica_id)
+        if handle is not None:
+            reconciler.adopt(
+                ReplicaRecord(
+                    replica_id, info["runtime_key"], info["generation"], handle,
+                    started_at=info.get("started_at", 0.0), state_since=now(),
+                )
+            )
+
+
+def recover_or_stop(
+    record: DeploymentRecord, reconciler: DeploymentReconciler, launcher: ReplicaLauncher, now: Callable[[], float],
+) -> ManagedDeployment | None:
+    """A stored deployment, recovered with its live replicas (a restarted manager). None if this
+    version refuses its spec: then its replicas, which the manager can neither route to nor
+    manage, are adopted into ``reconciler`` to be drained and stopped as a removal's are (they
+    free their GPUs, and their names for a corrected apply), and the reason is its last failure
+    (``atomr status``) until they are gone."""
+    try:
+        return ManagedDeployment.recover(record, reconciler, launcher, now)
+    except Exception as exc:  # noqa: BLE001 - any refusal: the manager's other deployments recover
+        reconciler.replicas.clear()  # recover may have failed part of the way through adopting
+        with contextlib.suppress(Exception):  # a replica listed in a form it cannot read stays as it is
+            adopt_replicas(record, reconciler, launcher, now)
+        reconciler.set_desired(None, record.generation + 1, "")
+        reconciler.last_failure = f"not recovered: this version of atomr refuses its stored spec ({one_line(exc)})"
+        log.error("deployment_not_recovered", deployment=reconciler.name, error=str(exc),
+                  stopping=len(reconciler.replicas))
+        return None

@@ -27,7 +27,7 @@ from atomr_infer.control.budget import (
     uses_gpus,
 )
 from atomr_infer.control.cluster_view import ray_cluster_view
-from atomr_infer.control.managed import ManagedDeployment
+from atomr_infer.control.managed import ManagedDeployment, recover_or_stop
 from atomr_infer.control.plan import ApplyResult, Plan, PlanResult, check_names, plan_apply, plan_remove
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
 from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
@@ -123,11 +123,11 @@ class DeploymentManager:
             return
         for name, rec in records.items():
             reconciler = self._new_reconciler(name, rec.next_index)
-            try:
-                self._desired[name] = ManagedDeployment.recover(rec, reconciler, self._launcher, self._clock)
-            except Exception as exc:  # noqa: BLE001 - a record this version refuses: the others recover
-                log.error("deployment_not_recovered", deployment=name, error=str(exc))
+            managed = recover_or_stop(rec, reconciler, self._launcher, self._clock)
+            if managed is None:  # refused by this version: its replicas are stopped, as a removal's
+                self._removing[name] = reconciler
             else:
+                self._desired[name] = managed
                 self._adopted += (adopted := list(reconciler.replicas))
                 log.info("deployment_recovered", deployment=name, generation=rec.generation, adopted=len(adopted))
         self._publish()  # every deployment, some with no replica (scaled to zero); withheld while _adopted

@@ -196,8 +196,8 @@ class RayReplicaLauncher:
         log.info("replica_actor_created", deployment=deployment.name, replica=replica_id, actor=name, node=node)
         return RayReplicaHandle(actor, name, self.reaper, pg, node=node)
 
-    def adopt(self, deployment: Deployment, replica_id: str) -> RayReplicaHandle | None:
-        name = actor_name(deployment.name, replica_id)
+    def adopt(self, deployment: str, replica_id: str) -> RayReplicaHandle | None:
+        name = actor_name(deployment, replica_id)
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:

@@ -75,8 +75,9 @@ class ReplicaLauncher(Protocol):
         """Create the replica; ``peer_nodes``: the nodes of the deployment's other live replicas
         (one entry per replica), for ``placement``."""
 
-    def adopt(self, deployment: Deployment, replica_id: str) -> ReplicaHandle | None:
-        """Re-attach to a live replica by name (after a manager restart); None if gone."""
+    def adopt(self, deployment: str, replica_id: str) -> ReplicaHandle | None:
+        """Re-attach to a live replica of the deployment named ``deployment`` by its name (after
+        a manager restart); None if gone."""
 
 
 @dataclass

@@ -109,7 +109,7 @@ class FakeLauncher:
         return h
 
     def adopt(self, deployment, replica_id):
-        h = self.alive.get(f"atomr:{deployment.name}:{replica_id}")
+        h = self.alive.get(f"atomr:{deployment}:{replica_id}")
         if h is not None:
             h.adopted = True
         return h

@@ -292,7 +292,7 @@ def test_deployed_alongside_an_autoscaled_deployment_counts_at_its_current_targe
     assert h.call("apply", warn).warnings
 
 
-def test_a_restarted_manager_lists_a_deployment_scaled_to_zero_and_skips_a_record_it_refuses() -> None:
+def test_a_restarted_manager_lists_a_deployment_scaled_to_zero_and_stops_one_it_refuses() -> None:
     import json
 
     first = Harness()
@@ -306,4 +306,19 @@ def test_a_restarted_manager_lists_a_deployment_scaled_to_zero_and_skips_a_recor
     second.manager.reconcile_once()
     table = second.call("routing_table", -1)
     assert table is not None and "idle" in table.deployments  # routers find it, and start it on demand
-    assert "old" not in table.deployments and second.call("status", "old") is None
+    assert "old" not in table.deployments
+    # Its replica, which nothing routes to or manages, is stopped as a removal's (it ran on
+    # unmanaged, holding its GPU and its name, until `atomr down`), and status says why.
+    refused = second.call("status", "old")
+    assert refused.removing and "refuses its stored spec" in refused.last_failure, refused
+    assert "enable_lora" in refused.last_failure
+    from atomr_infer.cli.render import failure_line
+
+    assert failure_line(refused).endswith("being stopped; `atomr deploy` a corrected spec to deploy it again")
+    (old_replica,) = [h for h in first.launcher.started if h.actor_name == "atomr:old:r0"]
+    second.converge()
+    assert old_replica.stopped and second.call("status", "old") is None
+    assert "old" not in second.store.load()
+    second.call("apply", spec(name="old"))  # a corrected spec: applied and started as any other
+    second.converge()
+    assert second.call("status", "old").replicas_ready == 1
