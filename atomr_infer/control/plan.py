@@ -103,13 +103,10 @@ def plan_remove(old: Deployment | None, name: str) -> Plan:
 
 def check_names(spec: Deployment, others: list[Deployment]) -> None:
     """A name or alias answers for one deployment only: the OpenAI ``model`` routes by it."""
-    taken = {o.name: o.name for o in others}
-    for other in others:
-        taken.update({alias: other.name for alias in other.serving.openai.served_model_name})
-    for name in (spec.name, *spec.serving.openai.served_model_name):
+    taken = {name: other.name for other in others for _, name in other.model_names}
+    for given_by, name in spec.model_names:
         if name in taken:
-            field = "name" if name == spec.name else "serving.openai.served_model_name"
             problem = f"{name!r} already names deployment {taken[name]!r}"
             if taken[name] != name:
                 problem += " (one of its serving.openai.served_model_name)"
-            raise SpecError([SpecProblem(spec.name, field, problem)])
+            raise SpecError([SpecProblem(spec.name, given_by, problem)])

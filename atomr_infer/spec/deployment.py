@@ -332,3 +332,10 @@ class Deployment(Strict):
     def tensor_parallel_size(self) -> int:
         return self.gpus
 
+    @property
+    def model_names(self) -> list[tuple[str, str]]:
+        """The names the OpenAI ``model`` reaches it by, each after the field that gives it: its
+        name, then its aliases. Each answers for one deployment only (loading.py, control/plan.py)."""
+        aliases = self.serving.openai.served_model_name
+        return [("name", self.name), *(("serving.openai.served_model_name", alias) for alias in aliases)]
+

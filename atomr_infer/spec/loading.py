@@ -55,8 +55,7 @@ def load_deployments(*sources: Source) -> list[Deployment]:
                 problems.extend(exc.problems)
     first_seen: dict[str, tuple[int, str]] = {}  # a name or alias -> the deployment that gave it first
     for i, (where, dep) in enumerate(found):
-        aliases = [("serving.openai.served_model_name", alias) for alias in dep.serving.openai.served_model_name]
-        for field, value in [("name", dep.name), *aliases]:
+        for field, value in dep.model_names:
             seen = first_seen.setdefault(value, (i, where))
             if seen[0] != i:  # the OpenAI `model` routes by it: one deployment each
                 problems.append(SpecProblem(where, field, f"{value!r} is already used by {seen[1]}"))
