@@ -12,10 +12,12 @@ the mean load passes the request to the next replica in the adapter's order that
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 
 from atomr_infer.routing.prefix import load_cap, rendezvous_order
 from atomr_infer.routing.table import ReplicaRoute
+from atomr_infer.wire import HttpRequest
 
 # Requests of imbalance an adapter's home may take over the mean at low load: a swap avoided is
 # worth less than a prefix-cache hit (measured on CPU: with prefix affinity's 4, 8 streams piled
@@ -39,3 +41,14 @@ def pick_adapter_home(
     under = [n for n in order[1:] if loads.get(n, 0) + 1 <= cap]
     name = under[0] if under else min(free, key=lambda n: (loads.get(n, 0), n))
     return free[name], "adapter_overflow"
+
+
+def with_model(request: HttpRequest, model: str) -> HttpRequest:
+    """The request with its JSON body's ``model`` replaced (an adapter named by its bare name);
+    a body that is not JSON (a form) as it is."""
+    try:
+        body = json.loads(request.body)
+    except ValueError:
+        return request
+    body["model"] = model
+    return HttpRequest(request.method, request.path, request.headers, json.dumps(body).encode())

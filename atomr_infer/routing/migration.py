@@ -26,9 +26,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Container
 
+from atomr_infer.errors import EngineError
 from atomr_infer.log import get_logger
+from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
 from atomr_infer.wire import HttpHead, HttpRequest, RequestKind, RoutingFacts
 
 log = get_logger(__name__)
@@ -41,6 +43,18 @@ def can_move(facts: RoutingFacts, tries: int, moved: int, generated: int, parses
     if moved >= tries or not facts.resumable:
         return False
     return generated == 0 or (facts.resumable == "anywhere" and not parses_output)
+
+
+def on_model(
+    usable: list[ReplicaRoute], dep: DeploymentRoute, model: str, excluded: Container[str]
+) -> list[ReplicaRoute]:
+    """The replicas a moved stream may continue on: those that serve the model its tokens came
+    from (a roll may change the model). ``EngineError`` if none is left that does."""
+    same = [r for r in usable if r.model == model]
+    if not same and not any(r.model == model and r.actor_name not in excluded for r in dep.replicas):
+        raise EngineError(f"its replica died mid-request, and no replica of {dep.name} serves {model} any more "
+                          "to continue it on (a roll changed the model)")
+    return same
 
 
 def log_moved(deployment: str, replica: str, failed_at: float, tokens: int) -> None:

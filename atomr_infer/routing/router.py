@@ -37,7 +37,7 @@ from atomr_infer.errors import (
 )
 from atomr_infer.log import get_logger
 from atomr_infer.replica_calls import Failure, replica_failure
-from atomr_infer.routing import migration, response_ids
+from atomr_infer.routing import adapters, migration, response_ids
 from atomr_infer.routing.channel import ReplicaChannel
 from atomr_infer.routing.picker import PromptIds, ReplicaPicker
 from atomr_infer.routing.prefix import prompt_key
@@ -231,9 +231,12 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - the manager is away: routing goes on
             log.warning("demand_report_failed", deployment=name, error=f"{type(exc).__name__}: {exc}")
 
-    async def _route(self, facts: RoutingFacts) -> tuple[DeploymentRoute, ReplicaRoute, str | None, int]:
+    async def _route(
+        self, facts: RoutingFacts, model: str = ""
+    ) -> tuple[DeploymentRoute, ReplicaRoute, str | None, int]:
         """The deployment, the replica and the LoRA adapter for ``facts`` (waiting for a
-        replica if need be), and the blocks of prefill it queued there (kv_events)."""
+        replica if need be), and the blocks of prefill it queued there (kv_events). ``model``:
+        only a replica that serves it (a moved stream continues on the model it began on)."""
         name = facts.deployment
         started = appear_from = time.monotonic()  # the wait for a ready replica runs from appear_from
         queue_deadline = None if self._queue_timeout_s is None else started + self._queue_timeout_s
@@ -265,6 +268,8 @@ class Router:
                     r for r in dep.replicas
                     if r.actor_name not in self._excluded and (adapter is None or adapter in r.adapters)
                 ]
+                if model:
+                    usable = migration.on_model(usable, dep, model, self._excluded)
                 if facts.response_id is not None:
                     usable = response_ids.holding(usable, dep.name, facts.response_id)
                 if usable:
@@ -313,16 +318,17 @@ class Router:
         resume: list[int] | None = None  # set once it moved: continue after these
         sent = body_sent = False  # anything (any body bytes) sent to the caller, by any replica
         failed_at = 0.0
+        began_on = ""  # the model the stream's tokens came from (resumed: only on that model)
         if facts.resumable and not facts.named:  # the body's request_id names its chunks on any replica
             request = migration.named(request)
         while True:
-            dep, route, adapter, work = await self._route(facts)
+            dep, route, adapter, work = await self._route(facts, began_on if resume is not None else "")
             attempt += 1
             last_try = attempt >= MAX_ATTEMPTS
             self._in_flight[route.actor_name] += 1
             sent_request = request
             if adapter is not None and name != f"{dep.name}:{adapter}":  # vLLM knows it by its full name
-                sent_request = with_model(sent_request, f"{dep.name}:{adapter}")
+                sent_request = adapters.with_model(sent_request, f"{dep.name}:{adapter}")
             if facts.names_response:
                 sent_request = response_ids.with_request_id(sent_request, response_ids.mint(dep.name, route.replica_id))
             want = bool(facts.resumable) and dep.migration_tries > 0
@@ -339,6 +345,7 @@ class Router:
                     if failed_at:
                         migration.log_moved(dep.name, route.actor_name, failed_at, len(generated))
                         failed_at = 0.0
+                    began_on = began_on or route.model
                     sent = sent_here = True
                     body_sent = body_sent or not isinstance(chunk, HttpHead)
                     yield chunk
@@ -386,15 +393,3 @@ def _known(table: RoutingTable, name: str) -> bool:
     dep, adapter = table.resolve(name)
     return dep is not None and (adapter is None or adapter in dep.adapters)
 
-
-def with_model(request: HttpRequest, model: str) -> HttpRequest:
-    """The request with its JSON body's ``model`` replaced (an adapter named by its bare name);
-    a body that is not JSON (a form) as it is."""
-    import json
-
-    try:
-        body = json.loads(request.body)
-    except ValueError:
-        return request
-    body["model"] = model
-    return HttpRequest(request.method, request.path, request.headers, json.dumps(body).encode())

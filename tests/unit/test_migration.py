@@ -6,6 +6,7 @@ continuing at the token level, a replica killed under load) is tests/e2e/test_mi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -84,15 +85,20 @@ def chat(**fields) -> tuple[RoutingFacts, HttpRequest]:
     )
 
 
-def serve(facts, request, tries: int = 2, parses_output: bool = False, death: Exception | None = None):
-    """Stream ``request`` where the table names the dying replica, then (once it died) the other."""
-    dying, continuing = Dying("r0", death), Continuing("r1")
+def serve(facts, request, tries: int = 2, parses_output: bool = False, death: Exception | None = None,
+          models: tuple[str, ...] = ("m", "m")):
+    """Stream ``request`` where the table names the dying replica, then (once it died) the others;
+    ``models``: the model each serves, the dying one's first (more than two: more replicas after)."""
+    dying = Dying("r0", death)
+    continuing, *others = [Continuing(f"r{i}") for i in range(1, len(models))]
+    served = dict(zip([dying, continuing, *others], models, strict=True))
 
-    def table(version, replica):
-        dep = DeploymentRoute("d", 8, "queue", (route(replica),), migration_tries=tries, parses_output=parses_output)
+    def table(version, *replicas):
+        routes = tuple(dataclasses.replace(route(r), model=served[r]) for r in replicas)
+        dep = DeploymentRoute("d", 8, "queue", routes, migration_tries=tries, parses_output=parses_output)
         return RoutingTable(version, {"d": dep})
 
-    before, after = table(1, dying), table(2, continuing)
+    before, after = table(1, dying), table(2, continuing, *others)
 
     async def source(version):
         current = after if dying.dead.is_set() else before
@@ -133,6 +139,19 @@ def test_a_stream_whose_next_batch_was_lost_with_its_node_goes_on_too():
     body = b"".join(i for i in got if not isinstance(i, HttpHead))
     assert body == ROLE + event("one") + event(" two", "length") + b"data: [DONE]\n\n"
     assert router.migrations == {("d", "unreachable"): 1}
+
+
+def test_a_stream_continues_only_on_the_model_it_began_on():
+    # Mid-roll to another model: the replica left that serves the old one takes it, not the new.
+    got, failure, router, _, continuing = serve(*chat(), models=("old", "new", "old"))
+    assert failure is None and continuing.resumed == []  # (r1, on the new model, was not picked)
+    assert router.migrations == {("d", "dead"): 1}  # r2 took it
+    assert b"".join(i for i in got if not isinstance(i, HttpHead)).endswith(b"data: [DONE]\n\n")
+    # None left on the old model (the roll replaced them all): it ends as an unmoved stream does,
+    # saying why, and the new model never continues the old one's tokens.
+    got, failure, router, _, continuing = serve(*chat(), models=("old", "new"))
+    assert isinstance(failure, EngineError) and "no replica of d serves old any more" in str(failure)
+    assert continuing.resumed == []
 
 
 @pytest.mark.parametrize("fields", [
