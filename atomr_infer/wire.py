@@ -43,11 +43,19 @@ class RequestKind(enum.StrEnum):
     DETOKENIZE = "detokenize"
     RESPONSES = "responses"  # a Responses-API request (POST /v1/responses)
     MESSAGES = "messages"  # an Anthropic Messages request (POST /v1/messages)
+    COUNT_TOKENS = "count_tokens"  # Anthropic's POST /v1/messages/count_tokens
     OTHER = "other"  # a route of vLLM's server routed by model, with no facts of its own
 
     @classmethod
     def of_path(cls, path: str) -> RequestKind:
         return _KIND_OF_PATH.get(path.partition("?")[0], cls.OTHER)
+
+    @property
+    def runs_engine(self) -> bool:
+        """Whether it takes a place in the engine's batch. Tokenizing does not (vLLM's serving
+        layer answers it), so it is not held to ``serving.max_concurrent``: a client that counts
+        tokens is answered at once, not after a generation ends (or with 429), as on ``vllm serve``."""
+        return self not in _TOKENIZING
 
 
 _KIND_OF_PATH = {
@@ -58,7 +66,10 @@ _KIND_OF_PATH = {
     "/detokenize": RequestKind.DETOKENIZE,
     "/v1/responses": RequestKind.RESPONSES,
     "/v1/messages": RequestKind.MESSAGES,
+    "/v1/messages/count_tokens": RequestKind.COUNT_TOKENS,
 }
+_TOKENIZING = frozenset({RequestKind.TOKENIZE, RequestKind.DETOKENIZE, RequestKind.COUNT_TOKENS})
+NO_LIMIT = 1 << 30  # OpenRequest.limit of a request that runs no engine step
 _RESUMABLE = frozenset({RequestKind.CHAT, RequestKind.COMPLETION})
 # Kinds whose streams always report usage (chat and completions do on request).
 _USAGE_ALWAYS = frozenset({RequestKind.RESPONSES, RequestKind.MESSAGES})

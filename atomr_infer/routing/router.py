@@ -40,10 +40,11 @@ from atomr_infer.replica_calls import Failure, replica_failure
 from atomr_infer.routing import adapters, migration, response_ids
 from atomr_infer.routing.channel import ReplicaChannel
 from atomr_infer.routing.picker import PromptIds, ReplicaPicker
+from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.prefix import prompt_key
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
 from atomr_infer.task_context import outside_request
-from atomr_infer.wire import HttpHead, HttpRequest, OpenRequest, RoutingFacts
+from atomr_infer.wire import NO_LIMIT, HttpHead, HttpRequest, OpenRequest, RoutingFacts
 
 # fetch(since_version) -> a newer table, or None when ``since_version`` is current.
 TableSource = Callable[[int], Awaitable[RoutingTable | None]]
@@ -272,6 +273,9 @@ class Router:
                     usable = migration.on_model(usable, dep, model, self._excluded)
                 if facts.response_id is not None:
                     usable = response_ids.holding(usable, dep.name, facts.response_id)
+                if usable and not facts.kind.runs_engine:  # tokenizing: not held to max_concurrent
+                    loads = {r.actor_name: self.load(r.actor_name) for r in usable}
+                    return dep, pick_replica(usable, loads, NO_LIMIT), adapter, 0  # type: ignore[return-value]
                 if usable:
                     if not tokens or (tokens[0] is None and dep.policy == "kv_events"):
                         tokens[:] = [await self._picker.prompt_tokens(dep, usable, facts.prompt)]
@@ -332,7 +336,8 @@ class Router:
             if facts.names_response:
                 sent_request = response_ids.with_request_id(sent_request, response_ids.mint(dep.name, route.replica_id))
             want = bool(facts.resumable) and dep.migration_tries > 0
-            opening = OpenRequest("", sent_request, dep.max_concurrent, adapter, want, resume, work)
+            limit = dep.max_concurrent if facts.kind.runs_engine else NO_LIMIT
+            opening = OpenRequest("", sent_request, limit, adapter, want, resume, work)
             prefilled = self._picker.answer_once(route.actor_name, work)  # also what the replica says
             items = self._channel(route).request(opening, generated if want else None, prefilled)
             sent_here = finished = False

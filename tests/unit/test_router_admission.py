@@ -11,8 +11,9 @@ import pytest
 from atomr_infer.errors import CapacityExhausted, DeploymentNotFound, NoReadyReplica
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, RoutingTable
+from atomr_infer.wire import HttpHead, HttpRequest, RoutingFacts
 
-from .fakes import GatedReplica, route, text_of
+from .fakes import JSON, GatedReplica, answer, route, text_of
 
 
 def router(mode: str = "queue", replicas=(), **kw) -> Router:
@@ -78,3 +79,39 @@ def test_no_ready_replica_after_the_bounded_wait_and_unknown_names():
 
     with pytest.raises(DeploymentNotFound, match="deployments: d"):
         asyncio.run(unknown())
+
+
+class TokenizesAtOnce(GatedReplica):
+    """Holds generation requests until its gate opens; answers tokenizing at once, as vLLM's
+    serving layer does (no engine step)."""
+
+    async def _serve(self, request, put, tokens, resume=None, prefilled=None):
+        if request.path in ("/tokenize", "/detokenize", "/v1/messages/count_tokens"):
+            put(HttpHead(200, JSON))
+            put(b"tokenized")
+        else:
+            await self._answer(put)
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("mode", ["queue", "reject"])
+def test_tokenizing_is_not_held_to_max_concurrent(mode, path):
+    """At capacity, a request that runs no engine step is answered at once (it waited for a
+    generation to end, or got 429), while a generation request still queues or is refused."""
+
+    async def main():
+        replica = TokenizesAtOnce("r0")
+        r = router(mode, (replica,), queue_timeout_s=0.2)
+        first = await occupy(replica, r)
+        data = {"model": "d", "prompt": "hi"}
+        facts = RoutingFacts.of(path, data)
+        try:
+            _, body = await asyncio.wait_for(answer(r.stream(facts, HttpRequest("POST", path, JSON, b"{}"))), 5)
+            with pytest.raises(CapacityExhausted):
+                await text(r)
+        finally:
+            replica.gate.set()
+            await first
+        return body
+
+    assert asyncio.run(main()) == b"tokenized"
