@@ -36,13 +36,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from atomr_infer.errors import AtomrError, EngineError, InvalidRequest, RequestError
+from atomr_infer.errors import AtomrError, EngineError, InvalidRequest, RequestError, RoutingError
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import RoutingTable
 from atomr_infer.serving_process import freeze_heap, tuning_wanted
 from atomr_infer.wire import HttpHead, HttpRequest, RoutingFacts
 
 _JSON = (("content-type", "application/json"),)
+# How long the manager may take to answer for the routing table (it answers in milliseconds):
+# a hung or unreachable manager fails the request, or leaves it routed by the cached table.
+TABLE_FETCH_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,10 @@ class Client:
         self._lock = threading.Lock()
 
     async def _fetch(self, since_version: int) -> RoutingTable | None:
-        return await self._manager.routing_table.remote(since_version)
+        try:
+            return await asyncio.wait_for(self._manager.routing_table.remote(since_version), TABLE_FETCH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RoutingError(f"the atomr manager did not answer within {TABLE_FETCH_TIMEOUT_S:g}s") from None
 
     def _router(self) -> Router:
         key = id(asyncio.get_running_loop())

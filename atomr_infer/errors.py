@@ -16,6 +16,7 @@ HTTP status codes are attached only in the ingress (``serve/``), never here.
     ├── RoutingError
     │   ├── DeploymentNotFound      no deployment by that name
     │   ├── NoReadyReplica          the deployment exists but nothing is ready to serve
+    │   ├── RouterClosed            the router (a ``Client``'s) was closed under the request
     │   └── CapacityExhausted       serving.max_concurrent reached with on_capacity_exhausted=reject
     └── EngineError                 the engine failed; open streams receive it
         ├── EngineStartFailed       the engine raised while starting (recurring unless a network error)
@@ -196,6 +197,11 @@ class CapacityExhausted(RoutingError):
             f"deployment {self.name!r} is at capacity "
             f"(serving.max_concurrent={self.max_concurrent} per replica, on_capacity_exhausted=reject)"
         )
+
+
+class RouterClosed(RoutingError):
+    """The router was closed (``Client.aclose``) while the request was open: it just ends; no
+    replica failed."""
 
 
 class ReplicaBusy(RoutingError):

@@ -38,6 +38,9 @@ Tokens = Callable[[list[int]], None]
 # serve(request, put, token sink, token ids to resume after, told once its prompt is computed):
 # runs one request, putting its items; returns at the response's end.
 Serve = Callable[[HttpRequest, Put, "Tokens | None", "list[int] | None", "Callable[[], None] | None"], Awaitable[None]]
+# How long a channel id whose stream ended is remembered (a late call of its router comes
+# within a lease or so; its router never uses the id again).
+ENDED_KEEP_S = 4 * LEASE_S
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -68,6 +71,8 @@ class Channel:
 
     def start(self, request: OpenRequest, serve: Serve) -> None:
         """Run one request: ``serve`` puts its items and returns at its end (or raises)."""
+        if self._closed:  # its router's stream ended: nobody would read it (the router fails it)
+            return
         task = asyncio.get_running_loop().create_task(self._pump(request, serve))
         self._tasks[request.request_id] = task
         # _pump's finally forgets it before the batch that ends it; a task cancelled before its
@@ -149,6 +154,9 @@ class ChannelHub:
 
     def __init__(self) -> None:
         self._channels: dict[str, Channel] = {}
+        # Channels whose stream ended or expired, by when: a late call of a slow router (an open,
+        # a keepalive) must not create them again, unread (their router sees its stream end).
+        self._ended: dict[str, float] = {}
 
     @property
     def open_requests(self) -> int:
@@ -163,6 +171,10 @@ class ChannelHub:
         """The channel ``channel_id``, created by whichever of ``open_many``, ``channel`` and
         ``keepalive`` comes first; the router was just heard from."""
         channel = self._channels.get(channel_id)
+        if channel is None and channel_id in self._ended:
+            channel = Channel(lambda: 0)
+            channel.close()
+            return channel
         if channel is None:
             channel = self._channels[channel_id] = Channel(lambda: self.open_requests, lambda: self.waiting_prefill)
         channel.heard_at = time.monotonic()
@@ -174,6 +186,8 @@ class ChannelHub:
         gone = [cid for cid, c in self._channels.items() if now - c.heard_at > lease_s]
         for channel_id in gone:
             self._channels.pop(channel_id).close()
+            self._ended[channel_id] = now
+        self._ended = {cid: at for cid, at in self._ended.items() if now - at < ENDED_KEEP_S}
         return gone
 
     async def stream(self, channel_id: str) -> AsyncIterator[Batch]:
@@ -182,7 +196,9 @@ class ChannelHub:
             async for batch in channel.batches():
                 yield batch
         finally:
-            self._channels.pop(channel_id, None)
+            if self._channels.get(channel_id) is channel:
+                del self._channels[channel_id]
+            self._ended[channel_id] = time.monotonic()
 
     def cancel(self, channel_id: str, request_ids: list[str]) -> None:
         channel = self._channels.get(channel_id)

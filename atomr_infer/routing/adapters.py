@@ -43,9 +43,12 @@ def pick_adapter_home(
     return free[name], "adapter_overflow"
 
 
-def with_model(request: HttpRequest, model: str) -> HttpRequest:
-    """The request with its JSON body's ``model`` replaced (an adapter named by its bare name);
-    a body that is not JSON (a form) as it is."""
+def by_full_name(request: HttpRequest, asked: str, deployment: str, adapter: str | None) -> HttpRequest:
+    """The request for ``adapter`` of ``deployment`` as vLLM knows it, ``<deployment>:<adapter>``:
+    with its JSON body's ``model`` replaced where it ``asked`` for it otherwise (by its bare
+    name, or by an alias of the deployment); a body that is not JSON (a form) as it is."""
+    if adapter is None or asked == (model := f"{deployment}:{adapter}"):
+        return request
     try:
         body = json.loads(request.body)
     except ValueError:

@@ -29,6 +29,7 @@ from typing import Any
 
 import ray
 
+from atomr_infer.errors import RouterClosed
 from atomr_infer.merging import MergingBuffer, join_bytes
 from atomr_infer.replica_calls import ReplicaCalls
 from atomr_infer.task_context import outside_request
@@ -130,10 +131,12 @@ class ReplicaChannel:
                         inbox.prefilled()
             raise ConnectionError("the replica closed the channel")
         except asyncio.CancelledError:
-            if gen is not None:
-                ray.cancel(gen)
             for inbox in self._inboxes.values():  # closed under open requests: they end, not hang
-                inbox.end(ConnectionError("the router closed the channel"))
+                inbox.end(RouterClosed("the router was closed under this request"))
+            # (A test's fake stream is none of Ray's: ray.cancel would start a local Ray for it.)
+            if isinstance(gen, ray.ObjectRefGenerator):
+                with contextlib.suppress(Exception):  # Ray going away too: the replica's lease ends it
+                    ray.cancel(gen)
             raise
         except Exception as exc:  # noqa: BLE001 - the replica died or is unreachable
             self.error = exc
@@ -155,39 +158,46 @@ class ReplicaChannel:
         return opened
 
     def _send_opens(self) -> None:
-        # A request cancelled before this turn is not sent (its caller's cancel finds nothing).
+        # A request cancelled before this turn is not sent (so there is nothing to cancel).
         sending = [(request, opened) for request, opened in self._opening if not opened.done()]
         self._opening = []
         if not sending:
             return
-        waiting = [opened for _, opened in sending]
+        waiting = [(request.request_id, opened) for request, opened in sending]
         try:
             ref = self._actor.open_many(self.channel_id, [request for request, _ in sending])
         except Exception as exc:  # noqa: BLE001 - not sent (e.g. Ray refused the call): each caller sees why
-            for opened in waiting:
+            for _, opened in waiting:
                 opened.set_exception(exc)
             return
         task = asyncio.get_running_loop().create_task(self._opened(ref, waiting))
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
 
-    async def _opened(self, ref: Any, waiting: list[asyncio.Future[Any]]) -> None:
+    async def _opened(self, ref: Any, waiting: list[tuple[str, asyncio.Future[Any]]]) -> None:
         try:
             results = await ref
         except BaseException as exc:  # the call failed (the replica died): every request did
-            for opened in waiting:
+            for _, opened in waiting:
                 if not opened.done():
                     opened.set_exception(exc if isinstance(exc, Exception) else ConnectionError(repr(exc)))
             if not isinstance(exc, Exception):
                 raise
             return
-        for opened, result in zip(waiting, results, strict=True):
-            if opened.done():  # its caller was cancelled meanwhile: its own cancel covers it
+        cancelled = []
+        for (request_id, opened), result in zip(waiting, results, strict=True):
+            if opened.done():  # its caller was cancelled meanwhile: cancel it now that it is open
+                if not isinstance(result, BaseException):
+                    cancelled.append(request_id)
                 continue
             if isinstance(result, BaseException):
                 opened.set_exception(result)
             else:
                 opened.set_result(result)
+        # Sent only now: Ray does not order calls to an async actor, so a cancel sent while the
+        # open was on its way could run first, find nothing, and leave the request running.
+        if cancelled and self.error is None:
+            outside_request(self._actor.cancel, self.channel_id, cancelled)
 
     async def request(
         self, request: OpenRequest, token_ids: list[int] | None = None, prefilled: Callable[[], None] | None = None
@@ -206,11 +216,14 @@ class ReplicaChannel:
         request_id = request.request_id = uuid.uuid4().hex
         inbox = self._inboxes[request_id] = _Inbox(token_ids, prefilled)
         try:
+            opened = self._open(request)
             try:
-                self._note_load(await self._open(request))
-            except BaseException as exc:
-                # Refused or failed: nothing runs. Cancelled while waiting: it may have started.
-                if not isinstance(exc, asyncio.CancelledError):
+                self._note_load(await opened)
+            except BaseException:
+                # Refused or failed: nothing runs. Cancelled while waiting: _send_opens does not
+                # send it, or _opened cancels it once open (a cancel sent now could overtake the
+                # open) -- unless it was open already: then the finally cancels it.
+                if not (opened.done() and not opened.cancelled() and opened.exception() is None):
                     inbox.end()
                 raise
             async for item in inbox:

@@ -12,7 +12,7 @@ Without the manager, routing goes on with the cached table. A replica this route
 drain leaves its picks at once, until the table drops it; one only unreachable, until a newer
 table. A request not started yet is retried on another replica; a stream already sending moves
 (routing/migration.py) or fails with ``EngineError``. A consumer that stops early cancels its
-request on the replica, which aborts it in the engine.
+request on the replica, which aborts it in the engine; closing the router ends its requests.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from atomr_infer.errors import (
     DeploymentNotFound,
     EngineError,
     NoReadyReplica,
+    RouterClosed,
 )
 from atomr_infer.log import get_logger
 from atomr_infer.replica_calls import Failure, replica_failure
@@ -77,11 +78,10 @@ class Router:
         fresh_source: TableSource | None = None,
         peek: TablePeek | None = None,
     ) -> None:
-        """``fresh_source``: asks the manager itself, for a forced refresh (a name the table
-        lacks, a replica found dead) when ``source`` is a local copy kept by long poll (the
-        ingress's): a deployment applied a moment ago is then found, not 404. ``peek``: that copy
-        read at once (``LookupError`` while it has none), so that a refresh that is not forced
-        costs no turn of the event loop (two per request cost 3.3 ms of TTFT under load)."""
+        """``fresh_source``: asks the manager itself, for a forced refresh (a name the table lacks,
+        a replica found dead) when ``source`` is a local copy kept by long poll (the ingress's): a
+        deployment applied a moment ago is found, not 404. ``peek``: that copy read at once
+        (``LookupError`` while it has none): a refresh not forced costs no turn of the event loop."""
         self._source = source
         self._fresh_source = fresh_source or source
         self._peek = peek
@@ -106,6 +106,7 @@ class Router:
         self._excluded: dict[str, int | None] = {}
         self._channels: dict[str, ReplicaChannel] = {}  # actor name -> its channel
         self._retired: list[ReplicaChannel] = []  # channels of unlisted replicas, until their requests end
+        self._closed = False  # aclose()d: opens no channel again
 
     @property
     def table(self) -> RoutingTable:
@@ -130,6 +131,8 @@ class Router:
         return channel.said()[1] if channel is not None else 0
 
     def _channel(self, route: ReplicaRoute) -> ReplicaChannel:
+        if self._closed:  # no new channel (and its tasks) after aclose()
+            raise RouterClosed("the router was closed")
         channel = self._channels.get(route.actor_name)
         if channel is None or channel.error is not None:
             channel = self._channels[route.actor_name] = ReplicaChannel(route.actor, self._released.set)
@@ -138,6 +141,7 @@ class Router:
     async def aclose(self) -> None:
         """Close every channel of this router and wait for their tasks to end (before the
         event loop that runs them is closed)."""
+        self._closed = True
         channels = [*self._channels.values(), *self._retired]
         tasks = [task for channel in channels for task in channel.close()]
         if self._background is not None and self._background.cancel():  # a table fetch under way
@@ -147,12 +151,11 @@ class Router:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def refresh(self, force: bool = False) -> RoutingTable:
-        """The routing table, fetched again if ``force`` or older than ``refresh_s``. One fetch
-        at a time of each kind: requests that arrive while one runs wait for it instead of
-        asking the manager again (1,024 requests at once made 1,024 calls). A table that is only
-        old is waited for at most ``STALE_TABLE_WAIT_S``, then routed by while the fetch goes on:
-        a manager slow to answer (restarting, its GCS away) holds no request up for longer.
-        With ``peek``, a refresh that is not forced reads the local copy and waits for nothing."""
+        """The routing table, fetched again if ``force`` or older than ``refresh_s``. One fetch at a
+        time of each kind: requests that arrive meanwhile wait for it (1,024 at once made 1,024
+        calls). A table only old is waited for at most ``STALE_TABLE_WAIT_S``, then routed by while
+        the fetch goes on (a manager restarting holds no request up). With ``peek``, a refresh not
+        forced reads the local copy and waits for nothing."""
         if not force and self._peek is not None and self._table.version >= 0:
             with contextlib.suppress(LookupError):
                 self._adopt(self._peek(self._table.version))
@@ -273,13 +276,12 @@ class Router:
                     usable = migration.on_model(usable, dep, model, self._excluded)
                 if facts.response_id is not None:
                     usable = response_ids.holding(usable, dep.name, facts.response_id)
-                if usable and not facts.kind.runs_engine:  # tokenizing: not held to max_concurrent
-                    loads = {r.actor_name: self.load(r.actor_name) for r in usable}
-                    return dep, pick_replica(usable, loads, NO_LIMIT), adapter, 0  # type: ignore[return-value]
                 if usable:
+                    loads = {r.actor_name: self.load(r.actor_name) for r in usable}
+                    if not facts.kind.runs_engine:  # tokenizing: not held to max_concurrent
+                        return dep, pick_replica(usable, loads, NO_LIMIT), adapter, 0  # type: ignore[return-value]
                     if not tokens or (tokens[0] is None and dep.policy == "kv_events"):
                         tokens[:] = [await self._picker.prompt_tokens(dep, usable, facts.prompt)]
-                    loads = {r.actor_name: self.load(r.actor_name) for r in usable}
                     choice = self._picker.pick(dep, usable, loads, key, adapter, tokens[0], self._prefill_waiting)
                     if choice is not None:
                         return dep, choice, adapter, self._picker.take_work(choice.actor_name)
@@ -321,8 +323,7 @@ class Router:
         generated: list[int] = []  # token ids a resumable stream generated, as the replicas report them
         resume: list[int] | None = None  # set once it moved: continue after these
         sent = body_sent = False  # anything (any body bytes) sent to the caller, by any replica
-        failed_at = 0.0
-        began_on = ""  # the model the stream's tokens came from (resumed: only on that model)
+        failed_at, began_on = 0.0, ""  # began_on: the model its tokens came from (moved: only on that one)
         if facts.resumable and not facts.named:  # the body's request_id names its chunks on any replica
             request = migration.named(request)
         while True:
@@ -330,9 +331,7 @@ class Router:
             attempt += 1
             last_try = attempt >= MAX_ATTEMPTS
             self._in_flight[route.actor_name] += 1
-            sent_request = request
-            if adapter is not None and name != f"{dep.name}:{adapter}":  # vLLM knows it by its full name
-                sent_request = adapters.with_model(sent_request, f"{dep.name}:{adapter}")
+            sent_request = adapters.by_full_name(request, name, dep.name, adapter)
             if facts.names_response:
                 sent_request = response_ids.with_request_id(sent_request, response_ids.mint(dep.name, route.replica_id))
             want = bool(facts.resumable) and dep.migration_tries > 0

@@ -114,7 +114,7 @@ class OpenAIIngress:
         self._tables = TableCache()
         self._router = Router(
             self._tables.get, wait_for_replica_s=replica_wait_s, refresh_s=0.0,
-            demand=lambda *report: self._tables.manager().report_demand.remote(*report),
+            demand=lambda *report: self._tables.cached_manager().report_demand.remote(*report),
             fresh_source=self._tables.fetch, peek=self._tables.peek,
         )
         self._listener = None
@@ -279,9 +279,12 @@ class OpenAIIngress:
 
     # -- models and health -------------------------------------------------------------------
 
+    async def _list(self) -> list[DeploymentStatus]:
+        return await (await self._tables.manager()).list.remote()
+
     async def _deployments(self) -> list[DeploymentStatus]:
         try:
-            statuses = await asyncio.wait_for(self._tables.manager().list.remote(), MANAGER_CALL_TIMEOUT_S)
+            statuses = await asyncio.wait_for(self._list(), MANAGER_CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - not started, restarting, or timed out
             self._tables.forget_manager()
             raise ManagerUnreachable(f"{type(exc).__name__}: {exc}") from None

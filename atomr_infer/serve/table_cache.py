@@ -40,10 +40,18 @@ class TableCache:
         self._loaded = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    def manager(self) -> Any:
-        """The manager actor handle, looked up by name once and again after a failed call."""
+    async def manager(self) -> Any:
+        """The manager actor handle, looked up by name once and again after a failed call. The
+        lookup (``ray.get_actor``) blocks on the GCS (up to 60 s while it is away): it runs in
+        a thread, never on the event loop that serves every stream of the ingress."""
         if self._handle is None:
-            self._handle = self._lookup()
+            self._handle = await asyncio.to_thread(self._lookup)
+        return self._handle
+
+    def cached_manager(self) -> Any:
+        """The handle if one is cached, at once (fire-and-forget calls): else ``LookupError``."""
+        if self._handle is None:
+            raise LookupError("the manager has not been looked up yet")
         return self._handle
 
     def forget_manager(self) -> None:
@@ -90,13 +98,16 @@ class TableCache:
         """Ask the manager now, not the local copy (which lags it by the long poll's round
         trip): the table if it differs from ``since_version``, and the cache takes it too."""
         try:
-            newer = await asyncio.wait_for(self.manager().routing_table.remote(since_version, 0.0), FETCH_TIMEOUT_S)
+            newer = await asyncio.wait_for(self._ask(since_version, 0.0), FETCH_TIMEOUT_S)
         except Exception:
             self._handle = None  # look it up again next time: it may have been re-created
             raise
         if newer is not None:
             self._take(newer)
         return newer
+
+    async def _ask(self, since_version: int, timeout_s: float) -> RoutingTable | None:
+        return await (await self.manager()).routing_table.remote(since_version, timeout_s)
 
     def _take(self, newer: RoutingTable) -> None:
         # Any table that differs is taken ("different", not "higher"): a restarted manager starts
@@ -108,7 +119,7 @@ class TableCache:
     async def _poll(self) -> None:
         while True:
             try:
-                newer = await self.manager().routing_table.remote(self._table.version, self._poll_timeout_s)
+                newer = await self._ask(self._table.version, self._poll_timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the manager may be restarting; keep serving the old table

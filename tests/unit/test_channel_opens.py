@@ -12,8 +12,9 @@ from ray.exceptions import RayTaskError
 from atomr_infer.errors import ReplicaBusy
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, RoutingTable
+from atomr_infer.wire import HttpHead
 
-from .fakes import FakeReplica, route, text_of
+from .fakes import JSON, FakeReplica, answer, request, route, text_of
 
 
 class Recording(FakeReplica):
@@ -91,3 +92,41 @@ def test_a_replicas_word_on_its_load_counts_for_load_fresh_s_and_an_open_keeps_i
     assert heard.said() == (4, 5)
     monkeypatch.setattr(channel, "LOAD_FRESH_S", -1.0)  # as if LOAD_FRESH_S went by with no word
     assert heard.said() == (0, 0)
+
+
+class LateOpen(FakeReplica):
+    """Its ``open_many`` runs late (a large argument still on its way: Ray does not order the
+    calls to an async actor), so a cancel sent after it may run first; each answer is long."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.sent, self.deliver = asyncio.Event(), asyncio.Event()
+
+    async def _open_many(self, channel_id, requests):
+        self.sent.set()
+        await self.deliver.wait()
+        return await super()._open_many(channel_id, requests)
+
+    async def _answer(self, put):
+        put(HttpHead(200, JSON))
+        await asyncio.Event().wait()
+
+
+def test_a_request_cancelled_while_its_open_is_on_its_way_is_cancelled_once_open():
+    replica = LateOpen("r0")
+
+    async def main():
+        r = router(replica, refresh_s=3600)
+        await r.refresh()
+        stream = asyncio.create_task(answer(r.stream(*request())))
+        await replica.sent.wait()
+        stream.cancel()  # the client went away
+        await asyncio.gather(stream, return_exceptions=True)
+        replica.deliver.set()  # the open runs on the replica after the cancel was sent
+        for _ in range(20):
+            await asyncio.sleep(0)
+        open_after = replica.hub.open_requests
+        await r.aclose()
+        return open_after
+
+    assert asyncio.run(main()) == 0  # not left running in the engine
