@@ -133,7 +133,7 @@ class Channel:
     async def batches(self) -> AsyncIterator[Batch]:
         """The channel's messages, until the router goes away (then its requests are cancelled)."""
         try:
-            while True:
+            while not self._closed:  # (closed before its stream began: the id of one that ended)
                 if not self._batch:
                     self._ready.clear()
                     await self._ready.wait()

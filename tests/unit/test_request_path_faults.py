@@ -88,6 +88,20 @@ def test_a_channel_whose_stream_ended_is_not_created_again_by_a_late_call():
     assert asyncio.run(main()) == (False, 0, [])  # nothing runs unread, uncounted, uncancellable
 
 
+def test_a_late_stream_call_for_a_channel_that_ended_ends_at_once():
+    async def main():
+        hub = ChannelHub()
+        hub.get("c")
+        hub.expire(0.0)  # its router was not heard from: gone before its stream call arrived
+
+        async def read():
+            return [batch async for batch in hub.stream("c")]
+
+        return await asyncio.wait_for(read(), 2)  # its router's reader sees the end and moves on
+
+    assert asyncio.run(main()) == []
+
+
 class Streaming(FakeReplica):
     async def _answer(self, put):
         put(HttpHead(200, JSON))
