@@ -7,8 +7,8 @@ of these calls into what the caller does about it:
 
 - ``DEAD``: the actor is gone for good (it died, or was killed): exclude it, retry elsewhere;
 - ``UNREACHABLE``: Ray cannot reach it now (it may come back), or its channel closed, or Ray
-  lost the call or its output on the way (any other error of Ray's own, not the replica's: a
-  batch held in the object store of a node that died is an ``ObjectLostError``);
+  lost the call or its output on the way (``ObjectLostError``: a batch held in the object store
+  of a node that died; ``RaySystemError``);
 - ``BUSY``: at its ``max_concurrent`` (``ReplicaBusy``): route again, it counts as full;
 - ``UNAVAILABLE``: draining or stopped (``ReplicaUnavailable``): never picked again;
 - ``FAILED``: the request itself failed there (atomr's own error, or anything else as
@@ -49,13 +49,16 @@ class ReplicaFailure:
 
 def replica_failure(exc: BaseException) -> ReplicaFailure:
     """What a call to a replica raised, sorted (see the module's docstring)."""
-    from ray.exceptions import ActorUnavailableError, NodeDiedError, RayActorError, RayError, RayTaskError
+    from ray.exceptions import ActorUnavailableError, NodeDiedError, ObjectLostError, RayActorError, RaySystemError
 
     if isinstance(exc, ActorUnavailableError | ConnectionError):  # a subclass of RayActorError: first
         return ReplicaFailure(Failure.UNREACHABLE, exc)
     if isinstance(exc, RayActorError | NodeDiedError):  # ActorDiedError among them
         return ReplicaFailure(Failure.DEAD, exc)
-    if isinstance(exc, RayError) and not isinstance(exc, RayTaskError):  # Ray's, not the replica's
+    # Ray lost the call or its output on the way. Not every error of Ray's: one of the caller's
+    # own side (its object store full, its disk, a cancel) says nothing of the replica, and an
+    # exclusion lasts until the table changes: it stays a failure of this request (FAILED).
+    if isinstance(exc, ObjectLostError | RaySystemError):
         return ReplicaFailure(Failure.UNREACHABLE, exc)
     cause = unwrap(exc)
     if isinstance(cause, ReplicaBusy):

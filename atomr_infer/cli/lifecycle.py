@@ -95,7 +95,8 @@ def _start_api(
     host: str, port: int, api_keys: str | None = None, max_body_bytes: int | None = None, cors: Cors | None = None,
 ) -> None:
     """The API on ``host:port``: started, or reported when it already runs there (updated in
-    place when ``api_keys``, ``max_body_bytes`` or ``cors`` is given, so that they take effect)."""
+    place when ``api_keys``, ``max_body_bytes`` or ``cors`` is given, so that they take effect;
+    what is not given stays as it runs)."""
     try:
         common.import_serve()
     except AtomrError as exc:
@@ -105,11 +106,14 @@ def _start_api(
     try:
         current = running_server()
         reconfigure = api_keys is not None or max_body_bytes is not None or cors is not None
-        if current is not None and (current.host, current.port) == (host, port) and not reconfigure:
-            _line("api", f"{current.base_url} (OpenAI-compatible, already running)")
-            return
+        settings = {"api_keys_path": api_keys, "max_body_bytes": max_body_bytes, "cors": cors}
+        if current is not None and (current.host, current.port) == (host, port):
+            if not reconfigure:
+                _line("api", f"{current.base_url} (OpenAI-compatible, already running)")
+                return
+            settings = current.kept(api_keys, max_body_bytes, cors)
         _line("api", f"starting the OpenAI-compatible API on {host}:{port} …")
-        server = run_server(host, port, blocking=True, api_keys_path=api_keys, max_body_bytes=max_body_bytes, cors=cors)
+        server = run_server(host, port, blocking=True, **settings)
     except AtomrError as exc:  # the port is taken: the error says which
         fail(exc)
     except Exception as exc:  # noqa: BLE001 - Serve's own errors, in one line

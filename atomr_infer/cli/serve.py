@@ -43,7 +43,7 @@ def serve_command(
         common.import_serve()
     except AtomrError as exc:
         fail(exc)
-    from atomr_infer.serve import run_server, stop_server
+    from atomr_infer.serve import run_server, running_server, stop_server
     from atomr_infer.serve.api_keys import load_key_file
     from atomr_infer.serve.server import hold_foreground
 
@@ -51,16 +51,18 @@ def serve_command(
         if api_keys is not None:
             load_key_file(api_keys)  # a bad file fails in one line before anything starts
         common.connect(address, start=True)  # says so when it starts a local head, as other commands do
-        server = run_server(
-            host, port, address, blocking=True, replica_wait_s=replica_wait, api_keys_path=api_keys,
-            max_body_bytes=int(max_body_mb * 1024 * 1024) if max_body_mb else None,
-            cors=common.cors_of(allowed_origins, allowed_methods, allowed_headers, allow_credentials),
-        )
+        max_body_bytes = int(max_body_mb * 1024 * 1024) if max_body_mb else None
+        cors = common.cors_of(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
+        settings = {"api_keys_path": api_keys, "max_body_bytes": max_body_bytes, "cors": cors}
+        current = running_server()  # (`atomr up --serve` started it): what is not given stays as it runs
+        if current is not None and (current.host, current.port) == (host, port):
+            settings = current.kept(api_keys, max_body_bytes, cors)
+        server = run_server(host, port, address, blocking=True, replica_wait_s=replica_wait, **settings)
     except Exception as exc:  # noqa: BLE001 - one line, the CLI's exit codes
         fail(exc)
     routes = "chat, completions, Responses, Anthropic Messages, embeddings, pooling, score, rerank, audio"
     out.print(f"OpenAI-compatible API at {server.url} ({routes}: docs/http-api.md)", markup=False)
-    key_hint = '"<a key from the file>"' if api_keys else '"unused"'
+    key_hint = '"<a key from the file>"' if settings["api_keys_path"] else '"unused"'
     out.print(f'openai client: OpenAI(base_url="{server.base_url}", api_key={key_hint})')
     out.print("Ctrl-C to stop.")
     stop = threading.Event()

@@ -6,7 +6,6 @@ only here, before it is saved.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from atomr_infer.control.autoscale import Autoscaler, BudgetCap, ScaleDecision, 
 from atomr_infer.control.reconcile import DeploymentReconciler
 from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord, adapter_routes
 from atomr_infer.control.store import DeploymentRecord
-from atomr_infer.errors import one_line
+from atomr_infer.errors import SpecError, one_line
 from atomr_infer.log import get_logger
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
 from atomr_infer.spec import Deployment, normalized, parse_deployment, runtime_fields
@@ -170,18 +169,27 @@ def recover_or_stop(
     record: DeploymentRecord, reconciler: DeploymentReconciler, launcher: ReplicaLauncher, now: Callable[[], float],
 ) -> ManagedDeployment | None:
     """A stored deployment, recovered with its live replicas (a restarted manager). None if this
-    version refuses its spec: then its replicas, which the manager can neither route to nor
-    manage, are adopted into ``reconciler`` to be drained and stopped as a removal's are (they
-    free their GPUs, and their names for a corrected apply), and the reason is its last failure
-    (``atomr status``) until they are gone."""
+    version refuses its spec (``SpecError``): then its replicas, which the manager can neither
+    route to nor manage, are adopted into ``reconciler`` and drained and stopped as a removal's
+    are (they free their GPUs, and their names for a corrected apply), and the reason is its last
+    failure (``atomr status``) until they are gone."""
+    refused: SpecError | None = None
     try:
-        return ManagedDeployment.recover(record, reconciler, launcher, now)
-    except Exception as exc:  # noqa: BLE001 - any refusal: the manager's other deployments recover
-        reconciler.replicas.clear()  # recover may have failed part of the way through adopting
-        with contextlib.suppress(Exception):  # a replica listed in a form it cannot read stays as it is
-            adopt_replicas(record, reconciler, launcher, now)
-        reconciler.set_desired(None, record.generation + 1, "")
-        reconciler.last_failure = f"not recovered: this version of atomr refuses its stored spec ({one_line(exc)})"
-        log.error("deployment_not_recovered", deployment=reconciler.name, error=str(exc),
-                  stopping=len(reconciler.replicas))
+        parse_deployment(record.spec)
+    except SpecError as exc:
+        refused = exc
+    try:
+        if refused is None:
+            return ManagedDeployment.recover(record, reconciler, launcher, now)
+        adopt_replicas(record, reconciler, launcher, now)
+    except Exception as exc:  # noqa: BLE001 - Ray's, adopting: nothing against the spec; skipped, as before
+        log.error("deployment_not_recovered", deployment=reconciler.name, error=str(exc))
+        reconciler.replicas.clear()  # none stopped
+        reconciler.set_desired(None, record.generation + 1, "")  # (gone from the manager's next pass)
         return None
+    reconciler.set_desired(None, record.generation + 1, "")
+    reconciler.drain_live()  # adopted: not heard ready yet, but maybe serving a router's cached table
+    reconciler.last_failure = f"not recovered: this version of atomr refuses its stored spec ({one_line(refused)})"
+    log.error("deployment_not_recovered", deployment=reconciler.name, error=str(refused),
+              stopping=len(reconciler.replicas))
+    return None

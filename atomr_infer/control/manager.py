@@ -65,9 +65,9 @@ class DeploymentManager:
         self._removing: dict[str, DeploymentReconciler] = {}
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
-        # Versions start from the clock so a restarted manager never reuses a version number
-        # that routers may have cached with different contents.
-        self._table = RoutingTable(version=time.time_ns() // 1_000_000)
+        # Versions start from the clock (in µs: no manager publishes that often) so a restarted
+        # manager never reuses a version number that routers may have cached with other contents.
+        self._table = RoutingTable(version=time.time_ns() // 1_000)
         self._table_changed = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._metrics = ManagerMetrics()

@@ -75,6 +75,8 @@ class DeploymentReconciler:
     def set_desired(self, spec: Deployment | None, generation: int, runtime_key: str) -> None:
         if generation != self.generation:
             self.retry()  # a changed spec may start where the old one could not
+        if spec is not None and self.spec is None:  # re-created while removed: not the old one's failure
+            self.last_failure = self.failure_kind = ""
         self.spec, self.generation, self.runtime_key = spec, generation, runtime_key
 
     def retry(self) -> None:
@@ -82,6 +84,17 @@ class DeploymentReconciler:
         if self.gave_up:
             self._log.info("deployment_retry", last_failure=self.last_failure)
         self.failures, self.recurring_failures, self.next_start_at = 0, 0, 0.0
+
+    def drain_live(self) -> None:
+        """Drain every live replica now, a starting one too: adopted by a restarted manager, it
+        is STARTING until it answers, yet may serve a router's cached table (a removal's
+        ``_retire`` would stop it at once, cutting what it runs)."""
+        now = self._clock()
+        for r in self.replicas:
+            if r.live:
+                r.handle.begin_drain(self._cfg.drain_timeout_s)
+                r.drain_deadline = now + self._cfg.drain_timeout_s + 5.0
+                self._set_state(r, ReplicaState.DRAINING, now)
 
     def adopt(self, record: ReplicaRecord) -> None:
         """Take over a replica found alive after a manager restart."""

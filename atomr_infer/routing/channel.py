@@ -56,6 +56,14 @@ class _Inbox(MergingBuffer[Item]):
         return LastBytes(item) if type(item) is bytes else item
 
 
+def _stop(stream: Any) -> None:
+    """Cancel the replica's channel stream (which cancels its requests there). A test's fake
+    stream is none of Ray's: ``ray.cancel`` would start a local Ray for it."""
+    if isinstance(stream, ray.ObjectRefGenerator):
+        with contextlib.suppress(Exception):  # the replica or Ray gone too: its lease ends them
+            ray.cancel(stream)
+
+
 class ReplicaChannel:
     def __init__(self, actor: Any, on_load: Callable[[], None] = lambda: None) -> None:
         self._actor = ReplicaCalls(actor)
@@ -133,10 +141,7 @@ class ReplicaChannel:
         except asyncio.CancelledError:
             for inbox in self._inboxes.values():  # closed under open requests: they end, not hang
                 inbox.end(RouterClosed("the router was closed under this request"))
-            # (A test's fake stream is none of Ray's: ray.cancel would start a local Ray for it.)
-            if isinstance(gen, ray.ObjectRefGenerator):
-                with contextlib.suppress(Exception):  # Ray going away too: the replica's lease ends it
-                    ray.cancel(gen)
+            _stop(gen)
             raise
         except Exception as exc:  # noqa: BLE001 - the replica died or is unreachable
             self.error = exc
@@ -144,6 +149,7 @@ class ReplicaChannel:
                 self._renewer.cancel()
             for inbox in self._inboxes.values():
                 inbox.end(exc)
+            _stop(gen)  # a replica still alive (its batch lost on the way) stops what moves elsewhere
 
     def _open(self, request: OpenRequest) -> asyncio.Future[Any]:
         """Open one request on the replica, sent with every other request opened on this

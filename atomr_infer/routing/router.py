@@ -277,11 +277,12 @@ class Router:
                 if facts.response_id is not None:
                     usable = response_ids.holding(usable, dep.name, facts.response_id)
                 if usable:
-                    loads = {r.actor_name: self.load(r.actor_name) for r in usable}
                     if not facts.kind.runs_engine:  # tokenizing: not held to max_concurrent
+                        loads = {r.actor_name: self.load(r.actor_name) for r in usable}
                         return dep, pick_replica(usable, loads, NO_LIMIT), adapter, 0  # type: ignore[return-value]
                     if not tokens or (tokens[0] is None and dep.policy == "kv_events"):
                         tokens[:] = [await self._picker.prompt_tokens(dep, usable, facts.prompt)]
+                    loads = {r.actor_name: self.load(r.actor_name) for r in usable}  # after the wait: current
                     choice = self._picker.pick(dep, usable, loads, key, adapter, tokens[0], self._prefill_waiting)
                     if choice is not None:
                         return dep, choice, adapter, self._picker.take_work(choice.actor_name)

@@ -53,8 +53,8 @@ def cors_list(flag: str, value: str) -> tuple[str, ...]:
     else:
         items = text.split(",")
     items = [i.strip() for i in items]
-    if not items:
-        raise AtomrError(f"{flag}: {value!r} is empty (use '*' for any)")
+    if not items:  # '[]': vLLM's own default for the origins, given explicitly (none)
+        return ()
     if not all(items):
         raise AtomrError(f"{flag}: {value!r} has an empty entry (use '*' for any)")
     return tuple(items)

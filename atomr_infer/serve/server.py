@@ -13,11 +13,13 @@ says it holds the API (``hold_foreground``), so that ``stop_server`` elsewhere w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from atomr_infer.errors import AtomrError
 from atomr_infer.log import get_logger
@@ -32,6 +34,20 @@ class Server:
     host: str
     port: int
     started_serve: bool  # whether run_server started Serve (and so stop_server may shut it down)
+    # What it runs with, as run_server recorded it: api_keys_path, max_body_bytes, cors (a dict).
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def kept(self, api_keys_path: str | None, max_body_bytes: int | None, cors: Cors | None) -> dict[str, Any]:
+        """run_server's settings for an update in place from the CLI: each given, else the one it
+        runs with (adding CORS to an API with keys must not drop its keys)."""
+        was = self.settings
+        recorded_cors = was.get("cors")
+        return {
+            "api_keys_path": api_keys_path if api_keys_path is not None else was.get("api_keys_path"),
+            "max_body_bytes": max_body_bytes if max_body_bytes is not None else was.get("max_body_bytes"),
+            "cors": cors if cors is not None or not recorded_cors else Cors(**{
+                k: tuple(v) if isinstance(v, list) else v for k, v in recorded_cors.items()}),
+        }
 
     @property
     def url(self) -> str:
@@ -63,7 +79,7 @@ def _start_serve() -> bool:
 
 
 def _record(server: Server | None) -> None:
-    """Where the API listens, for ``running_server`` in any process (None: it stopped)."""
+    """Where the API listens and with what, for ``running_server`` in any process (None: it stopped)."""
     from ray.experimental import internal_kv
 
     from atomr_infer.cluster import NAMESPACE
@@ -71,20 +87,22 @@ def _record(server: Server | None) -> None:
     if server is None:
         internal_kv._internal_kv_del(APP_NAME, namespace=NAMESPACE)
     else:
-        value = json.dumps({"host": server.host, "port": server.port})
+        value = json.dumps({"host": server.host, "port": server.port, "settings": server.settings})
         internal_kv._internal_kv_put(APP_NAME, value, overwrite=True, namespace=NAMESPACE)
 
 
 def _recorded() -> tuple[str, int] | None:
+    value = _recorded_value()
+    return None if value is None else (value["host"], int(value["port"]))
+
+
+def _recorded_value() -> dict[str, Any] | None:
     from ray.experimental import internal_kv
 
     from atomr_infer.cluster import NAMESPACE
 
     raw = internal_kv._internal_kv_get(APP_NAME, namespace=NAMESPACE)
-    if raw is None:
-        return None
-    value = json.loads(raw)
-    return value["host"], int(value["port"])
+    return None if raw is None else json.loads(raw)
 
 
 # `atomr serve` processes that run the API in the foreground: one key each (host:pid), whose
@@ -158,7 +176,7 @@ def run_server(
     ``replica_wait_s``: how long a request waits for a ready replica before 503.
     ``num_replicas``: ingress replicas (each holds its own routing-table cache).
     ``max_body_bytes``: larger request bodies get 413 before routing (default 16 MiB).
-    ``cors``: which web pages may call it (serve/cors.py; default: any, as ``vllm serve``).
+    ``cors``: which web pages may call it (serve/cors.py; default: none, as ``vllm serve`` 0.32).
     ``api_keys_path``: an API keys file (serve/api_keys.py), checked here first; the ingress
     replicas read it, and re-read it when it changes, from this path (on their node).
     """
@@ -194,7 +212,9 @@ def run_server(
         if started:
             _shutdown_serve()
         raise
-    server = Server(host, port, started)
+    settings = {"api_keys_path": api_keys_path, "max_body_bytes": max_body_bytes,
+                "cors": dataclasses.asdict(cors) if cors is not None else None}
+    server = Server(host, port, started, settings)
     _record(server)
     log.info("openai_api_running", url=server.base_url)
     return server
@@ -204,10 +224,10 @@ def running_server() -> Server | None:
     """The API this cluster serves now (where it listens), or None."""
     from ray import serve
 
-    address = _recorded()
-    if address is None or not _serve_running() or APP_NAME not in serve.status().applications:
+    value = _recorded_value()
+    if value is None or not _serve_running() or APP_NAME not in serve.status().applications:
         return None
-    return Server(*address, started_serve=False)
+    return Server(value["host"], int(value["port"]), started_serve=False, settings=value.get("settings") or {})
 
 
 @dataclass(frozen=True)

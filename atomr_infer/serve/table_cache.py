@@ -34,6 +34,7 @@ class TableCache:
     ) -> None:
         self._lookup = lookup or _lookup_manager
         self._handle: Any = None
+        self._looking: asyncio.Future[Any] | None = None  # the lookup under way
         self._poll_timeout_s, self._first_load_timeout_s = poll_timeout_s, first_load_timeout_s
         self._last_error = ""
         self._table = RoutingTable(version=-1)
@@ -45,7 +46,13 @@ class TableCache:
         lookup (``ray.get_actor``) blocks on the GCS (up to 60 s while it is away): it runs in
         a thread, never on the event loop that serves every stream of the ingress."""
         if self._handle is None:
-            self._handle = await asyncio.to_thread(self._lookup)
+            # One lookup at a time, shared (and shielded: a caller's timeout leaves it running for
+            # the next): each blocked lookup holds a thread of the loop's default executor, which
+            # the router's tokenizing shares; a probe a second would fill it while the GCS is away.
+            if self._looking is None or self._looking.done():
+                self._looking = asyncio.ensure_future(asyncio.to_thread(self._lookup))
+                self._looking.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: not logged
+            self._handle = await asyncio.shield(self._looking)
         return self._handle
 
     def cached_manager(self) -> Any:

@@ -351,3 +351,26 @@ def test_a_page_of_the_allowed_origin_is_answered_before_and_after_the_key_check
     assert keyed_post.status_code == 200 and keyed_post.headers["access-control-allow-origin"] == PAGE
     bare = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"origin": PAGE}, timeout=30)
     assert bare.status_code == 401 and bare.headers["access-control-allow-origin"] == PAGE
+
+
+def test_atomr_up_adding_an_origin_to_the_running_api_keeps_its_keys(keyed, ray_cluster):
+    """`atomr up --serve --allowed-origins` updates the API in place: what it is not given (the
+    keys, the body limit) stays as the API runs with it. It dropped the keys (and served all)."""
+    url, path = keyed
+    path.write_text(KEYS)  # (tests above leave it in other states)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    env = {**os.environ, "NO_COLOR": "1"}
+    env.pop("RAY_ADDRESS", None)
+    address = ray_cluster.get_runtime_context().gcs_address
+    other = "https://other.example"
+    proc = subprocess.run([str(ATOMR), "up", "--serve", "--host", host, "--port", port, "--address", address,
+                           "--no-gemma", "--allowed-origins", f"{PAGE},{other}"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    body = {"model": "smollm2", "messages": ASK, "max_tokens": 4}
+    bare = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"origin": other}, timeout=30)
+    assert bare.status_code == 401, bare.text  # still keyed
+    assert bare.headers["access-control-allow-origin"] == other  # and the new origin allowed
+    big = httpx.post(f"{url}/v1/chat/completions", content=b"x" * (MAX_BODY + 1),
+                     headers={"authorization": f"Bearer {ALICE}", "content-type": "application/json"}, timeout=30)
+    assert big.status_code == 413  # the body limit kept too

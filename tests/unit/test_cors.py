@@ -20,6 +20,7 @@ from atomr_infer.serve.cors import Cors, cors_list
     ('["https://a.example", "https://b.example"]', ("https://a.example", "https://b.example")),
     ("https://a.example, https://b.example", ("https://a.example", "https://b.example")),
     ("GET", ("GET",)),
+    ("[]", ()),  # vLLM's default, given explicitly: `vllm serve --allowed-origins '[]'` takes it
 ])
 def test_a_flag_takes_vllms_json_list_or_a_comma_separated_one(value, expected):
     assert cors_list("--allowed-origins", value) == expected
@@ -29,7 +30,6 @@ def test_a_flag_takes_vllms_json_list_or_a_comma_separated_one(value, expected):
     ('["https://a.example"', "is not a JSON list"),
     ('["https://a.example", 3]', "is not a list of strings"),
     ("a,,b", "has an empty entry"),
-    ("[]", "is empty"),
 ])
 def test_a_bad_value_is_one_line_naming_the_flag_and_the_value(value, says):
     with pytest.raises(AtomrError) as info:
@@ -82,3 +82,18 @@ def test_only_the_origins_allowed_get_an_answer_a_browser_accepts():
                                              "access-control-request-method": "DELETE"})
     assert wrong_method.status_code == 400
     assert "access-control-allow-origin" not in answers(cors, "GET", {"origin": "https://evil.example"}).headers
+
+
+def test_an_update_in_place_keeps_what_it_is_not_given():
+    from atomr_infer.serve.server import Server
+
+    running = Server("127.0.0.1", 8000, False, {"api_keys_path": "/keys.yaml", "max_body_bytes": 1024,
+                                                "cors": {"allowed_origins": ["https://a.example"],
+                                                         "allowed_methods": ["*"], "allowed_headers": ["*"],
+                                                         "allow_credentials": True}})
+    cors = Cors(allowed_origins=("https://b.example",))
+    assert running.kept(None, None, cors) == {"api_keys_path": "/keys.yaml", "max_body_bytes": 1024, "cors": cors}
+    kept = running.kept("/other.yaml", 2048, None)
+    assert kept["api_keys_path"] == "/other.yaml" and kept["max_body_bytes"] == 2048
+    assert kept["cors"] == Cors(("https://a.example",), ("*",), ("*",), True)
+    assert Server("h", 1, False).kept(None, None, None) == {"api_keys_path": None, "max_body_bytes": None, "cors": None}

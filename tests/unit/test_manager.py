@@ -322,3 +322,32 @@ def test_a_restarted_manager_lists_a_deployment_scaled_to_zero_and_stops_one_it_
     second.call("apply", spec(name="old"))  # a corrected spec: applied and started as any other
     second.converge()
     assert second.call("status", "old").replicas_ready == 1
+
+
+def test_a_refused_specs_adopted_replicas_are_drained_not_killed_and_a_ray_error_stops_nothing() -> None:
+    import json
+
+    from .fakes import Poll
+
+    first = Harness()
+    first.call("apply", spec(name="old"))
+    first.call("apply", spec(name="good"))
+    first.converge()
+    record = json.loads(first.store._blob["old"])
+    record["spec"]["runtime_config"]["extra_engine_args"] = {"enable_lora": True}
+    first.store._blob["old"] = json.dumps(record)
+    for handle in first.launcher.started:  # a restarted manager has not heard them answer ready() yet
+        handle.ready = Poll.pending()
+    adopt = first.launcher.adopt
+
+    def flaky(deployment, replica_id):  # the new head's GCS, not answering yet
+        if deployment == "good":
+            raise TimeoutError("GCS did not answer")
+        return adopt(deployment, replica_id)
+
+    first.launcher.adopt = flaky
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.manager.reconcile_once()
+    old, good = ([h for h in first.launcher.started if h.actor_name == f"atomr:{n}:r0"][0] for n in ("old", "good"))
+    assert old.draining and not old.stopped  # it may serve a router's cached table: what it runs ends
+    assert not (good.draining or good.stopped)  # nothing against its spec: not stopped

@@ -134,3 +134,28 @@ def test_closing_a_router_ends_its_requests_without_blaming_the_replica(stream):
         return router._excluded, dict(router.migrations), router._channels
 
     assert asyncio.run(main()) == ({}, {}, {})
+
+
+def test_callers_that_time_out_share_one_manager_lookup():
+    from atomr_infer.serve.table_cache import TableCache
+
+    lookups = []
+
+    def away():  # ray.get_actor with the GCS away
+        lookups.append(1)
+        time.sleep(0.5)
+        raise ValueError("Failed to look up actor")
+
+    async def main():
+        cache = TableCache(lookup=away)
+
+        async def probe():  # /health, /v1/models: bounded by MANAGER_CALL_TIMEOUT_S
+            with pytest.raises(Exception):  # noqa: B017, PT011
+                await asyncio.wait_for(cache.manager(), 0.05)
+            cache.forget_manager()
+
+        await asyncio.gather(*[probe() for _ in range(12)])
+        await asyncio.sleep(0.6)
+
+    asyncio.run(main())
+    assert len(lookups) == 1  # not a thread each, filling the executor the router's tokenizing shares

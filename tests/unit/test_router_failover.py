@@ -192,3 +192,21 @@ def test_a_deployment_the_ingress_copy_lacks_yet_is_found_by_asking_the_manager(
 
     assert asyncio.run(main()) == ["from r0"] * 3
     assert manager.asked == 1  # once: the copy has the new table from then on
+
+
+def test_an_error_of_the_routers_own_side_fails_the_request_and_excludes_no_replica():
+    from ray.exceptions import ObjectStoreFullError
+
+    from atomr_infer.errors import EngineError
+
+    failing, other = FakeReplica("r0", ObjectStoreFullError("the local object store is full")), FakeReplica("r1")
+    tables = Tables(failing, other)
+
+    async def main():
+        router = Router(tables.source, refresh_s=0.0)
+        with pytest.raises(EngineError, match="ObjectStoreFullError"):
+            for _ in range(20):  # until it picks r0
+                await text_of(router)
+        return router._excluded
+
+    assert asyncio.run(main()) == {}  # an exclusion would last until the table changes
