@@ -59,7 +59,7 @@ def cors_list_option(flag: str, prefix: str = "") -> Any:
 
 def allow_credentials_option(prefix: str = "") -> Any:
     what = "let cross-origin pages send cookies (CORS)."
-    return typer.Option(False, "--allow-credentials", help=f"{prefix}{what}" if prefix else what.capitalize())
+    return typer.Option(False, "--allow-credentials", help=f"{prefix}{what}" if prefix else "L" + what[1:])
 
 
 def cors_of(origins: Any, methods: Any, headers: Any, credentials: bool) -> Cors | None:
