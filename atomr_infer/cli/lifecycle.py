@@ -102,16 +102,15 @@ def _start_api(
     except AtomrError as exc:
         fail(exc)
     from atomr_infer.serve import run_server, running_server
+    from atomr_infer.serve.server import api_settings
 
     try:
         current = running_server()
         reconfigure = api_keys is not None or max_body_bytes is not None or cors is not None
-        settings = {"api_keys_path": api_keys, "max_body_bytes": max_body_bytes, "cors": cors}
-        if current is not None and (current.host, current.port) == (host, port):
-            if not reconfigure:
-                _line("api", f"{current.base_url} (OpenAI-compatible, already running)")
-                return
-            settings = current.kept(api_keys, max_body_bytes, cors)
+        if current is not None and (current.host, current.port) == (host, port) and not reconfigure:
+            _line("api", f"{current.base_url} (OpenAI-compatible, already running)")
+            return
+        settings = api_settings(current, host, port, api_keys, max_body_bytes, cors)
         _line("api", f"starting the OpenAI-compatible API on {host}:{port} …")
         server = run_server(host, port, blocking=True, **settings)
     except AtomrError as exc:  # the port is taken: the error says which

@@ -45,7 +45,7 @@ def serve_command(
         fail(exc)
     from atomr_infer.serve import run_server, running_server, stop_server
     from atomr_infer.serve.api_keys import load_key_file
-    from atomr_infer.serve.server import hold_foreground
+    from atomr_infer.serve.server import api_settings, hold_foreground
 
     try:
         if api_keys is not None:
@@ -53,10 +53,8 @@ def serve_command(
         common.connect(address, start=True)  # says so when it starts a local head, as other commands do
         max_body_bytes = int(max_body_mb * 1024 * 1024) if max_body_mb else None
         cors = common.cors_of(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
-        settings = {"api_keys_path": api_keys, "max_body_bytes": max_body_bytes, "cors": cors}
-        current = running_server()  # (`atomr up --serve` started it): what is not given stays as it runs
-        if current is not None and (current.host, current.port) == (host, port):
-            settings = current.kept(api_keys, max_body_bytes, cors)
+        # An API running there (`atomr up --serve` started it): what is not given stays as it runs.
+        settings = api_settings(running_server(), host, port, api_keys, max_body_bytes, cors)
         server = run_server(host, port, address, blocking=True, replica_wait_s=replica_wait, **settings)
     except Exception as exc:  # noqa: BLE001 - one line, the CLI's exit codes
         fail(exc)

@@ -37,18 +37,6 @@ class Server:
     # What it runs with, as run_server recorded it: api_keys_path, max_body_bytes, cors (a dict).
     settings: dict[str, Any] = field(default_factory=dict)
 
-    def kept(self, api_keys_path: str | None, max_body_bytes: int | None, cors: Cors | None) -> dict[str, Any]:
-        """run_server's settings for an update in place from the CLI: each given, else the one it
-        runs with (adding CORS to an API with keys must not drop its keys)."""
-        was = self.settings
-        recorded_cors = was.get("cors")
-        return {
-            "api_keys_path": api_keys_path if api_keys_path is not None else was.get("api_keys_path"),
-            "max_body_bytes": max_body_bytes if max_body_bytes is not None else was.get("max_body_bytes"),
-            "cors": cors if cors is not None or not recorded_cors else Cors(**{
-                k: tuple(v) if isinstance(v, list) else v for k, v in recorded_cors.items()}),
-        }
-
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -58,6 +46,23 @@ class Server:
     def base_url(self) -> str:
         """What to give ``openai.OpenAI(base_url=...)``."""
         return f"{self.url}/v1"
+
+
+def api_settings(
+    running: Server | None, host: str, port: int, api_keys_path: str | None, max_body_bytes: int | None,
+    cors: Cors | None,
+) -> dict[str, Any]:
+    """run_server's settings from the CLI's flags: each given, else, for the API ``running`` at
+    ``host:port`` (updated in place), the one it runs with (adding CORS to an API with keys must
+    not drop its keys)."""
+    was = running.settings if running is not None and (running.host, running.port) == (host, port) else {}
+    recorded_cors = was.get("cors")
+    return {
+        "api_keys_path": api_keys_path if api_keys_path is not None else was.get("api_keys_path"),
+        "max_body_bytes": max_body_bytes if max_body_bytes is not None else was.get("max_body_bytes"),
+        "cors": cors if cors is not None or not recorded_cors else Cors(**{
+            k: tuple(v) if isinstance(v, list) else v for k, v in recorded_cors.items()}),
+    }
 
 
 def _serve_running() -> bool:

@@ -85,15 +85,19 @@ def test_only_the_origins_allowed_get_an_answer_a_browser_accepts():
 
 
 def test_an_update_in_place_keeps_what_it_is_not_given():
-    from atomr_infer.serve.server import Server
+    from atomr_infer.serve.server import Server, api_settings
 
     running = Server("127.0.0.1", 8000, False, {"api_keys_path": "/keys.yaml", "max_body_bytes": 1024,
                                                 "cors": {"allowed_origins": ["https://a.example"],
                                                          "allowed_methods": ["*"], "allowed_headers": ["*"],
                                                          "allow_credentials": True}})
     cors = Cors(allowed_origins=("https://b.example",))
-    assert running.kept(None, None, cors) == {"api_keys_path": "/keys.yaml", "max_body_bytes": 1024, "cors": cors}
-    kept = running.kept("/other.yaml", 2048, None)
+    assert api_settings(running, "127.0.0.1", 8000, None, None, cors) == {
+        "api_keys_path": "/keys.yaml", "max_body_bytes": 1024, "cors": cors}
+    kept = api_settings(running, "127.0.0.1", 8000, "/other.yaml", 2048, None)
     assert kept["api_keys_path"] == "/other.yaml" and kept["max_body_bytes"] == 2048
     assert kept["cors"] == Cors(("https://a.example",), ("*",), ("*",), True)
-    assert Server("h", 1, False).kept(None, None, None) == {"api_keys_path": None, "max_body_bytes": None, "cors": None}
+    nothing = {"api_keys_path": None, "max_body_bytes": None, "cors": None}
+    assert api_settings(Server("h", 1, False), "h", 1, None, None, None) == nothing
+    assert api_settings(running, "127.0.0.1", 8001, None, None, None) == nothing  # another address: a new API
+    assert api_settings(None, "h", 1, None, None, None) == nothing
