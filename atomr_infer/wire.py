@@ -221,6 +221,11 @@ class OpenRequest:
     # engine prefilled it (an answer not streamed: ``Batch.prefilled``).
     prefill_blocks: int = 0
 
+    @property
+    def runs_engine(self) -> bool:
+        """False for tokenizing (``limit`` NO_LIMIT): neither held to a limit nor counted in one."""
+        return self.limit is None or self.limit < NO_LIMIT
+
 
 @dataclass(slots=True)
 class Batch:

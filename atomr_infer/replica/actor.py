@@ -27,7 +27,7 @@ from typing import Any
 from atomr_infer.engine.backend import BackendContext, EngineBackend, backend_class
 from atomr_infer.engine.device import resolve_device
 from atomr_infer.engine.stats import ReplicaStats, StatsCollector
-from atomr_infer.errors import AtomrError, EngineError, EngineStartFailed, ReplicaBusy, ReplicaUnavailable
+from atomr_infer.errors import AtomrError, EngineError, EngineStartFailed, ReplicaUnavailable
 from atomr_infer.log import get_logger
 from atomr_infer.merging import MergingBuffer, join_bytes
 from atomr_infer.metrics import GAUGE_PERIOD_S, ReplicaMetrics
@@ -248,10 +248,7 @@ class VllmReplica:
             try:
                 self._admit()
                 limit = request.limit or self._deployment.serving.max_concurrent
-                if self._channels.open_requests >= limit:
-                    raise ReplicaBusy(repr(self), limit)
-                channel.start(request, self._serve)
-                results.append(self._channels.open_requests)
+                results.append(self._channels.open(channel, request, self._serve, limit, repr(self)))
             except AtomrError as exc:
                 results.append(exc)
         return results

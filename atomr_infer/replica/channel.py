@@ -29,7 +29,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from atomr_infer.errors import AtomrError, EngineError
+from atomr_infer.errors import AtomrError, EngineError, ReplicaBusy
 from atomr_infer.merging import join_bytes, put_merged
 from atomr_infer.wire import LEASE_S, Batch, HttpHead, HttpRequest, OpenRequest
 
@@ -53,6 +53,7 @@ class Channel:
         self._load, self._prefill = load, prefill
         self._batch = Batch(0)
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._uncounted: set[str] = set()  # of those, the ones that run no engine step (tokenizing)
         self._waiting: dict[str, int] = {}  # request id -> its prefill blocks, until its first output or prefilled()
         self.waiting_prefill = 0  # their sum
         self._ready = asyncio.Event()
@@ -67,7 +68,8 @@ class Channel:
 
     @property
     def open_requests(self) -> int:
-        return len(self._tasks)
+        """Its requests that run engine steps: tokenizing is neither held to nor counted in a limit."""
+        return len(self._tasks) - len(self._uncounted)
 
     def start(self, request: OpenRequest, serve: Serve) -> None:
         """Run one request: ``serve`` puts its items and returns at its end (or raises)."""
@@ -75,6 +77,8 @@ class Channel:
             return
         task = asyncio.get_running_loop().create_task(self._pump(request, serve))
         self._tasks[request.request_id] = task
+        if not request.runs_engine:
+            self._uncounted.add(request.request_id)
         # _pump's finally forgets it before the batch that ends it; a task cancelled before its
         # first step never runs that finally: forget it here too (twice is harmless).
         task.add_done_callback(lambda _task, request_id=request.request_id: self._forget(request_id))
@@ -87,6 +91,7 @@ class Channel:
 
     def _forget(self, request_id: str) -> None:
         self._tasks.pop(request_id, None)
+        self._uncounted.discard(request_id)
         self._prefilled(request_id)
 
     async def _pump(self, request: OpenRequest, serve: Serve) -> None:
@@ -179,6 +184,15 @@ class ChannelHub:
             channel = self._channels[channel_id] = Channel(lambda: self.open_requests, lambda: self.waiting_prefill)
         channel.heard_at = time.monotonic()
         return channel
+
+    def open(self, channel: Channel, request: OpenRequest, serve: Serve, limit: int, replica: str) -> int:
+        """Start ``request`` on ``channel`` unless ``limit`` requests that run engine steps are
+        open here, over every channel (``ReplicaBusy``; tokenizing is not held to it); the
+        requests open here now."""
+        if request.runs_engine and self.open_requests >= limit:
+            raise ReplicaBusy(replica, limit)
+        channel.start(request, serve)
+        return self.open_requests
 
     def expire(self, lease_s: float = LEASE_S) -> list[str]:
         """Close the channels whose router has not been heard from for ``lease_s``; their ids."""

@@ -3,10 +3,11 @@
 A ``Router`` caches the manager's routing table (refreshed at most once per ``refresh_s``, and
 whenever a replica turns out dead) and picks a replica from the request's ``RoutingFacts``
 (wire.py; the policies: routing/picker.py), over one channel per replica (routing/channel.py).
-``serving.max_concurrent`` is enforced by the replica: one that is full answers ``ReplicaBusy``
-and the request is routed again; with every replica full, ``queue`` waits for a slot
-(unbounded unless ``queue_timeout_s``), ``reject`` raises ``CapacityExhausted``. A stored
-Responses-API response is served by the replica holding it (routing/response_ids.py).
+``serving.max_concurrent`` is enforced by the replica (tokenizing is neither held to it nor
+counted in it): one that is full answers ``ReplicaBusy`` and the request is routed again; with
+every replica full, ``queue`` waits for a slot (unbounded unless ``queue_timeout_s``),
+``reject`` raises ``CapacityExhausted``. A stored Responses-API response is served by the
+replica holding it (routing/response_ids.py).
 
 Without the manager, routing goes on with the cached table. A replica this router saw die or
 drain leaves its picks at once, until the table drops it; one only unreachable, until a newer
@@ -246,7 +247,7 @@ class Router:
         queue_deadline = None if self._queue_timeout_s is None else started + self._queue_timeout_s
         table = await self.refresh()
         forced = False
-        if not _known(table, name):
+        if not table.knows(name):
             table, forced = await self.refresh(force=True), True
         waiting_for: str | None = None  # the deployment this request is counted waiting for
         keys: list[Any] = []  # the request's prefix key, read once however long it waits
@@ -331,12 +332,13 @@ class Router:
             dep, route, adapter, work = await self._route(facts, began_on if resume is not None else "")
             attempt += 1
             last_try = attempt >= MAX_ATTEMPTS
-            self._in_flight[route.actor_name] += 1
+            counted = facts.kind.runs_engine  # tokenizing: neither held to max_concurrent nor counted in it
+            self._in_flight[route.actor_name] += counted
             sent_request = adapters.by_full_name(request, name, dep.name, adapter)
             if facts.names_response:
                 sent_request = response_ids.with_request_id(sent_request, response_ids.mint(dep.name, route.replica_id))
             want = bool(facts.resumable) and dep.migration_tries > 0
-            limit = dep.max_concurrent if facts.kind.runs_engine else NO_LIMIT
+            limit = dep.max_concurrent if counted else NO_LIMIT
             opening = OpenRequest("", sent_request, limit, adapter, want, resume, work)
             prefilled = self._picker.answer_once(route.actor_name, work)  # also what the replica says
             items = self._channel(route).request(opening, generated if want else None, prefilled)
@@ -381,7 +383,7 @@ class Router:
                     raise failure.cause from None
             finally:
                 prefilled()
-                self._in_flight[route.actor_name] -= 1
+                self._in_flight[route.actor_name] -= counted
                 self._released.set()
                 if not finished:  # consumer went away or was cancelled: abort in the engine
                     await items.aclose()
@@ -391,10 +393,4 @@ class Router:
     def _count_migration(self, deployment: str, reason: str) -> None:
         self.migrations[deployment, reason] += 1
         self._picker.metrics.migrated(deployment, reason)
-
-
-def _known(table: RoutingTable, name: str) -> bool:
-    """Whether ``table`` has the deployment (and the adapter) ``name`` names: else a newer one may."""
-    dep, adapter = table.resolve(name)
-    return dep is not None and (adapter is None or adapter in dep.adapters)
 

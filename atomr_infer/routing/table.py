@@ -65,6 +65,11 @@ class RoutingTable:
         having = [d for d in self.deployments.values() if name in d.adapters]
         return (having[0], name) if len(having) == 1 else (None, None)
 
+    def knows(self, name: str) -> bool:
+        """Whether it has the deployment (and the adapter) ``name`` names: else a newer table may."""
+        dep, adapter = self.resolve(name)
+        return dep is not None and (adapter is None or adapter in dep.adapters)
+
     def _named(self, name: str) -> DeploymentRoute | None:
         found = self.deployments.get(name)
         if found is None:

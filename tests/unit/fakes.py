@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ray.exceptions import RayTaskError
 
 from atomr_infer.control.replicas import Poll
+from atomr_infer.errors import ReplicaBusy
 from atomr_infer.replica.channel import ChannelHub
 from atomr_infer.routing.table import ReplicaRoute
 from atomr_infer.wire import HttpHead, HttpRequest, RoutingFacts
@@ -213,14 +214,15 @@ class FakeReplica:
                 results.append(await self._open(channel_id, opening))
             except RayTaskError as exc:
                 results.append(exc.cause)
+            except ReplicaBusy as exc:  # as the replica's: at its limit
+                results.append(exc)
         return results
 
     async def _open(self, channel_id, opening):
         self.calls += 1
         if self.error is not None:
             raise self.error
-        self.hub.get(channel_id).start(opening, self._serve)
-        return self.hub.open_requests
+        return self.hub.open(self.hub.get(channel_id), opening, self._serve, opening.limit or 1 << 30, self.name)
 
     async def _serve(self, request, put, tokens, resume=None, prefilled=None):
         await self._answer(put)

@@ -13,7 +13,7 @@ from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, RoutingTable
 from atomr_infer.wire import HttpHead, HttpRequest, RoutingFacts
 
-from .fakes import JSON, GatedReplica, answer, route, text_of
+from .fakes import JSON, FakeReplica, GatedReplica, answer, route, text_of
 
 
 def router(mode: str = "queue", replicas=(), **kw) -> Router:
@@ -115,3 +115,41 @@ def test_tokenizing_is_not_held_to_max_concurrent(mode, path):
         return body
 
     assert asyncio.run(main()) == b"tokenized"
+
+
+class HoldsTokenizing(FakeReplica):
+    """Answers generation at once; holds tokenizing until ``gate`` opens (a slow tokenizer)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.gate, self.tokenizing = asyncio.Event(), 0
+
+    async def _serve(self, request, put, tokens, resume=None, prefilled=None):
+        if request.path == "/tokenize":
+            self.tokenizing += 1
+            await self.gate.wait()
+        await self._answer(put)
+
+
+@pytest.mark.parametrize("routers", ["one router", "two routers"])
+def test_tokenizing_does_not_count_toward_the_limit_of_generation(routers):
+    """With ``max_concurrent: 1``, a /tokenize still open leaves the slot to a chat request:
+    the router does not count it, nor does the replica (a second router, another ingress, knows
+    only what the replica counts). Before, the chat request got 429 (``reject``)."""
+
+    async def main():
+        replica = HoldsTokenizing("r0")
+        r = router("reject", (replica,))
+        other = r if routers == "one router" else router("reject", (replica,))
+        facts = RoutingFacts.of("/tokenize", {"model": "d", "prompt": "hi"})
+        tokenizing = asyncio.create_task(answer(r.stream(facts, HttpRequest("POST", "/tokenize", JSON, b"{}"))))
+        while not replica.tokenizing:
+            await asyncio.sleep(0.01)
+        try:
+            assert replica.hub.open_requests == 0  # what the replica's batches and answers say
+            return await asyncio.wait_for(text(other), 5)
+        finally:
+            replica.gate.set()
+            await tokenizing
+
+    assert asyncio.run(main()) == "from r0"
