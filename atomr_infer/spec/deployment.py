@@ -196,7 +196,8 @@ class Deployment(Strict):
     )
     runtime_config: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")
     gpus: Annotated[StrictInt, Field(ge=1, le=64)] = Field(
-        1, description="GPUs per replica (= tensor parallel size). Ignored reservation on device: cpu."
+        1, description="GPUs per replica (= tensor parallel size). On device: cpu, no GPU is used: "
+        "the replica shards over CPU workers only as runtime_config.tensor_parallel_size says."
     )
     replicas: Annotated[StrictInt, Field(ge=0, le=1024)] = Field(
         1, description="Number of replicas; 0 keeps the spec but serves nothing."

@@ -30,6 +30,16 @@ def test_set_fields_pass_through_and_cpu_kv_cache_becomes_bytes() -> None:
     assert "kv_cache_memory_bytes" not in engine_args(dep, "/m", "cuda")  # a CPU-backend setting
 
 
+def test_on_cpu_gpus_is_no_tensor_parallel_size_unless_the_spec_sets_one() -> None:
+    """``gpus`` reserves GPUs; a CPU replica runs on one CPU worker unless the spec asks for more."""
+    two = parse_deployment({"name": "d", "model": "bundled:smollm2-135m-instruct", "gpus": 2})
+    assert engine_args(two, "/m", "cuda")["tensor_parallel_size"] == 2
+    assert engine_args(two, "/m", "cpu")["tensor_parallel_size"] == 1
+    asked = parse_deployment({"name": "d", "model": "bundled:smollm2-135m-instruct", "gpus": 2,
+                              "runtime_config": {"tensor_parallel_size": 2}})
+    assert engine_args(asked, "/m", "cpu")["tensor_parallel_size"] == 2
+
+
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in (MULTIPROCESSING, "HF_HUB_CACHE", "VLLM_LOGGING_LEVEL"):

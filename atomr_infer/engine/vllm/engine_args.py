@@ -94,6 +94,9 @@ def engine_args(
             if (value := getattr(deployment.lora, name)) is not None:
                 args[name] = value
     if device == "cpu":
+        # ``gpus`` is a GPU reservation: on the CPU backend the replica shards over CPU workers
+        # only where the spec says so (runtime_config.tensor_parallel_size).
+        args["tensor_parallel_size"] = cfg.tensor_parallel_size or 1
         args["dtype"] = cpu_dtype(cfg.dtype, has_native_bf16() if native_bf16 is None else native_bf16)
         if cfg.enforce_eager is None:
             # vLLM 0.32's compiled CPU path answered the bundled model wrongly ("What is the
