@@ -17,7 +17,9 @@ vLLM's 400s, naming the field).
 The client holds its own ``Router`` (cached routing table, power-of-two choices), so requests
 go from this process to a replica without passing through the manager or an HTTP server. The
 async methods run on the caller's event loop; the sync ones on a private loop thread. Leaving
-a stream early (``break``, an exception, Ctrl-C) aborts the request in the engine.
+a stream early (``break``, an exception, Ctrl-C) or a sync call (Ctrl-C) aborts the request in
+the engine. ``close()`` (or ``with Client() as client:``) ends the requests still open with
+``RouterClosed`` and stops the thread; a client dropped without it stops its thread when collected.
 
 The first typed request freezes the process's heap (``gc.freeze()``, once): what exists then,
 vLLM and torch included, is never walked by CPython's collector again, and cyclic garbage among
@@ -31,12 +33,14 @@ import contextlib
 import difflib
 import json
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import CancelledError as FutureCancelled
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from atomr_infer.errors import AtomrError, EngineError, InvalidRequest, RequestError, RoutingError
+from atomr_infer.errors import AtomrError, EngineError, InvalidRequest, RequestError, RouterClosed, RoutingError
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import RoutingTable
 from atomr_infer.serving_process import freeze_heap, tuning_wanted
@@ -101,8 +105,32 @@ def _request(
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise TypeError(f"{endpoint.path}: unknown request field {key!r}{hint}")
+    if "model" in fields:  # the first argument names it: the two could disagree
+        raise TypeError(f"{endpoint.path}: model={fields['model']!r}: name the deployment (or alias, or "
+                        "'deployment:adapter') as the first argument instead")
     data = {"model": name, **fields}
-    return RoutingFacts.of(endpoint.path, data), HttpRequest("POST", endpoint.path, _JSON, json.dumps(data).encode())
+    try:
+        body = json.dumps(data, default=_jsonable).encode()
+    except (TypeError, ValueError) as exc:
+        bad = next((k for k, v in fields.items() if not _dumps_ok(v)), "request")
+        raise InvalidRequest(bad, f"not JSON-serialisable: {exc}") from None
+    return RoutingFacts.of(endpoint.path, data), HttpRequest("POST", endpoint.path, _JSON, body)
+
+
+def _jsonable(value: Any) -> Any:
+    """pydantic models (vLLM's or openai's types, e.g. a reply's message) as their JSON data."""
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return dump(mode="json", exclude_none=True)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _dumps_ok(value: Any) -> bool:
+    try:
+        json.dumps(value, default=_jsonable)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 def _error(status: int, body: bytes) -> AtomrError:
@@ -123,10 +151,15 @@ class Client:
     def __init__(self, address: str | None = None, manager: Any = None, wait_for_replica_s: float = 30.0) -> None:
         from atomr_infer.control.client import manager_handle as get_manager
 
-        self._manager = manager if manager is not None else get_manager(address)
+        # Joins a running cluster and manager: a client of no deployment starts neither.
+        self._manager = manager if manager is not None else get_manager(address, start=False)
         self._wait_s = wait_for_replica_s
-        self._routers: dict[int, Router] = {}  # one per event loop: asyncio objects are loop-bound
+        # one per event loop (asyncio objects are loop-bound), keyed by the loop itself (an id
+        # is reused once a loop is freed); routers of closed loops are dropped.
+        self._routers: dict[asyncio.AbstractEventLoop, Router] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
         self._lock = threading.Lock()
 
     async def _fetch(self, since_version: int) -> RoutingTable | None:
@@ -136,7 +169,11 @@ class Client:
             raise RoutingError(f"the atomr manager did not answer within {TABLE_FETCH_TIMEOUT_S:g}s") from None
 
     def _router(self) -> Router:
-        key = id(asyncio.get_running_loop())
+        if self._closed:
+            raise RouterClosed("the Client was closed")
+        key = asyncio.get_running_loop()
+        for loop in [loop for loop in self._routers if loop.is_closed()]:
+            del self._routers[loop]
         router = self._routers.get(key)
         if router is None:
             router = self._routers[key] = Router(
@@ -147,6 +184,8 @@ class Client:
     # -- async -------------------------------------------------------------------------------
 
     async def _send(self, endpoint: _Endpoint, name: str, fields: dict[str, Any]) -> Any:
+        if fields.get("stream"):
+            raise TypeError(f"{endpoint.path}: stream=True: use the stream_* (astream_*) methods to stream")
         facts, request = _request(endpoint, name, fields)
         async with contextlib.aclosing(self._router().stream(facts, request)) as items:
             head: HttpHead = await anext(items)
@@ -216,19 +255,35 @@ class Client:
 
     def _run(self, coro: Any) -> Future[Any]:
         with self._lock:
+            if self._closed:
+                coro.close()
+                raise RouterClosed("the Client was closed")
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-                threading.Thread(target=self._loop.run_forever, name="atomr-client", daemon=True).start()
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+                self._thread = threading.Thread(target=self._loop.run_forever, name="atomr-client", daemon=True)
+                self._thread.start()
+                weakref.finalize(self, _stop_soon, self._loop)  # dropped without close(): its thread ends
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _call(self, coro: Any) -> Any:
+        """``coro``'s result; Ctrl-C (or any exit) cancels it on the loop, which aborts the request."""
+        future = self._run(coro)
+        try:
+            return future.result()
+        except FutureCancelled:
+            raise RouterClosed("the Client was closed under this request") from None
+        except BaseException:
+            future.cancel()
+            raise
 
     def chat(self, name: str, messages: list[dict[str, Any]], **fields: Any) -> Any:
-        return self._run(self.achat(name, messages, **fields)).result()
+        return self._call(self.achat(name, messages, **fields))
 
     def complete(self, name: str, prompt: str | list[str], **fields: Any) -> Any:
-        return self._run(self.acomplete(name, prompt, **fields)).result()
+        return self._call(self.acomplete(name, prompt, **fields))
 
     def embed(self, name: str, input: str | list[str], **fields: Any) -> Any:  # noqa: A002
-        return self._run(self.aembed(name, input, **fields)).result()
+        return self._call(self.aembed(name, input, **fields))
 
     def stream_chat(self, name: str, messages: list[dict[str, Any]], **fields: Any) -> Iterator[Any]:
         return self._sync(self.astream_chat(name, messages, **fields))
@@ -246,26 +301,63 @@ class Client:
         try:
             while True:
                 try:
-                    yield self._run(next_chunk()).result()
+                    yield self._call(next_chunk())
                 except StopAsyncIteration:
                     return
         finally:
             # Runs on break, errors and KeyboardInterrupt (also while a chunk is awaited: the
             # wait is cancelled first, as a generator still running cannot be closed): closing
             # the async generator makes the router cancel the replica's, which aborts the request.
-            self._run(_close(agen, step)).result(timeout=10)
+            if not self._closed and self._loop is not None:  # closed: close() cancelled it
+                closing = asyncio.run_coroutine_threadsafe(_close(agen, step), self._loop)
+                if threading.current_thread() is not self._thread:  # never wait on the loop from itself (GC)
+                    closing.result(timeout=10)
 
     async def aclose(self) -> None:
         """Close the router of the running event loop (its channels to the replicas)."""
-        router = self._routers.pop(id(asyncio.get_running_loop()), None)
+        router = self._routers.pop(asyncio.get_running_loop(), None)
         if router is not None:
             await router.aclose()
 
     def close(self) -> None:
-        if self._loop is not None:
-            self._run(self.aclose()).result(timeout=10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop = None
+        """End every request of the sync API (``RouterClosed``), stop its thread, and refuse
+        further calls. Routers on other loops are closed with ``await aclose()`` on that loop."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread, self._loop = self._loop, self._thread, None
+        for other, router in list(self._routers.items()):  # the async API's, on the callers' loops
+            if other is not loop and not other.is_closed():
+                self._routers.pop(other, None)
+                other.call_soon_threadsafe(lambda r=router, lp=other: lp.create_task(r.aclose()))
+        if loop is None:
+            return
+
+        async def shutdown() -> None:
+            router = self._routers.pop(loop, None)
+            if router is not None:
+                await router.aclose()
+            await _cancel_all()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(10)
+            loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+        self.close()
 
 
 async def _close(agen: AsyncIterator[Any], step: list[asyncio.Task[Any] | None]) -> None:
@@ -275,3 +367,22 @@ async def _close(agen: AsyncIterator[Any], step: list[asyncio.Task[Any] | None])
         with contextlib.suppress(BaseException):  # its cancellation, or the chunk it had just got
             await waiting
     await agen.aclose()  # type: ignore[attr-defined]
+
+
+async def _cancel_all() -> None:
+    """Cancel every other task of the running loop (a Client's private one) and wait for them."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _stop_soon(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what runs on ``loop``, then stop it (its thread ends); called from any thread."""
+
+    async def stop() -> None:
+        await _cancel_all()
+        loop.stop()
+
+    if loop.is_running():
+        asyncio.run_coroutine_threadsafe(stop(), loop)
