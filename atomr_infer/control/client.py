@@ -136,5 +136,7 @@ class ControlPlane:
         return outcome
 
     def wait_ready(self, name: str, timeout_s: float = 600.0) -> DeploymentStatus | None:
-        """The status once ``name`` has converged, or after ``timeout_s`` (None: no such deployment)."""
+        """The status once ``name`` has converged or failed (``status.failed``: nothing more
+        starts until an apply; ``last_failure`` says why), or after ``timeout_s`` (None: no such
+        deployment)."""
         return call(self.handle.wait_ready.remote(name, timeout_s), timeout_s + (self._timeout_s or 0))

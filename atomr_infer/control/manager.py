@@ -321,12 +321,12 @@ class DeploymentManager:
         return self._table if self._table.version != since_version and not self._adopted else None
 
     async def wait_ready(self, name: str, timeout_s: float = 600.0) -> DeploymentStatus | None:
-        """Wait until ``name`` has converged (observed = desired generation) or ``timeout_s`` passes."""
+        """Wait until ``name`` has converged (observed = desired generation), failed, or ``timeout_s`` passes."""
         self._ensure_loop()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             status = self._status(name) if name in self._desired else None
-            if status is None or status.converged:
+            if status is None or status.converged or status.failed:
                 return status
             await asyncio.sleep(0.2)
         return self._status(name) if name in self._desired else None

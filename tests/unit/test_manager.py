@@ -351,3 +351,24 @@ def test_a_refused_specs_adopted_replicas_are_drained_not_killed_and_a_ray_error
     old, good = ([h for h in first.launcher.started if h.actor_name == f"atomr:{n}:r0"][0] for n in ("old", "good"))
     assert old.draining and not old.stopped  # it may serve a router's cached table: what it runs ends
     assert not (good.draining or good.stopped)  # nothing against its spec: not stopped
+
+
+def test_wait_ready_returns_once_a_deployment_has_failed() -> None:
+    """It waited out its whole timeout (600 s by default) on a deployment that gave up."""
+    h = Harness()
+    h.call("apply", spec())
+    for _ in range(3):  # a start failure that recurs: the manager gives up after 3
+        h.manager.reconcile_once()
+        h.launcher.started[-1].ready = Poll.failed("ValueError: max_model_len too large", recurring=True)
+        h.manager.reconcile_once()
+        h.clock.advance(120.0)
+
+
+    async def wait():  # well before its own timeout (600 s): it waited all of it
+        try:
+            return await asyncio.wait_for(h.manager.wait_ready("demo", 600.0), 10.0)
+        finally:
+            h.manager._loop_task.cancel()
+
+    status = asyncio.run(wait())
+    assert status.failed and not status.converged and "max_model_len" in status.last_failure
