@@ -24,9 +24,10 @@ Source = str | Path | Mapping[str, Any] | Deployment
 
 
 def parse_deployment(obj: Mapping[str, Any] | Deployment, source: str = "<dict>") -> Deployment:
-    """Validate one mapping (or pass a ``Deployment`` through). Raises ``SpecError``."""
+    """Validate one mapping, or a ``Deployment`` (one made by ``model_copy(update=...)`` was
+    never validated). Raises ``SpecError``."""
     if isinstance(obj, Deployment):
-        return obj
+        obj = obj.model_dump(exclude_unset=True, warnings=False)  # a wrong type is said below
     if not isinstance(obj, Mapping):
         raise SpecError([SpecProblem(source, "", f"expected a mapping of deployment fields, got {_kind(obj)}")])
     try:

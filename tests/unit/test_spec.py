@@ -630,7 +630,17 @@ def test_load_accepts_dicts_and_deployments() -> None:
     dep = parse_deployment(BASE)
     loaded = load_deployments({"name": "other", "model": "org/other"}, dep)
     assert [d.name for d in loaded] == ["other", "demo"]
-    assert loaded[1] is dep
+    assert loaded[1] == dep
+
+
+@pytest.mark.parametrize(("update", "field"), [({"replicas": -1}, "replicas"), ({"replicas": "2"}, "replicas"),
+                                               ({"name": "Bad Name!"}, "name")])
+def test_a_deployment_changed_by_model_copy_is_validated(update, field) -> None:
+    """``model_copy(update=...)`` (how a frozen spec is changed, as docs/python.md does) skips
+    pydantic's validation: apply and plan accepted -1 replicas, or a name no replica can have."""
+    with pytest.raises(SpecError) as caught:
+        parse_deployment(parse_deployment(BASE).model_copy(update=update))
+    assert [p.field for p in caught.value.problems] == [field]
 
 
 @pytest.mark.parametrize(
