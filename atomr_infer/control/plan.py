@@ -101,6 +101,9 @@ def plan_remove(old: Deployment | None, name: str) -> Plan:
     return Plan(name, True, (Action("remove", f"drain and remove {_plural(old.replicas)}"),))
 
 
+_ALIASES = "serving.openai.served_model_name"
+
+
 def check_names(spec: Deployment, others: list[Deployment]) -> None:
     """A name or alias answers for one deployment only: the OpenAI ``model`` routes by it."""
     taken = {name: other.name for other in others for _, name in other.model_names}
@@ -108,5 +111,19 @@ def check_names(spec: Deployment, others: list[Deployment]) -> None:
         if name in taken:
             problem = f"{name!r} already names deployment {taken[name]!r}"
             if taken[name] != name:
-                problem += " (one of its serving.openai.served_model_name)"
+                problem += f" (one of its {_ALIASES})"
             raise SpecError([SpecProblem(spec.name, given_by, problem)])
+    # "<deployment>:<adapter>" names a deployment's adapter: an alias of that form would take it
+    # (an alias routes first), for requests and for the API keys that list the deployment.
+    own = {name for _, name in spec.model_names}
+    owners = {**taken, **dict.fromkeys(own, spec.name)}
+    for alias in spec.serving.openai.served_model_name:
+        if ":" in alias and (owner := owners.get(alias.partition(":")[0])):
+            raise SpecError([SpecProblem(spec.name, _ALIASES, f"{alias!r} names an adapter of deployment "
+                                         f"{owner!r} ('<deployment>:<adapter>'); give the alias no such prefix")])
+    for other in others:
+        for alias in other.serving.openai.served_model_name:
+            if ":" in alias and (base := alias.partition(":")[0]) in own:
+                raise SpecError([SpecProblem(spec.name, "name" if base == spec.name else _ALIASES,
+                                             f"{base!r}: deployment {other.name!r} has the alias {alias!r}, which "
+                                             "would take the name of an adapter of this one")])

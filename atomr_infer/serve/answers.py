@@ -146,7 +146,8 @@ def _permission(created: int) -> dict[str, Any]:
 def adapter_cards(status: DeploymentStatus) -> list[dict[str, Any]]:
     """A card per LoRA adapter loaded on a ready replica of the deployment, with its parent (as
     vLLM lists its adapters)."""
-    loaded = sorted({a for r in status.replicas for a, state in r.adapters.items() if state == "loaded"})
+    loaded = sorted({a for r in status.replicas if r.state == "ready"
+                     for a, state in r.adapters.items() if state == "loaded"})
     base = model_card(status)
     return [{**base, "id": f"{status.name}:{a}", "parent": status.name} for a in loaded]
 

@@ -93,6 +93,17 @@ class ApiKey:
         return bool(colon) and base in self.deployments
 
 
+def may_use_as_asked(key: ApiKey, asked: str, deployment: str) -> bool:
+    """Whether ``key`` may use ``deployment`` (canonical: ``"<name>"`` or ``"<name>:<adapter>"``)
+    by the name a request gave: one the key lists, or ``"<alias>:<adapter>"`` of an alias it lists
+    when that is the adapter, not a name that only looks like one (deployment b's alias ``"a:x"``
+    is no adapter of a)."""
+    if key.deployments is None or asked in key.deployments:
+        return True
+    base, colon, adapter = asked.partition(":")
+    return bool(colon) and base in key.deployments and deployment.partition(":")[2] == adapter
+
+
 @dataclass(frozen=True)
 class KeyRing:
     entries: tuple[tuple[bytes, ApiKey], ...]  # (sha256 of the key, what it may do)

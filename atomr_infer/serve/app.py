@@ -51,7 +51,7 @@ from atomr_infer.serve.answers import (
     relay,
     response_not_found,
 )
-from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile
+from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile, may_use_as_asked
 from atomr_infer.serve.body import MAX_BODY_BYTES, parse_json, read_body
 from atomr_infer.serve.cors import Cors
 from atomr_infer.serve.errors import ManagerUnreachable
@@ -272,8 +272,8 @@ class OpenAIIngress:
 
     @staticmethod
     def _authorize(key: ApiKey | None, model: str, asked: str | None = None) -> None:
-        """403 unless the key may use ``model`` (canonical) or the name the request gave (an alias it lists)."""
-        if key is not None and not key.may_use(model) and not (asked and key.may_use(asked)):
+        """403 unless the key may use ``model`` (canonical) or the name the request gave (``asked``)."""
+        if key is not None and not key.may_use(model) and not (asked and may_use_as_asked(key, asked, model)):
             log.info("api_key_refused", key=key.name, deployment=model)
             raise ApiKeyError(403, f"the API key {key.name!r} may not use deployment {model!r}", "model_not_allowed")
 
@@ -301,7 +301,7 @@ class OpenAIIngress:
         # A card per name a request may give, as vLLM lists one per served model name.
         data = [model_card(d, name) for d in deployments if d.replicas_ready > 0
                 for name in (d.name, *self._aliases(table, d.name))
-                if key is None or key.may_use(d.name) or key.may_use(name)]
+                if key is None or key.may_use(d.name) or may_use_as_asked(key, name, d.name)]
         data += [card for d in deployments for card in adapter_cards(d) if key is None or key.may_use(card["id"])]
         return JSONResponse({"object": "list", "data": data})
 

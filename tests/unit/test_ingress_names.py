@@ -61,3 +61,26 @@ def test_model_cards_have_vllms_fields_and_its_context_length() -> None:
     ModelCard.model_validate(card)  # as vLLM's own model reads it
     [adapter] = adapter_cards(status)
     assert (adapter["id"], adapter["parent"]) == ("smollm2:fr", "smollm2")
+
+
+def test_an_alias_that_looks_like_an_adapter_gives_no_key_a_way_in() -> None:
+    """Deployment b's alias ``"a:x"``: a key limited to ``a`` used b through it (the key's
+    adapter rule read ``"a:x"`` as an adapter of a). An alias's adapter still passes."""
+    from atomr_infer.serve.api_keys import may_use_as_asked
+
+    cls, _ = ingress()
+    team_a = ApiKey("team-a", frozenset({"a"}))
+    with pytest.raises(ApiKeyError, match="may not use deployment 'b'"):
+        cls._authorize(team_a, "b", "a:x")
+    assert not may_use_as_asked(team_a, "a:x", "b")
+    by_alias = ApiKey("carol", frozenset({"smol"}))
+    cls._authorize(by_alias, "smollm2:fr", "smol:fr")  # an adapter of the alias it lists
+    with pytest.raises(ApiKeyError):
+        cls._authorize(by_alias, "smollm2:de", "smol:fr")
+
+
+def test_adapter_cards_come_from_ready_replicas_only() -> None:
+    """A stopped replica's adapters were listed, with no card for their parent."""
+    dead = ReplicaStatus("r0", "atomr:smollm2:r0", ReplicaState.STOPPED, 1, adapters={"fr": "loaded"})
+    status = DeploymentStatus("smollm2", "bundled:smollm2-135m-instruct", 1, 1, 0, 1, (dead,))
+    assert adapter_cards(status) == []

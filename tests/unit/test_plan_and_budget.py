@@ -138,3 +138,22 @@ def test_price_table_override():
     assert prices["H100"] == 3.5 and prices["MI300X"] == 4.0 and prices["T4"] == 0.5
     with pytest.raises(ValueError, match="ATOMR_GPU_PRICES"):
         prices_from_env({"ATOMR_GPU_PRICES": "[1, 2]"})
+
+
+@pytest.mark.parametrize("alias", ["other:x", "o:x", "mine:x"])
+def test_an_alias_may_not_take_the_name_of_an_adapter(alias):
+    """``"<deployment>:<adapter>"`` names an adapter; an alias of that form routed first, so it
+    took the adapter's requests (and let keys limited to the deployment into another)."""
+    from atomr_infer.control.plan import check_names
+    from atomr_infer.errors import SpecError
+
+    other = Deployment.model_validate(
+        {"name": "other", "model": "org/m", "serving": {"openai": {"served_model_name": ["o"]}}})
+    mine = spec(name="mine", serving={"openai": {"served_model_name": [alias]}})
+    with pytest.raises(SpecError, match=f"'{alias}' names an adapter of deployment") as info:
+        check_names(mine, [other])
+    assert info.value.problems[0].field == "serving.openai.served_model_name"
+    # and the other way round: a deployment named as the prefix of another's alias
+    with pytest.raises(SpecError, match="has the alias 'other:x', which would take the name of an adapter"):
+        check_names(other, [spec(name="mine", serving={"openai": {"served_model_name": ["other:x"]}})])
+    check_names(spec(name="mine", serving={"openai": {"served_model_name": ["llama3:8b"]}}), [other])  # ollama-style
