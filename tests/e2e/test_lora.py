@@ -193,3 +193,17 @@ def test_a_key_limited_to_one_adapter_is_refused_another(tuned, tuned_spec, adap
             assert refused.json()["error"]["code"] == "model_not_allowed", refused.text
     finally:  # the session's server again: no keys
         run_server(host, port, blocking=True, replica_wait_s=REPLICA_WAIT_S)
+
+
+def test_an_adapter_given_a_new_source_serves_the_new_weights_on_every_replica(
+    tuned, tuned_spec, adapters, bundled_model_dir, manager, ray_cluster
+):
+    """Reloaded in place (the same name, the same replicas), then served from the engine's copy:
+    vLLM kept the reload's request, which re-read the adapter from disk on every step."""
+    robot_dir = str(adapter_dir(bundled_model_dir, "robot"))
+    ray_cluster.get(manager.apply.remote(tuned_spec({"pirate": robot_dir, "robot": adapters["robot"]})))
+    deadline, answers = time.monotonic() + 60, []
+    while len(answers) < 6 or not all(a.startswith("BEEP BOOP") for a in answers[-6:]):  # six in a row:
+        assert time.monotonic() < deadline, answers  # both replicas (power of two spreads them)
+        answers.append(text(chat(tuned, f"{NAME}:pirate")))
+    wait_loaded(manager, ray_cluster, {"pirate", "robot"}, 30)

@@ -403,3 +403,37 @@ def test_a_request_for_an_adapter_still_loading_waits_for_it_past_the_replica_wa
     status, gave_up_after = asyncio.run(main())
     assert status == 200
     assert gave_up_after < router_module.ADAPTER_LOAD_WAIT_S  # the replica wait, not the adapter's
+
+
+def test_an_adapter_reloaded_from_a_new_source_is_not_reloaded_on_every_step():
+    """vLLM's serving layer kept the in-place reload's request, load_inplace=True, for every later
+    request of the adapter, and its worker re-read the adapter from disk on every step with it."""
+    import asyncio
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.utils.counter import AtomicCounter
+
+    from atomr_infer.engine.vllm import adapters as engine_adapters
+
+    models = OpenAIServingModels.__new__(OpenAIServingModels)  # vLLM's own, its engine a recorder
+    models.lora_requests, models.lora_id_counter = {}, AtomicCounter(0)
+    models.lora_resolver_lock = defaultdict(asyncio.Lock)
+    models.registry = SimpleNamespace(is_base_model=lambda name: False)
+    sent = []
+
+    async def add_lora(request):
+        sent.append(request)
+        return True
+
+    models.engine_client = SimpleNamespace(add_lora=add_lora)
+
+    async def main():
+        await engine_adapters.load(models, "d:pirate", "/srv/pirate-v1")
+        await engine_adapters.load(models, "d:pirate", "/srv/pirate-v2")  # an apply changed its source
+
+    asyncio.run(main())
+    assert [(r.lora_path, r.load_inplace) for r in sent] == [("/srv/pirate-v1", False), ("/srv/pirate-v2", True)]
+    served = models.lora_requests["d:pirate"]  # what requests for the adapter carry from now on
+    assert (served.lora_path, served.load_inplace, served.lora_int_id) == ("/srv/pirate-v2", False, sent[0].lora_int_id)

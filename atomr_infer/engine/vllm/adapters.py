@@ -25,6 +25,14 @@ async def load(models: Any, name: str, path: str) -> None:
     )
     if isinstance(result, ErrorResponse):
         raise EngineError(f"adapter {name!r} from {path}: {result.error.message}")
+    stored = models.lora_requests.get(name)
+    if stored is not None and stored.load_inplace:
+        # vLLM 0.32 keeps the request it reloaded with, and every later request for the adapter
+        # carries it: its worker then reads the adapter from disk again on every step
+        # (vllm-project/vllm#33791). The engine holds the new weights now: no more reloads.
+        import msgspec
+
+        models.lora_requests[name] = msgspec.structs.replace(stored, load_inplace=False)
 
 
 async def unload(models: Any, name: str, remove: Callable[[int], Awaitable[Any]]) -> None:
