@@ -174,6 +174,19 @@ class AdapterNotFound(DeploymentNotFound):
         return f"deployment {self.deployment!r} has no adapter {self.adapter!r} (its adapters: {known})"
 
 
+class AdapterFailed(AdapterNotFound):
+    """Every ready replica of the deployment failed to load the adapter: a request for it fails at
+    once, saying why (404, as vLLM answers for a model it does not serve), instead of waiting."""
+
+    def __init__(self, deployment: str, adapter: str, why: str) -> None:
+        super().__init__(deployment, adapter)
+        self.why = why
+
+    def __str__(self) -> str:
+        return (f"adapter {self.adapter!r} of deployment {self.deployment!r} failed to load on every ready replica: "
+                f"{self.why} (hint: `atomr status {self.deployment}`; an apply with a corrected source loads it)")
+
+
 class NoReadyReplica(RoutingError):
     retryable = True
 

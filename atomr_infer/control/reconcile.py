@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord, adapter_routes
+from atomr_infer.control.replicas import AdapterRoutes, ReplicaLauncher, ReplicaRecord, adapter_routes
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
 from atomr_infer.status import DeploymentStatus, ReplicaState, ReplicaStatus
@@ -156,9 +156,9 @@ class DeploymentReconciler:
             self.observed_generation = self.generation
         return before != self._routes()
 
-    def _routes(self) -> frozenset[tuple[str, tuple[frozenset[str], frozenset[str]]]]:
-        """What routers see of the ready replicas: their ids and the adapters loaded (and still
-        loading) on them."""
+    def _routes(self) -> frozenset[tuple[str, AdapterRoutes]]:
+        """What routers see of the ready replicas: their ids and the adapters loaded (still
+        loading, failed) on them."""
         wanted = self._wanted_adapters() or {}
         return frozenset((r.replica_id, adapter_routes(r.handle, wanted)) for r in self.ready_replicas())
 

@@ -100,10 +100,15 @@ class ReplicaRecord:
         return self.state.live
 
 
-def adapter_routes(handle: ReplicaHandle, wanted: Iterable[str] = ()) -> tuple[frozenset[str], frozenset[str]]:
-    """The LoRA adapters loaded on the replica (requests for one are routed only where it is)
-    and those of ``wanted`` it is still loading or has not reported yet (a request for one
-    waits for it to load)."""
+AdapterRoutes = tuple[frozenset[str], frozenset[str], tuple[tuple[str, str], ...]]
+
+
+def adapter_routes(handle: ReplicaHandle, wanted: Iterable[str] = ()) -> AdapterRoutes:
+    """The LoRA adapters loaded on the replica (requests for one are routed only where it is),
+    those of ``wanted`` it is still loading or has not reported yet (a request for one waits for
+    it to load), and those it failed to load, with why (a request for one fails at once when
+    every replica failed it)."""
     states = handle.adapters()
     loaded = frozenset(name for name, state in states.items() if state == "loaded")
-    return loaded, frozenset(n for n in wanted if n not in loaded and not states.get(n, "").startswith("failed"))
+    failed = tuple(sorted((n, states[n].partition(": ")[2]) for n in wanted if states.get(n, "").startswith("failed")))
+    return loaded, frozenset(n for n in wanted if n not in loaded and n not in dict(failed)), failed

@@ -29,6 +29,7 @@ from typing import Any
 from ray.exceptions import RayError
 
 from atomr_infer.errors import (
+    AdapterFailed,
     AdapterNotFound,
     AtomrError,
     CapacityExhausted,
@@ -273,6 +274,9 @@ class Router:
                     r for r in dep.replicas
                     if r.actor_name not in self._excluded and (adapter is None or adapter in r.adapters)
                 ]
+                if adapter is not None and not usable and (why := adapters.failed_everywhere(
+                        dep.replicas, adapter, self._excluded)) is not None:
+                    raise AdapterFailed(dep.name, adapter, why)
                 if model:
                     usable = migration.on_model(usable, dep, model, self._excluded)
                 if facts.response_id is not None:

@@ -13,6 +13,7 @@ class ReplicaRoute:
     actor: Any  # Ray actor handle (picklable)
     adapters: frozenset[str] = frozenset()  # the LoRA adapters loaded on it (only these route here)
     adapters_loading: frozenset[str] = frozenset()  # lora.adapters it has not loaded yet (nor failed to)
+    adapters_failed: tuple[tuple[str, str], ...] = ()  # lora.adapters it failed to load: (name, why)
     # Where it publishes its KV-cache events: (endpoint, replay endpoint, block size); None: it does not.
     kv_events: tuple[str, str | None, int] | None = None
     # The model it serves (spec.model): a kv_events router matches it only by the ids of that

@@ -207,3 +207,19 @@ def test_an_adapter_given_a_new_source_serves_the_new_weights_on_every_replica(
         assert time.monotonic() < deadline, answers  # both replicas (power of two spreads them)
         answers.append(text(chat(tuned, f"{NAME}:pirate")))
     wait_loaded(manager, ray_cluster, {"pirate", "robot"}, 30)
+
+
+def test_a_request_for_an_adapter_every_replica_failed_to_load_is_404_at_once_saying_why(
+    tuned, tuned_spec, adapters, manager, ray_cluster
+):
+    """It waited out the replica wait, then answered 503 "no ready replica" (with Retry-After)."""
+    ray_cluster.get(manager.apply.remote(tuned_spec({"robot": adapters["robot"], "ghost": "atomr-test/no-such-lora"})))
+    deadline = time.monotonic() + 60
+    while not all(st.get("ghost", "").startswith("failed") for st in loaded(manager, ray_cluster)):
+        assert time.monotonic() < deadline, loaded(manager, ray_cluster)
+        time.sleep(0.2)
+    answer = chat(tuned, f"{NAME}:ghost")
+    assert answer.status_code == 404, answer.text
+    message = answer.json()["error"]["message"]
+    assert "'ghost' of deployment 'tuned' failed to load on every ready replica" in message, message
+    assert "no-such-lora" in message, message

@@ -353,8 +353,9 @@ def test_with_prefix_affinity_an_adapters_conversation_returns_where_it_went_and
 def test_a_request_for_an_adapter_still_loading_waits_for_it_past_the_replica_wait():
     """An adapter an apply just added: the router's table may not list it yet (it asks the
     manager again before a 404) and no replica has loaded it (it waits while one loads it,
-    however short the wait for a replica is); one no replica is loading is not waited for."""
-    from atomr_infer.errors import NoReadyReplica
+    however short the wait for a replica is); one every replica failed to load fails at once, saying
+    why (it waited out the replica wait, then 503 "no ready replica")."""
+    from atomr_infer.errors import AdapterFailed
     from atomr_infer.routing import router as router_module
     from atomr_infer.routing.table import ReplicaRoute
     from atomr_infer.wire import HttpRequest, RoutingFacts
@@ -363,8 +364,8 @@ def test_a_request_for_an_adapter_still_loading_waits_for_it_past_the_replica_wa
 
     replica = FakeReplica("r0")
 
-    def table(version, adapters=(), loaded=frozenset(), loading=frozenset()):
-        route = ReplicaRoute("r0", "atomr:d:r0", replica, loaded, loading)
+    def table(version, adapters=(), loaded=frozenset(), loading=frozenset(), failed=()):
+        route = ReplicaRoute("r0", "atomr:d:r0", replica, loaded, loading, failed)
         return RoutingTable(version, {"d": DeploymentRoute("d", 8, "queue", (route,), adapters=adapters)})
 
     tables = [table(1)]
@@ -390,11 +391,12 @@ def test_a_request_for_an_adapter_still_loading_waits_for_it_past_the_replica_wa
         head, text = await ask(router)
         await loader
         await router.aclose()
-        tables.append(table(4, ("robot",)))  # r0 failed to load it: nothing to wait for
-        router = Router(source, refresh_s=60.0, wait_for_replica_s=0.2)
+        tables.append(table(4, ("robot",), failed=(("robot", "OSError: no such file"),)))  # r0 failed to load it
+        router = Router(source, refresh_s=60.0, wait_for_replica_s=30.0)
         started = asyncio.get_running_loop().time()
-        with pytest.raises(NoReadyReplica):
-            await ask(router)
+        with pytest.raises(AdapterFailed, match="'robot' of deployment 'd' failed to load on every ready replica: "
+                                                "OSError: no such file"):
+            await asyncio.wait_for(ask(router), 10.0)  # not after the replica wait (30 s): 503 then
         await router.aclose()
         return head.status, asyncio.get_running_loop().time() - started
 
