@@ -153,7 +153,9 @@ class VllmReplica:
             if isinstance(exc, EngineStartFailed) and self._life.to(ReplicaState.UNHEALTHY, "failed to start", exc):
                 self._log.error("replica_start_failed", error=str(exc))
             raise
-        if self._deployment.lora is not None:  # the spec's adapters, before it serves
+        # The spec's adapters, before it first serves; not again when a restarted manager re-adopts
+        # it (it would go back to those it started with: health checks keep it to the current ones).
+        if self._deployment.lora is not None and self._life.state is ReplicaState.STARTING:
             await asyncio.gather(*self._adapters.sync(self._deployment.lora.adapters))
         if self._life.to(ReplicaState.READY):
             self._facts = dataclasses.asdict(facts)

@@ -5,7 +5,8 @@ replica resolves each source to a directory (a Hugging Face repo id is fetched i
 cache, in a thread), loads what is new or changed and unloads what is gone, in the background, and reports
 each adapter's state with its health: ``loading``, ``loaded``, or ``failed: <why>``. Routers
 send an adapter's requests only to replicas where it is loaded, so a replica that is still
-loading it (or started later, or failed to load it) serves none of them.
+loading it (or started later, or failed to load it) serves none of them; one given a new source
+stays ``loaded`` (its old weights) until the new one is in, or failed.
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ class AdapterSet:
         started = []
         for name, path in wanted.items():
             if self._paths.get(name) != path:  # a failed one is tried again when its source changes
-                self._paths[name], self.states[name] = path, LOADING
+                # A loaded one given a new source stays routable while it reloads: vLLM serves
+                # the old weights until the new ones replace them (in place).
+                self._paths[name] = path
+                if self.states.get(name) != LOADED:
+                    self.states[name] = LOADING
                 started.append(self._run(name, self._load_one(name, path)))
         for name in [n for n in self._paths if n not in wanted]:
             del self._paths[name]

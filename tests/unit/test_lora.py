@@ -210,6 +210,34 @@ def test_a_replica_loads_and_unloads_to_match_and_reports_each_adapter():
     assert sorted(calls[2:]) == [("load", "tuned:pirate", "/a/p2"), ("unload", "tuned:robot")]
 
 
+def test_a_loaded_adapter_given_a_new_source_stays_routable_while_it_reloads():
+    """vLLM serves the old weights until the new ones replace them: it went ``loading`` on every
+    replica at once, and its requests waited (up to 60 s) for nothing."""
+    gate = asyncio.Event()
+
+    async def load(name, path):
+        if path.endswith("v2"):
+            await gate.wait()
+        if "broken" in path:
+            raise RuntimeError("no adapter_config.json")
+
+    async def main():
+        adapters = AdapterSet("tuned", load, lambda name: asyncio.sleep(0))
+        await asyncio.gather(*adapters.sync({"pirate": "/a/v1"}))
+        reloading = adapters.sync({"pirate": "/a/v2"})
+        await asyncio.sleep(0.05)
+        during = dict(adapters.states)
+        gate.set()
+        await asyncio.gather(*reloading)
+        after = dict(adapters.states)
+        await asyncio.gather(*adapters.sync({"pirate": "/a/broken-v2"}))
+        return during, after, dict(adapters.states)
+
+    during, after, broken = asyncio.run(main())
+    assert during == after == {"pirate": "loaded"}
+    assert broken == {"pirate": "failed: no adapter_config.json"}  # the spec's source failed: said so
+
+
 def test_atomr_status_lists_each_replicas_adapters():
     from atomr_infer.cli.render import adapter_lines
 
