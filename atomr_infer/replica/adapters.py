@@ -2,21 +2,26 @@
 
 The manager sends the deployment's adapters (name -> source) with every health check; the
 replica resolves each source to a directory (a Hugging Face repo id is fetched into the hub
-cache, in a thread), loads what is new or changed and unloads what is gone, in the background, and reports
-each adapter's state with its health: ``loading``, ``loaded``, or ``failed: <why>``. Routers
-send an adapter's requests only to replicas where it is loaded, so a replica that is still
-loading it (or started later, or failed to load it) serves none of them; one given a new source
-stays ``loaded`` (its old weights) until the new one is in, or failed.
+cache, in a thread), loads what is new or changed (and, with backoff, what failed) and unloads
+what is gone, in the background, and reports each adapter's state with its health: ``loading``,
+``loaded``, or ``failed: <why>``. Routers send an adapter's requests only to replicas where it
+is loaded, so a replica that is still loading it (or started later, or failed to load it) serves
+none of them; one given a new source stays ``loaded`` (its old weights) until the new one is in,
+or failed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 from atomr_infer.errors import one_line
 
 LOADING, LOADED = "loading", "loaded"
+# A load that failed is tried again (a hub fetch that timed out, a file share that blinked) after
+# this, doubling with each failure in a row up to RETRY_MAX_S; at once when its source changes.
+RETRY_AFTER_S, RETRY_MAX_S = 10.0, 300.0
 # (the adapter's full name "<deployment>:<adapter>", its directory) -> loaded; or the name -> unloaded
 Load = Callable[[str, str], Awaitable[None]]
 Unload = Callable[[str], Awaitable[None]]
@@ -24,11 +29,15 @@ Resolve = Callable[[str], object]  # an adapter's source -> its local directory 
 
 
 class AdapterSet:
-    def __init__(self, deployment: str, load: Load, unload: Unload, resolve: Resolve = str) -> None:
+    def __init__(
+        self, deployment: str, load: Load, unload: Unload, resolve: Resolve = str, retry_after_s: float = RETRY_AFTER_S,
+    ) -> None:
         self._deployment, self._load, self._unload, self._resolve = deployment, load, unload, resolve
         self._paths: dict[str, str] = {}  # adapter -> the source it was (or is being) loaded from
         self.states: dict[str, str] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._retry_after_s = retry_after_s
+        self._retry_at: dict[str, tuple[float, int]] = {}  # failed adapter -> (when to try again, failures)
 
     def full_name(self, adapter: str) -> str:
         return f"{self._deployment}:{adapter}"
@@ -37,15 +46,19 @@ class AdapterSet:
         """Start loading what ``wanted`` adds or changes and unloading what it drops; the tasks."""
         started = []
         for name, path in wanted.items():
-            if self._paths.get(name) != path:  # a failed one is tried again when its source changes
+            if self._paths.get(name) != path:
                 # A loaded one given a new source stays routable while it reloads: vLLM serves
                 # the old weights until the new ones replace them (in place).
                 self._paths[name] = path
+                self._retry_at.pop(name, None)
                 if self.states.get(name) != LOADED:
                     self.states[name] = LOADING
                 started.append(self._run(name, self._load_one(name, path)))
+            elif name in self._retry_at and name not in self._tasks and time.monotonic() >= self._retry_at[name][0]:
+                started.append(self._run(name, self._load_one(name, path)))  # it says failed until it loads
         for name in [n for n in self._paths if n not in wanted]:
             del self._paths[name]
+            self._retry_at.pop(name, None)
             self.states.pop(name, None)
             started.append(self._run(name, self._unload(self.full_name(name))))
         return started
@@ -68,9 +81,13 @@ class AdapterSet:
         except Exception as exc:  # noqa: BLE001 - its state says why; the replica serves on
             if self._paths.get(name) == path:
                 self.states[name] = f"failed: {one_line(exc)}"
+                failures = self._retry_at.get(name, (0.0, 0))[1] + 1
+                wait = min(RETRY_MAX_S, self._retry_after_s * 2 ** (failures - 1))
+                self._retry_at[name] = (time.monotonic() + wait, failures)
             return
         if self._paths.get(name) == path:
             self.states[name] = LOADED
+            self._retry_at.pop(name, None)
 
     def loaded(self) -> frozenset[str]:
         return frozenset(name for name, state in self.states.items() if state == LOADED)

@@ -210,6 +210,38 @@ def test_a_replica_loads_and_unloads_to_match_and_reports_each_adapter():
     assert sorted(calls[2:]) == [("load", "tuned:pirate", "/a/p2"), ("unload", "tuned:robot")]
 
 
+def test_a_failed_adapter_is_tried_again_with_backoff_and_says_failed_until_it_loads():
+    """A hub fetch that timed out stayed failed for the replica's life: a re-apply of the same
+    spec is "unchanged", so only a new source or a restart loaded it."""
+    from atomr_infer.replica import adapters as adapters_module
+
+    attempts = []
+
+    async def load(name, path):
+        attempts.append(path)
+        if len(attempts) < 3:
+            raise TimeoutError("the Hub did not answer")
+
+    async def main():
+        adapters = AdapterSet("tuned", load, lambda name: asyncio.sleep(0), retry_after_s=0.5)
+        wanted = {"robot": "org/robot-lora"}
+        await asyncio.gather(*adapters.sync(wanted))
+        seen = [adapters.states["robot"]]
+        assert adapters.sync(wanted) == []  # not before its backoff
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            await asyncio.gather(*adapters.sync(wanted))  # as health checks call it
+            seen.append(adapters.states["robot"])
+            if seen[-1] == "loaded":
+                break
+        return seen
+
+    seen = asyncio.run(main())
+    assert len(attempts) == 3 and seen[-1] == "loaded", (attempts, seen)
+    assert set(seen[:-1]) == {"failed: the Hub did not answer"}  # never "loading" meanwhile
+    assert adapters_module.RETRY_MAX_S >= adapters_module.RETRY_AFTER_S > 0
+
+
 def test_a_loaded_adapter_given_a_new_source_stays_routable_while_it_reloads():
     """vLLM serves the old weights until the new ones replace them: it went ``loading`` on every
     replica at once, and its requests waited (up to 60 s) for nothing."""
