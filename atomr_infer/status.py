@@ -88,6 +88,15 @@ class DeploymentStatus:
     placement: str | None = None  # "spread" | "pack"
     # With autoscaling: bounds, target, load, the last decision and what stopped it (budget).
     autoscaling: dict[str, Any] | None = None
+    # Every ready replica has each of the spec's LoRA adapters loaded or failed (none loading, and
+    # an in-place change heard): ``wait_ready`` and ``atomr deploy --wait`` wait for it too.
+    adapters_settled: bool = True
+
+    @property
+    def failed_adapters(self) -> dict[str, str]:
+        """Adapter -> why, for those a ready replica failed to load."""
+        return {name: state.partition(": ")[2] for r in self.replicas if r.state == "ready"
+                for name, state in r.adapters.items() if state.startswith("failed")}
 
     @property
     def converged(self) -> bool:

@@ -31,10 +31,11 @@ class Outcome:
     failed: dict[str, str] = field(default_factory=dict)  # name -> reason
     recurring: list[str] = field(default_factory=list)  # failures that will recur: the manager stops retrying
     pending: list[str] = field(default_factory=list)  # still not ready at the timeout
+    adapters: list[str] = field(default_factory=list)  # of ``failed``: ready, but LoRA adapters failed to load
 
 
 def _converged(s: DeploymentStatus) -> bool:
-    return s.converged and s.replicas_ready == s.replicas_desired
+    return s.converged and s.replicas_ready == s.replicas_desired and s.adapters_settled
 
 
 class _Watch:
@@ -114,7 +115,8 @@ def wait_for(manager: Any, names: list[str], timeout_s: float) -> Outcome:
         for turn in itertools.count():
             statuses, stats = watch.poll()
             by_name = {s.name: s for s in statuses}
-            if turn == 0 and all(n in by_name and _converged(by_name[n]) for n in names):
+            if turn == 0 and all(n in by_name and _converged(by_name[n]) and not by_name[n].failed_adapters
+                                 for n in names):
                 return Outcome(ready=list(names))  # nothing to follow: say nothing
             if live is not None:
                 live.update(Group(*watch.lines(statuses, stats)), refresh=True)
@@ -126,6 +128,10 @@ def wait_for(manager: Any, names: list[str], timeout_s: float) -> Outcome:
                 s = by_name.get(name)
                 if s is None:
                     outcome.failed[name] = "removed while waiting"
+                elif _converged(s) and s.failed_adapters:  # ready, but not all it was asked to serve
+                    outcome.failed[name] = "; ".join(f"adapter {a!r} failed to load: {why}"
+                                                     for a, why in sorted(s.failed_adapters.items()))
+                    outcome.adapters.append(name)
                 elif _converged(s):
                     outcome.ready.append(name)
                 elif (reason := watch.failure(s)) is not None:

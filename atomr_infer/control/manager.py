@@ -326,7 +326,7 @@ class DeploymentManager:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             status = self._status(name) if name in self._desired else None
-            if status is None or status.converged or status.failed:
+            if status is None or (status.converged and status.adapters_settled) or status.failed:
                 return status
             await asyncio.sleep(0.2)
         return self._status(name) if name in self._desired else None

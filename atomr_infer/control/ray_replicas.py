@@ -58,6 +58,7 @@ class RayReplicaHandle:
         self._info: dict[str, Any] = {}
         self._in_flight = 0
         self._adapters: dict[str, str] = {}  # LoRA adapter -> its state, as of the last health check
+        self._asked: tuple[dict[str, str] | None, dict[str, str] | None] = (None, None)  # (sent, answered)
         self.adopted = adopted
 
     def actor(self) -> Any:
@@ -87,6 +88,7 @@ class RayReplicaHandle:
     def poll_health(self, adapters: dict[str, str] | None = None) -> Poll:
         if self._health is None:
             self._health = self._calls.health(adapters).future()
+            self._asked = (adapters, self._asked[1])
             return Poll.pending()
         poll, info = _poll(self._health)
         if poll.done:
@@ -94,10 +96,14 @@ class RayReplicaHandle:
             if poll.ok and info is not None:  # a ReplicaHealth (replica/lifecycle.py)
                 self._in_flight = info.in_flight
                 self._adapters = dict(info.adapters)
+                self._asked = (self._asked[0], self._asked[0])
         return poll
 
     def adapters(self) -> dict[str, str]:
         return self._adapters
+
+    def adapters_asked(self) -> dict[str, str] | None:
+        return self._asked[1]
 
     def in_flight(self) -> int:
         return self._in_flight

@@ -327,4 +327,15 @@ class DeploymentReconciler:
             failed=self.gave_up,
             start_failures=self.recurring_failures,
             next_start_in_s=self._next_start_in(),
+            adapters_settled=self._adapters_settled(),
+        )
+
+    def _adapters_settled(self) -> bool:
+        """Every ready replica answered a health check that asked for the spec's adapters as they
+        are now, with each loaded or failed (``atomr deploy --wait`` waits for that too)."""
+        wanted = self._wanted_adapters()
+        return not wanted or all(
+            r.handle.adapters_asked() == wanted
+            and all(r.handle.adapters().get(n, "").startswith(("loaded", "failed")) for n in wanted)
+            for r in self.ready_replicas()
         )

@@ -53,8 +53,12 @@ class ReplicaHandle(Protocol):
         it should serve); report the last finished one."""
 
     def adapters(self) -> dict[str, str]:
-        """Each LoRA adapter's state on the replica (loading, loaded, failed: why), as of the
-        last health check."""
+        """Each LoRA adapter's state on the replica (loading, loaded, reloading, failed: why), as
+        of the last health check."""
+
+    def adapters_asked(self) -> dict[str, str] | None:
+        """The adapters (name -> source) the last answered health check asked the replica to
+        serve: its ``adapters()`` are the answer to those (None before any answer)."""
 
     def in_flight(self) -> int:
         """Last known number of requests in flight (refreshed with health checks)."""
@@ -109,6 +113,7 @@ def adapter_routes(handle: ReplicaHandle, wanted: Iterable[str] = ()) -> Adapter
     it to load), and those it failed to load, with why (a request for one fails at once when
     every replica failed it)."""
     states = handle.adapters()
-    loaded = frozenset(name for name, state in states.items() if state == "loaded")
+    # Reloading from a new source: vLLM serves the old weights until the new ones are in.
+    loaded = frozenset(name for name, state in states.items() if state in ("loaded", "reloading"))
     failed = tuple(sorted((n, states[n].partition(": ")[2]) for n in wanted if states.get(n, "").startswith("failed")))
     return loaded, frozenset(n for n in wanted if n not in loaded and n not in dict(failed)), failed

@@ -6,8 +6,8 @@ cache, in a thread), loads what is new or changed (and, with backoff, what faile
 what is gone, in the background, and reports each adapter's state with its health: ``loading``,
 ``loaded``, or ``failed: <why>``. Routers send an adapter's requests only to replicas where it
 is loaded, so a replica that is still loading it (or started later, or failed to load it) serves
-none of them; one given a new source stays ``loaded`` (its old weights) until the new one is in,
-or failed.
+none of them; one given a new source is ``reloading`` and still routed to (vLLM serves its old
+weights) until the new one is in, or failed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from atomr_infer.errors import one_line
 
-LOADING, LOADED = "loading", "loaded"
+LOADING, LOADED, RELOADING = "loading", "loaded", "reloading"
 # A load that failed is tried again (a hub fetch that timed out, a file share that blinked) after
 # this, doubling with each failure in a row up to RETRY_MAX_S; at once when its source changes.
 RETRY_AFTER_S, RETRY_MAX_S = 10.0, 300.0
@@ -51,8 +51,7 @@ class AdapterSet:
                 # the old weights until the new ones replace them (in place).
                 self._paths[name] = path
                 self._retry_at.pop(name, None)
-                if self.states.get(name) != LOADED:
-                    self.states[name] = LOADING
+                self.states[name] = RELOADING if self.states.get(name) in (LOADED, RELOADING) else LOADING
                 started.append(self._run(name, self._load_one(name, path)))
             elif name in self._retry_at and name not in self._tasks and time.monotonic() >= self._retry_at[name][0]:
                 started.append(self._run(name, self._load_one(name, path)))  # it says failed until it loads
@@ -90,4 +89,4 @@ class AdapterSet:
             self._retry_at.pop(name, None)
 
     def loaded(self) -> frozenset[str]:
-        return frozenset(name for name, state in self.states.items() if state == LOADED)
+        return frozenset(name for name, state in self.states.items() if state in (LOADED, RELOADING))

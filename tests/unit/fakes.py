@@ -64,6 +64,8 @@ class FakeHandle:
     draining: bool = False
     adopted: bool = False
     load: int = 0  # what its health checks say is in flight
+    asked: dict | None = None  # the adapters its last health check asked for (each loaded, unless states says)
+    states: dict = field(default_factory=dict)
 
     def placement(self):
         return {"actor_id": f"id-{self.actor_name}", "node_id": "n0", "gpu_ids": [], "model": self.spec_model}
@@ -72,10 +74,15 @@ class FakeHandle:
         return self.ready
 
     def poll_health(self, adapters=None):
+        if self.health.done and self.health.ok:
+            self.asked = adapters
         return self.health
 
     def adapters(self):
-        return {}
+        return {**dict.fromkeys(self.asked or {}, "loaded"), **self.states}
+
+    def adapters_asked(self):
+        return self.asked
 
     def in_flight(self):
         return self.load

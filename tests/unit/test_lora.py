@@ -244,7 +244,11 @@ def test_a_failed_adapter_is_tried_again_with_backoff_and_says_failed_until_it_l
 
 def test_a_loaded_adapter_given_a_new_source_stays_routable_while_it_reloads():
     """vLLM serves the old weights until the new ones replace them: it went ``loading`` on every
-    replica at once, and its requests waited (up to 60 s) for nothing."""
+    replica at once, and its requests waited (up to 60 s) for nothing. ``reloading`` is routed to."""
+    from types import SimpleNamespace
+
+    from atomr_infer.control.replicas import adapter_routes
+
     gate = asyncio.Event()
 
     async def load(name, path):
@@ -266,7 +270,8 @@ def test_a_loaded_adapter_given_a_new_source_stays_routable_while_it_reloads():
         return during, after, dict(adapters.states)
 
     during, after, broken = asyncio.run(main())
-    assert during == after == {"pirate": "loaded"}
+    assert during == {"pirate": "reloading"} and after == {"pirate": "loaded"}
+    assert adapter_routes(SimpleNamespace(adapters=lambda: during), ["pirate"])[0] == {"pirate"}  # still routed
     assert broken == {"pirate": "failed: no adapter_config.json"}  # the spec's source failed: said so
 
 

@@ -372,3 +372,24 @@ def test_wait_ready_returns_once_a_deployment_has_failed() -> None:
 
     status = asyncio.run(wait())
     assert status.failed and not status.converged and "max_model_len" in status.last_failure
+
+
+def test_status_says_when_every_replica_has_the_specs_adapters_loaded_or_failed() -> None:
+    """``atomr deploy --wait`` and ``wait_ready`` said ready while an adapter was still loading,
+    at once after an in-place change (before any replica heard of it), and with one failed."""
+    h = Harness()
+    h.call("apply", spec(replicas=2, lora={"adapters": {"pirate": "/srv/pirate-v1"}}))
+    h.converge()
+    status = h.call("status", "demo")
+    assert status.converged and status.adapters_settled and status.failed_adapters == {}
+    h.call("apply", spec(replicas=2, lora={"adapters": {"pirate": "/srv/pirate-v2"}}))  # in place
+    h.manager.reconcile_once()  # converged: an in-place change starts no replica
+    status = h.call("status", "demo")
+    assert status.converged and not status.adapters_settled  # no replica asked for the new source yet
+    first = h.launcher.started[0]
+    first.states = {"pirate": "reloading"}
+    h.converge()
+    assert not h.call("status", "demo").adapters_settled
+    first.states = {"pirate": "failed: OSError: no such file"}
+    status = h.call("status", "demo")
+    assert status.adapters_settled and status.failed_adapters == {"pirate": "OSError: no such file"}
