@@ -7,7 +7,8 @@
         print(chunk.choices[0].delta.content or "", end="", flush=True)
 
 Keyword arguments are the fields of the OpenAI request (``temperature``, ``tools``,
-``response_format``, vLLM's ``top_k``, ``ignore_eos``, …), checked by name here: a misspelt
+``response_format``, vLLM's ``top_k``, ``ignore_eos``, …; and ``timeout``, seconds for the whole
+answer of a call that does not stream, as openai's), checked by name here: a misspelt
 field raises ``TypeError`` in the caller, before anything is routed. Values are checked once,
 by vLLM in the replica, which answers with vLLM's own response types (``ChatCompletionResponse``,
 ``ChatCompletionStreamResponse``, ``CompletionResponse``, ``EmbeddingResponse``), the same
@@ -186,10 +187,18 @@ class Client:
     async def _send(self, endpoint: _Endpoint, name: str, fields: dict[str, Any]) -> Any:
         if fields.get("stream"):
             raise TypeError(f"{endpoint.path}: stream=True: use the stream_* (astream_*) methods to stream")
+        timeout = fields.pop("timeout", None)  # seconds for the whole answer, as openai's; not a request field
         facts, request = _request(endpoint, name, fields)
-        async with contextlib.aclosing(self._router().stream(facts, request)) as items:
-            head: HttpHead = await anext(items)
-            body = b"".join([piece async for piece in items])
+
+        async def answer() -> tuple[HttpHead, bytes]:
+            async with contextlib.aclosing(self._router().stream(facts, request)) as items:
+                head: HttpHead = await anext(items)
+                return head, b"".join([piece async for piece in items])
+
+        try:  # a timeout cancels the request, which aborts it in the engine
+            head, body = await asyncio.wait_for(answer(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{endpoint.path}: no answer from {name!r} within timeout={timeout:g}s") from None
         if head.status != 200:
             raise _error(head.status, body)
         return endpoint.model("response").model_validate_json(body)

@@ -131,3 +131,16 @@ def test_inputs_an_openai_user_passes():
         client.chat("d", MESSAGES, stop={"x"})
     assert len(replica.bodies) == 2  # none of the refused was sent
     client.close()
+
+
+def test_a_timeout_ends_the_call_and_aborts_its_request():
+    """openai's ``timeout=`` (or Ray Serve's ``result(timeout_s=)``): it was an unknown field."""
+    replica = ChatReplica(hang=True)
+    client = client_of(replica)
+    with pytest.raises(TimeoutError, match="no answer from 'd' within timeout=0.3s"):
+        client.chat("d", MESSAGES, timeout=0.3)
+    deadline = time.monotonic() + 5
+    while replica.cancelled == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert replica.cancelled == 1 and "timeout" not in replica.bodies[0]
+    client.close()
