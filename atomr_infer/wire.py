@@ -44,6 +44,8 @@ class RequestKind(enum.StrEnum):
     RESPONSES = "responses"  # a Responses-API request (POST /v1/responses)
     MESSAGES = "messages"  # an Anthropic Messages request (POST /v1/messages)
     COUNT_TOKENS = "count_tokens"  # Anthropic's POST /v1/messages/count_tokens
+    RENDER = "render"  # the prompt a request would run, rendered (POST .../render, .../derender)
+    STORED = "stored"  # a stored Responses-API response retrieved or cancelled (GET /v1/responses/{id}...)
     OTHER = "other"  # a route of vLLM's server routed by model, with no facts of its own
 
     @classmethod
@@ -52,10 +54,12 @@ class RequestKind(enum.StrEnum):
 
     @property
     def runs_engine(self) -> bool:
-        """Whether it takes a place in the engine's batch. Tokenizing does not (vLLM's serving
-        layer answers it), so it is not held to ``serving.max_concurrent``: a client that counts
-        tokens is answered at once, not after a generation ends (or with 429), as on ``vllm serve``."""
-        return self not in _TOKENIZING
+        """Whether it takes a place in the engine's batch. Tokenizing, rendering, and retrieving or
+        cancelling a stored response do not (vLLM's serving layer answers them), so they are not
+        held to ``serving.max_concurrent`` nor charged tokens: a client that counts tokens, or polls
+        a background response, is answered at once, not after a generation ends (or with 429), as
+        on ``vllm serve``."""
+        return self not in _NO_ENGINE
 
 
 _KIND_OF_PATH = {
@@ -67,9 +71,13 @@ _KIND_OF_PATH = {
     "/v1/responses": RequestKind.RESPONSES,
     "/v1/messages": RequestKind.MESSAGES,
     "/v1/messages/count_tokens": RequestKind.COUNT_TOKENS,
+    **dict.fromkeys(("/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
+                     "/v1/responses/render", "/cohere/v2/chat/render", "/v1/chat/completions/derender",
+                     "/v1/completions/derender"), RequestKind.RENDER),
 }
-_TOKENIZING = frozenset({RequestKind.TOKENIZE, RequestKind.DETOKENIZE, RequestKind.COUNT_TOKENS})
-NO_LIMIT = 1 << 30  # OpenRequest.limit of a request that runs no engine step
+_NO_ENGINE = frozenset({RequestKind.TOKENIZE, RequestKind.DETOKENIZE, RequestKind.COUNT_TOKENS, RequestKind.RENDER,
+                        RequestKind.STORED})
+NO_LIMIT = 1 << 30  # OpenRequest.limit of a request that runs no engine step (RequestKind.runs_engine)
 _RESUMABLE = frozenset({RequestKind.CHAT, RequestKind.COMPLETION})
 # Kinds whose streams always report usage (chat and completions do on request).
 _USAGE_ALWAYS = frozenset({RequestKind.RESPONSES, RequestKind.MESSAGES})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from atomr_infer.wire import HttpRequest
@@ -48,12 +49,19 @@ def with_request_id(request: HttpRequest, request_id: str) -> HttpRequest:
     return HttpRequest(request.method, request.path, request.headers, request.body[:at] + field + request.body[at:])
 
 
-def holding(usable: list[ReplicaRoute], deployment: str, response_id: str) -> list[ReplicaRoute]:
-    """The replica that holds the stored response ``response_id`` if it is among ``usable``; else
-    every usable replica, any of which gives vLLM's own answer for a response it does not hold
-    (404 "not found"), as ``vllm serve`` does for an id it never made or has forgotten."""
+def holding(
+    usable: list[ReplicaRoute], deployment: str, response_id: str, listed: Sequence[ReplicaRoute] = (),
+    excluded: Mapping[str, int | None] | None = None,
+) -> list[ReplicaRoute]:
+    """The replica that holds the stored response ``response_id`` if it is among ``usable``; none
+    while it is ``listed`` (in the table) but not usable, unless ``excluded`` for good (None: it
+    died): the request waits for it (a replica briefly unreachable comes back with the response);
+    else every usable replica, any of which gives vLLM's own answer for a response it does not
+    hold (404 "not found"), as ``vllm serve`` does for an id it never made or has forgotten."""
     where = home(response_id)
     if where is None or where.deployment != deployment:
         return usable
     held = [r for r in usable if r.replica_id == where.replica_id]
-    return held or usable
+    gone = excluded or {}
+    waiting = any(r.replica_id == where.replica_id and gone.get(r.actor_name, 0) is not None for r in listed)
+    return held or ([] if waiting else usable)

@@ -280,7 +280,7 @@ class Router:
                 if model:
                     usable = migration.on_model(usable, dep, model, self._excluded)
                 if facts.response_id is not None:
-                    usable = response_ids.holding(usable, dep.name, facts.response_id)
+                    usable = response_ids.holding(usable, dep.name, facts.response_id, dep.replicas, self._excluded)
                 if usable:
                     if not facts.kind.runs_engine:  # tokenizing: not held to max_concurrent
                         loads = {r.actor_name: self.load(r.actor_name) for r in usable}

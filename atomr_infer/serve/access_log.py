@@ -33,10 +33,10 @@ class AccessLog:
 
     async def stream(
         self, chunks: AsyncIterator[bytes], key: str | None, deployment: str, status: int, started: float,
-        on_end: Callable[[int | None], None] = lambda tokens: None,
+        on_end: Callable[[int | None], None] = lambda tokens: None, counts_tokens: bool = True,
     ) -> AsyncIterator[bytes]:
         """``chunks`` passed through, logged when the stream ends (or the client leaves), and
-        ``on_end`` told the tokens it used."""
+        ``on_end`` told the tokens it used (none where it does not ``counts_tokens``: a replay)."""
         last_usage = b""
         try:
             async for chunk in chunks:
@@ -47,6 +47,6 @@ class AccessLog:
             # Closed early (the client left): close the source too, now, so that the request is
             # aborted in the engine at once rather than when the generator is collected.
             await chunks.aclose()  # type: ignore[attr-defined]
-            tokens = usage_tokens(last_usage)
+            tokens = usage_tokens(last_usage) if counts_tokens else None
             on_end(tokens)
             self.done(key, deployment, status, tokens, started)

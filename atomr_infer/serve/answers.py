@@ -103,7 +103,7 @@ async def relay(items: AsyncIterator[bytes], kind: RequestKind = RequestKind.OTH
         log.warning("stream_failed", status=err.status, error=repr(exc), exc_info=unexpected(exc))
         if kind is RequestKind.MESSAGES:
             yield b"event: error\ndata: " + json.dumps(err.anthropic_body()).encode() + b"\n\n"
-        elif kind is RequestKind.RESPONSES:
+        elif kind in (RequestKind.RESPONSES, RequestKind.STORED):
             event = {"type": "error", "code": err.code, "message": err.message, "param": err.param}
             yield b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
         else:

@@ -154,8 +154,9 @@ class OpenAIIngress:
             return response_not_found(response_id)
 
         async def facts(raw: bytes, request: Request) -> tuple[RoutingFacts, Any]:
-            # RESPONSES: an error in a retrieved stream comes as the Responses API's error event
-            return RoutingFacts(where.deployment, RequestKind.RESPONSES, response_id=response_id), None
+            # STORED: no engine step (no limit, no tokens charged); a retrieved stream's error
+            # comes as the Responses API's error event
+            return RoutingFacts(where.deployment, RequestKind.STORED, response_id=response_id), None
 
         return await self._forward(request, facts)
 
@@ -200,7 +201,8 @@ class OpenAIIngress:
             raw = await read_body(request.stream(), request.headers.get("content-length"), self._max_body_bytes)
             facts, data = await read_facts(raw, request)
             model = self._canonical(facts.deployment)
-            self._authorize(key, model, facts.deployment)
+            if facts.kind is not RequestKind.STORED or not self._by_any_name(key, model):
+                self._authorize(key, model, facts.deployment)
             limit_headers, token_budgets = await self._admit(key, model)
         except AtomrError as exc:
             return self._logged(error_response(exc, path), key, model, started)
@@ -223,10 +225,11 @@ class OpenAIIngress:
             await items.aclose()
             raise
         out_headers = {k: v for k, v in head.headers if k.lower() not in _HOP_HEADERS} | limit_headers
+        runs = facts.kind.runs_engine  # else it used no tokens: a stored response's are its creator's
         if out_headers.get("content-type", "").startswith("text/event-stream"):
             relayed = self._access.stream(
                 relay(items, facts.kind), name, model, head.status, started,
-                lambda n: self._limits.charge(token_budgets, n),
+                lambda n: self._limits.charge(token_budgets, n), counts_tokens=runs,
             )
             return SSEResponse(
                 without_usage(relayed) if hide_usage else relayed, status_code=head.status, headers=out_headers
@@ -236,7 +239,7 @@ class OpenAIIngress:
                 body = b"".join([chunk async for chunk in items])
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
             return self._logged(error_response(exc, path), key, model, started)
-        tokens = usage_tokens(body)
+        tokens = usage_tokens(body) if runs else None
         self._limits.charge(token_budgets, tokens)
         self._access.done(name, model, head.status, tokens, started)
         return Response(body, status_code=head.status, headers=out_headers)
@@ -277,6 +280,15 @@ class OpenAIIngress:
             log.info("api_key_refused", key=key.name, deployment=model)
             raise ApiKeyError(403, f"the API key {key.name!r} may not use deployment {model!r}", "model_not_allowed")
 
+    def _by_any_name(self, key: ApiKey | None, deployment: str) -> bool:
+        """Whether ``key`` may use ``deployment`` by any of its names (an alias, an adapter): a
+        stored response's id names only the deployment, and a key that made it through an alias
+        may retrieve and cancel it (its uuid is the secret, as on ``vllm serve``)."""
+        route = self._router.table.deployments.get(deployment)
+        names = {deployment, *(route.aliases if route is not None else ())}
+        return key is None or key.deployments is None or any(
+            e in names or e.partition(":")[0] in names for e in key.deployments)
+
     # -- models and health -------------------------------------------------------------------
 
     async def _list(self) -> list[DeploymentStatus]:
@@ -305,7 +317,7 @@ class OpenAIIngress:
         data += [card for d in deployments for card in adapter_cards(d) if key is None or key.may_use(card["id"])]
         return JSONResponse({"object": "list", "data": data})
 
-    @api.get("/v1/models/{name}")
+    @api.get("/v1/models/{name:path}")
     async def get_model(self, name: str, request: Request) -> Response:
         """The card of a deployment, one of its aliases or one of its loaded adapters."""
         try:

@@ -22,7 +22,8 @@ from tests.vllm_serve import vllm_server
 
 pytestmark = pytest.mark.e2e
 NAME = "conform"
-ALIAS = "conform-alias"  # serving.openai.served_model_name: vllm serve --served-model-name conform conform-alias
+# serving.openai.served_model_name, Hub-style: vllm serve --served-model-name conform conform/alias
+ALIAS = "conform/alias"
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 WEATHER_TOOL = {
     "type": "function",

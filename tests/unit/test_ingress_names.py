@@ -84,3 +84,12 @@ def test_adapter_cards_come_from_ready_replicas_only() -> None:
     dead = ReplicaStatus("r0", "atomr:smollm2:r0", ReplicaState.STOPPED, 1, adapters={"fr": "loaded"})
     status = DeploymentStatus("smollm2", "bundled:smollm2-135m-instruct", 1, 1, 0, 1, (dead,))
     assert adapter_cards(status) == []
+
+
+@pytest.mark.parametrize(("listed", "may"), [(("smol",), True), (("smollm2:fr",), True), (("smollm2",), True),
+                                             (("other",), False)])
+def test_a_key_that_may_use_a_deployment_by_any_name_may_retrieve_its_stored_responses(listed, may) -> None:
+    """A stored response's id names only its deployment: a key listing an alias or an adapter
+    made it (through that name), then got 403 retrieving or cancelling it."""
+    cls, self = ingress()
+    assert cls._by_any_name(self, ApiKey("k", frozenset(listed)), "smollm2") is may

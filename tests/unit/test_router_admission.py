@@ -11,7 +11,7 @@ import pytest
 from atomr_infer.errors import CapacityExhausted, DeploymentNotFound, NoReadyReplica
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, RoutingTable
-from atomr_infer.wire import HttpHead, HttpRequest, RoutingFacts
+from atomr_infer.wire import HttpHead, HttpRequest, RequestKind, RoutingFacts
 
 from .fakes import JSON, FakeReplica, GatedReplica, answer, route, text_of
 
@@ -86,25 +86,31 @@ class TokenizesAtOnce(GatedReplica):
     serving layer does (no engine step)."""
 
     async def _serve(self, request, put, tokens, resume=None, prefilled=None):
-        if request.path in ("/tokenize", "/detokenize", "/v1/messages/count_tokens"):
+        if request.path in NO_ENGINE_STEP:
             put(HttpHead(200, JSON))
             put(b"tokenized")
         else:
             await self._answer(put)
 
 
-@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/messages/count_tokens"])
+STORED = "/v1/responses/resp_d.r0.0123/cancel"  # a stored response's cancel (as its retrieve)
+NO_ENGINE_STEP = ("/tokenize", "/detokenize", "/v1/messages/count_tokens", "/v1/chat/completions/render", STORED)
+
+
+@pytest.mark.parametrize("path", NO_ENGINE_STEP)
 @pytest.mark.parametrize("mode", ["queue", "reject"])
 def test_tokenizing_is_not_held_to_max_concurrent(mode, path):
-    """At capacity, a request that runs no engine step is answered at once (it waited for a
-    generation to end, or got 429), while a generation request still queues or is refused."""
+    """At capacity, a request that runs no engine step (tokenizing, rendering, a stored
+    response's retrieve or cancel) is answered at once (it waited for a generation to end, or got
+    429), while a generation request still queues or is refused."""
 
     async def main():
         replica = TokenizesAtOnce("r0")
         r = router(mode, (replica,), queue_timeout_s=0.2)
         first = await occupy(replica, r)
         data = {"model": "d", "prompt": "hi"}
-        facts = RoutingFacts.of(path, data)
+        facts = (RoutingFacts("d", RequestKind.STORED, response_id="resp_d.r0.0123") if path == STORED
+                 else RoutingFacts.of(path, data))
         try:
             _, body = await asyncio.wait_for(answer(r.stream(facts, HttpRequest("POST", path, JSON, b"{}"))), 5)
             with pytest.raises(CapacityExhausted):

@@ -168,3 +168,24 @@ def test_an_unexpected_500_is_logged_with_its_traceback_and_ours_without(monkeyp
     assert [entry["event"] for entry in logs] == ["request_failed"] * 2 + ["stream_failed"] * 2
     assert unexpected.__traceback__ is not None
     assert [entry.get("exc_info") for entry in logs] == [unexpected, None, unexpected, None]
+
+
+def test_what_runs_no_engine_step_is_charged_no_tokens():
+    """A stored response retrieved (as a stream) was charged, and counted, its usage again each time."""
+    from atomr_infer.serve.access_log import AccessLog
+
+    charged: list = []
+    usage = b'data: {"type": "response.completed", "response": {"usage": {"total_tokens": 900}}}\n\n'
+
+    async def replay():
+        yield usage
+
+    async def main(counts):
+        log = AccessLog()
+        async for _ in log.stream(replay(), None, "d", 200, 0.0, charged.append, counts_tokens=counts):
+            pass
+
+    asyncio.run(main(True))
+    asyncio.run(main(False))
+    assert charged == [900, None]
+    assert not RequestKind.STORED.runs_engine and not RequestKind.of_path("/v1/completions/render").runs_engine
