@@ -50,7 +50,10 @@ def _ray_cli() -> str:
 
 def local_address() -> str:
     """Where atomr's local head listens (or would): ``127.0.0.1:$ATOMR_RAY_PORT``."""
-    return f"127.0.0.1:{os.environ.get('ATOMR_RAY_PORT') or '6379'}"
+    port = os.environ.get("ATOMR_RAY_PORT") or "6379"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise AtomrError(f"ATOMR_RAY_PORT is {port!r}: set it to a port number (1-65535), or unset it for 6379")
+    return f"127.0.0.1:{port}"
 
 
 def start_local_head(dashboard: bool = True) -> str:

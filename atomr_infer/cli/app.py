@@ -47,9 +47,12 @@ def fail(exc: BaseException) -> NoReturn:
         err.print("interrupted")
         raise typer.Exit(EXIT_INTERRUPTED)
     code = EXIT_BUDGET if isinstance(exc, BudgetExceeded) else EXIT_FAILED
-    err.print(f"[red]error:[/] {_escape(str(exc) or type(exc).__name__)}", markup=True)
+    err.print(f"[red]error:[/] {_escape(str(exc) or type(exc).__name__)}", markup=True, emoji=False)
     raise typer.Exit(code)
 
 
 def _escape(text: str) -> str:
-    return text.replace("[", r"\[")
+    """``text`` printed as is in a markup line: brackets, and the backslashes before them."""
+    from rich.markup import escape
+
+    return escape(text)

@@ -45,8 +45,10 @@ def chat_command(
         raise typer.Exit(EXIT_INVALID)
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read().strip()
-        if not prompt:
-            fail(AtomrError("no prompt: give one as an argument, on stdin, or run in a terminal to converse"))
+        if not prompt:  # a usage error
+            err.print("error: no prompt: give one as an argument, on stdin, or run in a terminal to converse",
+                      markup=False)
+            raise typer.Exit(EXIT_INVALID)
     try:
         control = common.control_plane(address, start=False)
         if control.status(name) is None:  # say so before asking anything

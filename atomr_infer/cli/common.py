@@ -71,6 +71,20 @@ def cors_of(origins: Any, methods: Any, headers: Any, credentials: bool) -> Cors
     return Cors(**given, allow_credentials=credentials) if given or credentials else None
 
 
+def check_key_file(path: str | None) -> None:
+    """``--api-keys``: a file that cannot be read or is wrong is a usage error (exit 2), said before
+    anything starts (a head and the manager left running after a typo)."""
+    from atomr_infer.cli.app import EXIT_INVALID
+    from atomr_infer.serve.api_keys import load_key_file
+
+    if path is not None:
+        try:
+            load_key_file(path)
+        except AtomrError as exc:
+            err.print(f"error: --api-keys: {exc}", markup=False)
+            raise typer.Exit(EXIT_INVALID) from None
+
+
 def quiet_logs() -> None:
     """With ``--debug``, loggers bound from now on log at DEBUG."""
     from atomr_infer.log import configure_logging

@@ -221,7 +221,12 @@ def remove_command(
             code = code or report(exc)
             continue
         if not result.changed:
-            known = ", ".join(s.name for s in control.list()) or "none"
+            listed = {s.name: s for s in control.list()}
+            if name in listed and listed[name].removing:  # removed before (--no-wait, Ctrl-C): still draining
+                _say(f"{name}: already being removed")
+                removed.append(name)
+                continue
+            known = ", ".join(n for n, s in listed.items() if not s.removing) or "none"
             code = code or report(AtomrError(f"no deployment named {name!r} (deployments: {known})"))
             continue
         _say(f"{name}: {'; '.join(result.actions)}")

@@ -65,6 +65,8 @@ def up_command(
         raise typer.Exit(EXIT_INVALID)
     from atomr_infer import cluster
 
+    if serve:
+        common.check_key_file(api_keys)
     common.quiet_logs()
     cluster.use_local_auth_token()
     joining = cluster.target_address(address)
@@ -163,9 +165,13 @@ def down_command(
         raise typer.Exit(EXIT_OK) from None
     try:
         common.connect(address, start=False)
-    except AtomrError:
-        _stop_stale_head()
-        _line("Ray", "no cluster is running; nothing to stop")
+    except AtomrError as exc:
+        target = address or os.environ.get("RAY_ADDRESS", "").strip()
+        if target and not _on_this_machine(target):  # another machine's cluster does not answer
+            fail(AtomrError(f"nothing was stopped: {one_line(exc)}"))
+        if not target or _atomrs_head(target):  # (not the head atomr started here when another is named)
+            _stop_stale_head()
+        _line("Ray", f"no cluster is running{f' at {target}' if target else ''}; nothing to stop")
         raise typer.Exit(EXIT_OK) from None
     try:
         _stop_api()
@@ -174,7 +180,7 @@ def down_command(
         fail(exc)
     gcs = ray.get_runtime_context().gcs_address
     port = int(gcs.rsplit(":", 1)[1])
-    ours = _started_by_atomr(port)
+    ours = _atomrs_head(gcs) and _started_by_atomr(port)
     ray.shutdown()
     if ours:
         from atomr_infer.local_ray import stop_head
@@ -270,6 +276,26 @@ def _started_by_atomr(port: int) -> bool:
     except OSError:
         return False
     return recorded.endswith(f":{port}") and started_before(port, written)
+
+
+def _on_this_machine(address: str) -> bool:
+    """Whether ``address`` (host:port) is one of this machine's."""
+    import psutil
+
+    here = {a.address for nic in psutil.net_if_addrs().values() for a in nic} | {"localhost", "0.0.0.0"}
+    return address.rpartition(":")[0].strip("[]") in here
+
+
+def _atomrs_head(address: str) -> bool:
+    """Whether ``address`` (host:port) is where the head atomr started here listens: this
+    machine, the port its marker names (a cluster elsewhere on the same port is not it)."""
+    from atomr_infer import cluster
+
+    try:
+        recorded = cluster.started_marker().read_text().strip()
+    except OSError:
+        return False
+    return _on_this_machine(address) and recorded.rpartition(":")[2] == address.rpartition(":")[2]
 
 
 def _stop_stale_head() -> int | None:

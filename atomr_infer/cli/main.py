@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import sys
 
+import typer
+
 from atomr_infer.cli import cache, chat, deploy, lifecycle, probe, serve, status, validate  # noqa: F401 - registers the commands
-from atomr_infer.cli.app import EXIT_FAILED, EXIT_INTERRUPTED, app, err
+from atomr_infer.cli.app import EXIT_FAILED, EXIT_INTERRUPTED, app, err, fail
 from atomr_infer.cli.common import cannot_import
+from atomr_infer.errors import AtomrError
 
 
 def main() -> None:
@@ -19,6 +22,11 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(EXIT_INTERRUPTED)
+    except AtomrError as exc:  # one a command let through (a manager gone mid-wait): a line, as every error
+        try:
+            fail(exc)
+        except typer.Exit as done:
+            sys.exit(done.exit_code)
     except ImportError as exc:  # a part of Ray, vLLM or torch this host cannot load: one line
         if (exc.name or "").startswith("atomr_infer"):
             raise  # a bug of atomr's own, not this host's: its traceback

@@ -44,12 +44,10 @@ def serve_command(
     except AtomrError as exc:
         fail(exc)
     from atomr_infer.serve import run_server, running_server, stop_server
-    from atomr_infer.serve.api_keys import load_key_file
     from atomr_infer.serve.server import api_settings, hold_foreground
 
+    common.check_key_file(api_keys)
     try:
-        if api_keys is not None:
-            load_key_file(api_keys)  # a bad file fails in one line before anything starts
         common.connect(address, start=True)  # says so when it starts a local head, as other commands do
         max_body_bytes = int(max_body_mb * 1024 * 1024) if max_body_mb else None
         cors = common.cors_of(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
@@ -121,7 +119,7 @@ def _exit_at_once(gone: Gone) -> NoReturn:
     """Exit at once, skipping Ray's own shutdown at exit: with its GCS gone, that waits on
     reconnecting for a minute or more."""
     if gone.cluster_lost:
-        err.print(f"[red]error:[/] {_escape(gone.reason)}", markup=True)
+        err.print(f"[red]error:[/] {_escape(gone.reason)}", markup=True, emoji=False)
     else:
         from atomr_infer.serve.server import hold_foreground
 

@@ -99,6 +99,8 @@ def logs_command(
     except AtomrError as exc:
         fail(exc)
     targets = [r for r in statuses[0].replicas if replica in (None, r.replica_id)]
+    if not targets and replica is None:  # scaled to zero, or replicas: 0
+        fail(AtomrError(f"deployment {name!r} has no replicas (hint: `atomr status {name}`)"))
     if not targets:
         ids = ", ".join(r.replica_id for r in statuses[0].replicas) or "none"
         fail(AtomrError(f"deployment {name!r} has no replica {replica!r} (replicas: {ids})"))

@@ -132,6 +132,9 @@ def parse_key_file(text: str, source: str = "api keys file") -> KeyRing:
     """A ``KeyRing`` from the file's YAML; ``AtomrError`` naming the field and value if it is wrong."""
     try:
         data: Any = yaml.safe_load(text)
+        if not isinstance(data, dict):
+            raise AtomrError(f"{source}: expected a mapping with `keys:` (a list of keys), got "
+                             f"{'nothing' if data is None else type(data).__name__}")
         parsed = _File.model_validate(data)
     except yaml.YAMLError as exc:
         raise AtomrError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from None
@@ -164,9 +167,11 @@ def parse_key_file(text: str, source: str = "api keys file") -> KeyRing:
 
 def load_key_file(path: str | os.PathLike[str]) -> KeyRing:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise AtomrError(f"api keys file {os.fspath(path)!r}: cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise AtomrError(f"api keys file {os.fspath(path)!r}: not UTF-8 text (byte {exc.start})") from None
     return parse_key_file(text, f"api keys file {os.fspath(path)!r}")
 
 

@@ -157,9 +157,10 @@ def test_serve_with_a_bad_key_file_fails_in_one_line_before_starting(tmp_path):
         [str(ATOMR), "serve", "--api-keys", str(bad), "--address", "127.0.0.1:1"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "NO_COLOR": "1"},
     )
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr  # a usage error: the flag's file
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert lines == [f"error: api keys file '{bad}': keys.0: key_sha256 must be 64 hex digits (sha256sum of the key)"]
+    assert lines == [f"error: --api-keys: api keys file '{bad}': keys.0: key_sha256 must be 64 hex digits "
+                     "(sha256sum of the key)"]
 
 
 def test_a_deployment_rate_limit_changes_in_place_and_holds_for_every_key(keyed, manager, ray_cluster):

@@ -58,6 +58,8 @@ def test_a_missing_or_wrong_key_is_401(header: str | None, code: str) -> None:
         (f"keys: [{{name: a, key: {ALICE}}}, {{name: b, key: {ALICE}}}]", "two entries have the same key"),
         ("keys: [", "not valid YAML"),
         ("{}", "keys: Field required"),
+        ("", "expected a mapping with `keys:` (a list of keys), got nothing"),  # (it named a pydantic class)
+        ("- a", "expected a mapping with `keys:` (a list of keys), got list"),
     ],
 )
 def test_a_bad_file_is_one_line_naming_the_field(text: str, expected: str) -> None:
@@ -65,6 +67,13 @@ def test_a_bad_file_is_one_line_naming_the_field(text: str, expected: str) -> No
         parse_key_file(text, "f.yaml")
     message = str(info.value)
     assert message.startswith("f.yaml: ") and expected in message and "\n" not in message, message
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "keys.yaml"
+    bad.write_bytes(b"\xff\xfekeys: []")
+    with pytest.raises(AtomrError, match=f"api keys file '{bad}': not UTF-8 text"):
+        api_keys.load_key_file(bad)
 
 
 def test_an_error_never_echoes_a_key() -> None:
