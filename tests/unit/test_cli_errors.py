@@ -1,0 +1,37 @@
+"""CLI errors are one line, printed as given, whatever the command let through."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+
+from atomr_infer.cli import app as app_module
+from atomr_infer.errors import AtomrError
+
+
+def test_an_error_line_prints_brackets_backslashes_and_colons_as_given(capsys) -> None:
+    """``127.0.0.1:abc`` printed an emoji for ``:abc:``; ``x\\[/b].yaml`` a rich MarkupError traceback."""
+    message = r"could not join the Ray cluster at 127.0.0.1:abc: Unable to parse (x\[/b].yaml [bold])"
+    with pytest.raises(typer.Exit) as done:
+        app_module.fail(AtomrError(message))
+    assert done.value.exit_code == 1
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+SMOLLM2 = str(Path(__file__).resolve().parents[2] / "deployments" / "smollm2.yaml")
+
+
+@pytest.mark.parametrize("args", [["deploy", "--dry-run", SMOLLM2], ["up", "--no-gemma"], ["status"]])
+def test_a_bad_ray_port_setting_is_one_line_naming_it(args) -> None:
+    """A traceback (``int('abc')``) from deploy and up; a line that did not name the variable."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"ATOMR_RAY_PORT": "abc"}
+    proc = subprocess.run([sys.executable, "-m", "atomr_infer.cli.main", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: ATOMR_RAY_PORT is 'abc': set it to a port number (1-65535), or unset it for 6379")
