@@ -127,11 +127,9 @@ def _jsonable(value: Any) -> Any:
 
 
 def _dumps_ok(value: Any) -> bool:
-    try:
-        json.dumps(value, default=_jsonable)
-        return True
-    except (TypeError, ValueError):
-        return False
+    with contextlib.suppress(TypeError, ValueError):
+        return bool(json.dumps(value, default=_jsonable))
+    return False
 
 
 def _error(status: int, body: bytes) -> AtomrError:
@@ -173,8 +171,8 @@ class Client:
         if self._closed:
             raise RouterClosed("the Client was closed")
         key = asyncio.get_running_loop()
-        for loop in [loop for loop in self._routers if loop.is_closed()]:
-            del self._routers[loop]
+        for loop in [loop for loop in list(self._routers) if loop.is_closed()]:  # (other threads add theirs)
+            self._routers.pop(loop, None)
         router = self._routers.get(key)
         if router is None:
             router = self._routers[key] = Router(
@@ -195,9 +193,13 @@ class Client:
                 head: HttpHead = await anext(items)
                 return head, b"".join([piece async for piece in items])
 
-        try:  # a timeout cancels the request, which aborts it in the engine
-            head, body = await asyncio.wait_for(answer(), timeout)
-        except asyncio.TimeoutError:
+        scope = asyncio.timeout(timeout)  # (None: none) one that expires cancels the request: aborted in the engine
+        try:
+            async with scope:
+                head, body = await answer()
+        except TimeoutError:
+            if not scope.expired():  # the request's own TimeoutError, not this limit
+                raise
             raise TimeoutError(f"{endpoint.path}: no answer from {name!r} within timeout={timeout:g}s") from None
         if head.status != 200:
             raise _error(head.status, body)

@@ -181,6 +181,7 @@ class AdapterFailed(AdapterNotFound):
     def __init__(self, deployment: str, adapter: str, why: str) -> None:
         super().__init__(deployment, adapter)
         self.why = why
+        self.args = (deployment, adapter, why)  # unpickled as AdapterFailed(*args), as the others are
 
     def __str__(self) -> str:
         return (f"adapter {self.adapter!r} of deployment {self.deployment!r} failed to load on every ready replica: "

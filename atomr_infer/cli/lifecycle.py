@@ -164,6 +164,10 @@ def down_command(
                      "drained)" if stopped else "no local head atomr started is running here; nothing to stop")
         raise typer.Exit(EXIT_OK) from None
     try:
+        cluster.local_address()  # a bad ATOMR_RAY_PORT is an error, not "no cluster answers"
+    except AtomrError as exc:
+        fail(exc)
+    try:
         common.connect(address, start=False)
     except AtomrError as exc:
         target = address or os.environ.get("RAY_ADDRESS", "").strip()
@@ -279,11 +283,18 @@ def _started_by_atomr(port: int) -> bool:
 
 
 def _on_this_machine(address: str) -> bool:
-    """Whether ``address`` (host:port) is one of this machine's."""
+    """Whether ``address`` (host:port, a name or an IP, or ``ray://`` one) is one of this machine's."""
+    import socket
+
     import psutil
 
+    host = address.removeprefix("ray://").rpartition(":")[0].strip("[]")
     here = {a.address for nic in psutil.net_if_addrs().values() for a in nic} | {"localhost", "0.0.0.0"}
-    return address.rpartition(":")[0].strip("[]") in here
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(host, None)} if host not in here else {host}
+    except OSError:  # a name that does not resolve is no address of this machine
+        return False
+    return bool(resolved & here)
 
 
 def _atomrs_head(address: str) -> bool:

@@ -8,7 +8,7 @@ returns at once: the reconciler polls, it never blocks on a slow replica.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -107,13 +107,16 @@ class ReplicaRecord:
 AdapterRoutes = tuple[frozenset[str], frozenset[str], tuple[tuple[str, str], ...]]
 
 
-def adapter_routes(handle: ReplicaHandle, wanted: Iterable[str] = ()) -> AdapterRoutes:
+def adapter_routes(handle: ReplicaHandle, wanted: Mapping[str, str] | None = None) -> AdapterRoutes:
     """The LoRA adapters loaded on the replica (requests for one are routed only where it is),
-    those of ``wanted`` it is still loading or has not reported yet (a request for one waits for
-    it to load), and those it failed to load, with why (a request for one fails at once when
-    every replica failed it)."""
-    states = handle.adapters()
+    those of ``wanted`` (name -> source) it is still loading or has not reported yet (a request
+    for one waits for it to load), and those it failed to load from the source wanted now, with
+    why (a request for one fails at once when every replica failed it; one whose source an apply
+    just changed waits for the replica to hear of it)."""
+    wanted = wanted or {}
+    states, asked = handle.adapters(), handle.adapters_asked() or {}
     # Reloading from a new source: vLLM serves the old weights until the new ones are in.
     loaded = frozenset(name for name, state in states.items() if state in ("loaded", "reloading"))
-    failed = tuple(sorted((n, states[n].partition(": ")[2]) for n in wanted if states.get(n, "").startswith("failed")))
+    failed = tuple(sorted((n, states[n].partition(": ")[2]) for n, source in wanted.items()
+                          if states.get(n, "").startswith("failed") and asked.get(n) == source))
     return loaded, frozenset(n for n in wanted if n not in loaded and n not in dict(failed)), failed

@@ -13,7 +13,7 @@ the mean load passes the request to the next replica in the adapter's order that
 from __future__ import annotations
 
 import json
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from atomr_infer.routing.prefix import load_cap, rendezvous_order
 from atomr_infer.routing.table import ReplicaRoute
@@ -57,8 +57,10 @@ def by_full_name(request: HttpRequest, asked: str, deployment: str, adapter: str
     return HttpRequest(request.method, request.path, request.headers, json.dumps(body).encode())
 
 
-def failed_everywhere(replicas: Sequence[ReplicaRoute], adapter: str, excluded: Container[str]) -> str | None:
+def failed_everywhere(replicas: Sequence[ReplicaRoute], adapter: str, excluded: Mapping[str, int | None]) -> str | None:
     """Why ``adapter`` failed to load, when every ready replica of ``replicas`` (not ``excluded``)
     failed it; else None (one has it, loads it, or there is none: the request waits)."""
-    whys = [dict(r.adapters_failed).get(adapter) for r in replicas if r.actor_name not in excluded]
+    # A replica excluded only for now (unreachable) still counts: it may hold the adapter.
+    whys = [dict(r.adapters_failed).get(adapter) for r in replicas
+            if not (r.actor_name in excluded and excluded[r.actor_name] is None)]
     return whys[0] if whys and all(why is not None for why in whys) else None

@@ -53,15 +53,16 @@ def holding(
     usable: list[ReplicaRoute], deployment: str, response_id: str, listed: Sequence[ReplicaRoute] = (),
     excluded: Mapping[str, int | None] | None = None,
 ) -> list[ReplicaRoute]:
-    """The replica that holds the stored response ``response_id`` if it is among ``usable``; none
-    while it is ``listed`` (in the table) but not usable, unless ``excluded`` for good (None: it
-    died): the request waits for it (a replica briefly unreachable comes back with the response);
-    else every usable replica, any of which gives vLLM's own answer for a response it does not
-    hold (404 "not found"), as ``vllm serve`` does for an id it never made or has forgotten."""
+    """The replica that holds the stored response ``response_id``: among ``usable``, or ``listed``
+    (in the table) though ``excluded`` for now, as unreachable, which is tried again for it (a
+    blip passes, and no other replica holds the response); else, where it is gone (or excluded
+    for good: it died), every usable replica, any of which gives vLLM's own answer for a
+    response it does not hold (404 "not found"), as ``vllm serve`` does for an id it never made
+    or has forgotten."""
     where = home(response_id)
     if where is None or where.deployment != deployment:
         return usable
     held = [r for r in usable if r.replica_id == where.replica_id]
     gone = excluded or {}
-    waiting = any(r.replica_id == where.replica_id and gone.get(r.actor_name, 0) is not None for r in listed)
-    return held or ([] if waiting else usable)
+    again = [r for r in listed if r.replica_id == where.replica_id and gone.get(r.actor_name, None) is not None]
+    return held or again or usable

@@ -147,7 +147,7 @@ def adapter_cards(status: DeploymentStatus) -> list[dict[str, Any]]:
     """A card per LoRA adapter loaded on a ready replica of the deployment, with its parent (as
     vLLM lists its adapters)."""
     loaded = sorted({a for r in status.replicas if r.state == "ready"
-                     for a, state in r.adapters.items() if state == "loaded"})
+                     for a, state in r.adapters.items() if state in ("loaded", "reloading")})
     base = model_card(status)
     return [{**base, "id": f"{status.name}:{a}", "parent": status.name} for a in loaded]
 

@@ -20,6 +20,8 @@ def test_only_this_machines_address_at_the_markers_port_is_atomrs_head(tmp_path:
     assert lifecycle._atomrs_head("127.0.0.1:6379") and lifecycle._atomrs_head("localhost:6379")
     assert not lifecycle._atomrs_head("127.0.0.1:6380")
     assert not lifecycle._atomrs_head("10.255.1.2:6379")  # another machine, the same port
+    assert lifecycle._on_this_machine("localhost:1") and lifecycle._on_this_machine("ray://127.0.0.1:10001")
+    assert not lifecycle._on_this_machine("no-such-host.invalid:6379")
 
 
 def down(tmp_path: Path, address: str) -> subprocess.CompletedProcess[str]:

@@ -26,12 +26,16 @@ def test_an_error_line_prints_brackets_backslashes_and_colons_as_given(capsys) -
 SMOLLM2 = str(Path(__file__).resolve().parents[2] / "deployments" / "smollm2.yaml")
 
 
-@pytest.mark.parametrize("args", [["deploy", "--dry-run", SMOLLM2], ["up", "--no-gemma"], ["status"]])
-def test_a_bad_ray_port_setting_is_one_line_naming_it(args) -> None:
-    """A traceback (``int('abc')``) from deploy and up; a line that did not name the variable."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"ATOMR_RAY_PORT": "abc"}
+@pytest.mark.parametrize("args", [["deploy", "--dry-run", SMOLLM2], ["up", "--no-gemma"], ["status"], ["down"]])
+def test_a_bad_ray_port_setting_is_one_line_naming_it(args, tmp_path) -> None:
+    """A traceback (``int('abc')``) from deploy and up; a line that did not name the variable; and
+    ``down`` took it for "no cluster answers" and stopped the head atomr started, undrained."""
+    (tmp_path / "ray-started-by-atomr").write_text("127.0.0.1:6379")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"ATOMR_RAY_PORT": "abc",
+                                                                          "ATOMR_STATE_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "atomr_infer.cli.main", *args], capture_output=True, text=True,
                           timeout=120, env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: ATOMR_RAY_PORT is 'abc': set it to a port number (1-65535), or unset it for 6379")
+    assert (tmp_path / "ray-started-by-atomr").exists()  # nothing was stopped

@@ -144,3 +144,19 @@ def test_a_timeout_ends_the_call_and_aborts_its_request():
         time.sleep(0.05)
     assert replica.cancelled == 1 and "timeout" not in replica.bodies[0]
     client.close()
+
+
+def test_without_a_timeout_a_timeout_error_of_the_request_is_its_own():
+    """``{None:g}`` made a request's own TimeoutError (Ray's GetTimeoutError is one) a TypeError."""
+
+    class TimesOut(ChatReplica):
+        async def _serve(self, request, put, tokens, resume=None, prefilled=None):
+            raise TimeoutError("the engine took too long")
+
+    client = client_of(TimesOut())
+    for timeout in (None, 30.0):
+        with pytest.raises(Exception, match="the engine took too long") as caught:
+            client.chat("d", MESSAGES, **({} if timeout is None else {"timeout": timeout}))
+        assert not isinstance(caught.value, TypeError)
+    client.close()
+

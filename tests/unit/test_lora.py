@@ -271,7 +271,8 @@ def test_a_loaded_adapter_given_a_new_source_stays_routable_while_it_reloads():
 
     during, after, broken = asyncio.run(main())
     assert during == {"pirate": "reloading"} and after == {"pirate": "loaded"}
-    assert adapter_routes(SimpleNamespace(adapters=lambda: during), ["pirate"])[0] == {"pirate"}  # still routed
+    handle = SimpleNamespace(adapters=lambda: during, adapters_asked=lambda: {"pirate": "/a/v2"})
+    assert adapter_routes(handle, {"pirate": "/a/v2"})[0] == {"pirate"}  # still routed
     assert broken == {"pirate": "failed: no adapter_config.json"}  # the spec's source failed: said so
 
 
@@ -504,3 +505,37 @@ def test_an_adapter_reloaded_from_a_new_source_is_not_reloaded_on_every_step():
     assert [(r.lora_path, r.load_inplace) for r in sent] == [("/srv/pirate-v1", False), ("/srv/pirate-v2", True)]
     served = models.lora_requests["d:pirate"]  # what requests for the adapter carry from now on
     assert (served.lora_path, served.load_inplace, served.lora_int_id) == ("/srv/pirate-v2", False, sent[0].lora_int_id)
+
+
+def test_an_adapter_is_not_said_failed_everywhere_for_replicas_away_for_now_or_an_old_source():
+    """A replica excluded for a moment (unreachable) may hold it; a failure of the source an apply
+    just replaced is not the new one's: the request waits, it is no 404 "failed to load"."""
+    from types import SimpleNamespace
+
+    from atomr_infer.control.replicas import adapter_routes
+    from atomr_infer.routing.adapters import failed_everywhere
+    from atomr_infer.routing.table import ReplicaRoute
+
+    r0 = ReplicaRoute("r0", "atomr:d:r0", None, frozenset({"pirate"}))
+    r1 = ReplicaRoute("r1", "atomr:d:r1", None, adapters_failed=(("pirate", "OSError: gone"),))
+    assert failed_everywhere([r0, r1], "pirate", {"atomr:d:r0": 3}) is None  # r0 unreachable for now
+    assert failed_everywhere([r0, r1], "pirate", {"atomr:d:r0": None}) == "OSError: gone"  # r0 died
+    failed = SimpleNamespace(adapters=lambda: {"pirate": "failed: OSError: gone"},
+                             adapters_asked=lambda: {"pirate": "/a/v1"})
+    assert adapter_routes(failed, {"pirate": "/a/v1"})[2] == (("pirate", "OSError: gone"),)
+    assert adapter_routes(failed, {"pirate": "/a/v2"})[1:] == (frozenset({"pirate"}), ())  # corrected: loading
+
+
+def test_a_reloading_adapter_is_listed_and_adapter_failed_crosses_ray():
+    import pickle
+
+    from atomr_infer.errors import AdapterFailed
+    from atomr_infer.serve.answers import adapter_cards
+    from atomr_infer.status import DeploymentStatus, ReplicaState, ReplicaStatus
+
+    replica = ReplicaStatus("r0", "atomr:d:r0", ReplicaState.READY, 1, adapters={"pirate": "reloading"})
+    status = DeploymentStatus("d", "bundled:smollm2-135m-instruct", 1, 1, 1, 1, (replica,))
+    assert [c["id"] for c in adapter_cards(status)] == ["d:pirate"]  # routed to, so listed
+    error = pickle.loads(pickle.dumps(AdapterFailed("d", "x", "OSError: gone")))
+    assert str(error) == str(AdapterFailed("d", "x", "OSError: gone"))
+
