@@ -109,19 +109,20 @@ def _request(
     if "model" in fields:  # the first argument names it: the two could disagree
         raise TypeError(f"{endpoint.path}: model={fields['model']!r}: name the deployment (or alias, or "
                         "'deployment:adapter') as the first argument instead")
-    data = {"model": name, **fields}
+    data, converted = {"model": name, **fields}, []
     try:
-        body = json.dumps(data, default=_jsonable).encode()
+        body = json.dumps(data, default=lambda value: converted.append(value) or _jsonable(value)).encode()
     except (TypeError, ValueError) as exc:
         bad = next((k for k, v in fields.items() if not _dumps_ok(v)), "request")
         raise InvalidRequest(bad, f"not JSON-serialisable: {exc}") from None
+    if converted:  # a model object among the fields: routing reads the plain data the replica gets
+        data = json.loads(body)
     return RoutingFacts.of(endpoint.path, data), HttpRequest("POST", endpoint.path, _JSON, body)
 
 
 def _jsonable(value: Any) -> Any:
     """pydantic models (vLLM's or openai's types, e.g. a reply's message) as their JSON data."""
-    dump = getattr(value, "model_dump", None)
-    if callable(dump):
+    if callable(dump := getattr(value, "model_dump", None)):
         return dump(mode="json", exclude_none=True)
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from atomr_infer.client import CHAT, Client
+from atomr_infer.client import CHAT, Client, _request
 from atomr_infer.errors import InvalidRequest, RouterClosed
 from atomr_infer.wire import HttpHead
 
@@ -123,6 +123,8 @@ def test_inputs_an_openai_user_passes():
     # The reply's message object back in the history (openai's multi-turn idiom): sent as JSON.
     client.chat("d", [*MESSAGES, reply.choices[0].message, {"role": "user", "content": "more"}])
     assert replica.bodies[-1]["messages"][1] == {"role": "assistant", "content": "hi"}
+    facts, _ = _request(CHAT, "d", {"messages": [*MESSAGES, reply.choices[0].message]})
+    assert facts.prompt[1] == {"role": "assistant", "content": "hi"}  # prefix routing reads it as the replica does
     with pytest.raises(TypeError, match="model='other': name the deployment"):
         client.chat("d", MESSAGES, model="other")  # it silently went to 'other'
     with pytest.raises(TypeError, match="stream=True: use the stream_"):
