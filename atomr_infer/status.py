@@ -12,6 +12,16 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+# A LoRA adapter's state on a replica (``ReplicaStatus.adapters``; replica/adapters.py keeps it):
+# loading, loaded, reloading (from a new source: its old weights still answer), or "failed: <why>".
+ADAPTER_LOADING, ADAPTER_LOADED, ADAPTER_RELOADING = "loading", "loaded", "reloading"
+ADAPTER_ROUTED = frozenset({ADAPTER_LOADED, ADAPTER_RELOADING})  # the states its requests are routed in
+
+
+def adapter_failure(state: str) -> str | None:
+    """Why the replica failed to load the adapter, for a ``failed: <why>`` state; else None."""
+    return state.partition(": ")[2] if state.startswith("failed") else None
+
 
 class ReplicaState(enum.StrEnum):
     """Where a replica is in its life; a ``str``, so statuses read as plain strings too."""
@@ -95,8 +105,8 @@ class DeploymentStatus:
     @property
     def failed_adapters(self) -> dict[str, str]:
         """Adapter -> why, for those a ready replica failed to load."""
-        return {name: state.partition(": ")[2] for r in self.replicas if r.state == "ready"
-                for name, state in r.adapters.items() if state.startswith("failed")}
+        return {name: why for r in self.replicas if r.state == "ready"
+                for name, state in r.adapters.items() if (why := adapter_failure(state)) is not None}
 
     @property
     def converged(self) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from atomr_infer.control.replicas import AdapterRoutes, ReplicaLauncher, ReplicaRecord, adapter_routes
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
-from atomr_infer.status import DeploymentStatus, ReplicaState, ReplicaStatus
+from atomr_infer.status import ADAPTER_LOADED, DeploymentStatus, ReplicaState, ReplicaStatus, adapter_failure
 
 log = get_logger(__name__)
 
@@ -336,6 +336,7 @@ class DeploymentReconciler:
         wanted = self._wanted_adapters()
         return not wanted or all(
             r.handle.adapters_asked() == wanted
-            and all(r.handle.adapters().get(n, "").startswith(("loaded", "failed")) for n in wanted)
+            and all(state == ADAPTER_LOADED or adapter_failure(state) is not None
+                    for state in (r.handle.adapters().get(n, "") for n in wanted))
             for r in self.ready_replicas()
         )

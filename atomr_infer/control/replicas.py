@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from atomr_infer.spec import Deployment
-from atomr_infer.status import ReplicaState
+from atomr_infer.status import ADAPTER_ROUTED, ReplicaState, adapter_failure
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def adapter_routes(handle: ReplicaHandle, wanted: Mapping[str, str] | None = Non
     wanted = wanted or {}
     states, asked = handle.adapters(), handle.adapters_asked() or {}
     # Reloading from a new source: vLLM serves the old weights until the new ones are in.
-    loaded = frozenset(name for name, state in states.items() if state in ("loaded", "reloading"))
-    failed = tuple(sorted((n, states[n].partition(": ")[2]) for n, source in wanted.items()
-                          if states.get(n, "").startswith("failed") and asked.get(n) == source))
-    return loaded, frozenset(n for n in wanted if n not in loaded and n not in dict(failed)), failed
+    loaded = frozenset(name for name, state in states.items() if state in ADAPTER_ROUTED)
+    failed = {n: why for n, source in wanted.items()
+              if (why := adapter_failure(states.get(n, ""))) is not None and asked.get(n) == source}
+    return loaded, frozenset(n for n in wanted if n not in loaded and n not in failed), tuple(sorted(failed.items()))

@@ -17,8 +17,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 from atomr_infer.errors import one_line
+from atomr_infer.status import ADAPTER_LOADED as LOADED
+from atomr_infer.status import ADAPTER_LOADING as LOADING
+from atomr_infer.status import ADAPTER_RELOADING as RELOADING
+from atomr_infer.status import ADAPTER_ROUTED
 
-LOADING, LOADED, RELOADING = "loading", "loaded", "reloading"
 # A load that failed is tried again (a hub fetch that timed out, a file share that blinked) after
 # this, doubling with each failure in a row up to RETRY_MAX_S; at once when its source changes.
 RETRY_AFTER_S, RETRY_MAX_S = 10.0, 300.0
@@ -89,4 +92,4 @@ class AdapterSet:
             self._retry_at.pop(name, None)
 
     def loaded(self) -> frozenset[str]:
-        return frozenset(name for name, state in self.states.items() if state in (LOADED, RELOADING))
+        return frozenset(name for name, state in self.states.items() if state in ADAPTER_ROUTED)

@@ -16,7 +16,7 @@ from atomr_infer.errors import AtomrError, InvalidRequest
 from atomr_infer.log import get_logger
 from atomr_infer.serve.errors import http_error
 from atomr_infer.serve.routes import served_paths
-from atomr_infer.status import DeploymentStatus
+from atomr_infer.status import ADAPTER_ROUTED, DeploymentStatus
 from atomr_infer.wire import LastBytes, RequestKind
 
 log = get_logger(__name__)
@@ -147,7 +147,7 @@ def adapter_cards(status: DeploymentStatus) -> list[dict[str, Any]]:
     """A card per LoRA adapter loaded on a ready replica of the deployment, with its parent (as
     vLLM lists its adapters)."""
     loaded = sorted({a for r in status.replicas if r.state == "ready"
-                     for a, state in r.adapters.items() if state in ("loaded", "reloading")})
+                     for a, state in r.adapters.items() if state in ADAPTER_ROUTED})
     base = model_card(status)
     return [{**base, "id": f"{status.name}:{a}", "parent": status.name} for a in loaded]
 

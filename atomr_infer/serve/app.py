@@ -92,6 +92,12 @@ for _route in (r for r in BY_KEY.values() if r.via in (Via.OPERATOR, Via.NOT_SER
     api.add_api_route(_route.path, not_served, methods=[_route.method], include_in_schema=False)
 
 
+def _aliases(table: Any, name: str) -> tuple[str, ...]:
+    """The aliases (``serving.openai.served_model_name``) of deployment ``name`` in ``table``."""
+    route = table.deployments.get(name)
+    return route.aliases if route is not None else ()
+
+
 # Serve pickles the route handlers when the decorators run: everything they use is defined above.
 @serve.deployment(
     name="openai-ingress",
@@ -284,8 +290,7 @@ class OpenAIIngress:
         """Whether ``key`` may use ``deployment`` by any of its names (an alias, an adapter): a
         stored response's id names only the deployment, and a key that made it through an alias
         may retrieve and cancel it (its uuid is the secret, as on ``vllm serve``)."""
-        route = self._router.table.deployments.get(deployment)
-        names = {deployment, *(route.aliases if route is not None else ())}
+        names = {deployment, *_aliases(self._router.table, deployment)}
         return key is None or key.deployments is None or any(
             e in names or e.partition(":")[0] in names for e in key.deployments)
 
@@ -312,7 +317,7 @@ class OpenAIIngress:
         table = await self._fresh_table()
         # A card per name a request may give, as vLLM lists one per served model name.
         data = [model_card(d, name) for d in deployments if d.replicas_ready > 0
-                for name in (d.name, *self._aliases(table, d.name))
+                for name in (d.name, *_aliases(table, d.name))
                 if key is None or key.may_use(d.name) or may_use_as_asked(key, name, d.name)]
         data += [card for d in deployments for card in adapter_cards(d) if key is None or key.may_use(card["id"])]
         return JSONResponse({"object": "list", "data": data})
@@ -347,11 +352,6 @@ class OpenAIIngress:
             return await self._router.refresh()
         except Exception:  # noqa: BLE001
             return self._router.table
-
-    @staticmethod
-    def _aliases(table: Any, name: str) -> tuple[str, ...]:
-        route = table.deployments.get(name)
-        return route.aliases if route is not None else ()
 
     @api.get("/health")
     async def health(self) -> Response:
