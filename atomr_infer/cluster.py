@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from atomr_infer.errors import AtomrError
+from atomr_infer.errors import AtomrError, NoCluster
 from atomr_infer.log import get_logger
 
 log = get_logger(__name__)
@@ -138,7 +138,7 @@ def connect(address: str | None = None, start: bool = True) -> None:
         _init_within(target, CONNECT_TIMEOUT_S)
         return
     if not start:
-        raise AtomrError("no Ray cluster is running (hint: `atomr up`, or set RAY_ADDRESS)")
+        raise NoCluster("no Ray cluster is running (hint: `atomr up`, or set RAY_ADDRESS)")
     _init_within(start_local_head(), CONNECT_TIMEOUT_S)
 
 
@@ -161,7 +161,7 @@ def check_reachable(target: str, source: str) -> None:
         return
     port = int(port_text)
     if not port_open(host, port, timeout_s=3.0):
-        raise AtomrError(f"no Ray cluster answers at {target} ({source}) (hint: check the address, or `atomr up`)")
+        raise NoCluster(f"no Ray cluster answers at {target} ({source}) (hint: check the address, or `atomr up`)")
     if host not in ("127.0.0.1", "localhost", "::1"):
         return
     try:

@@ -10,6 +10,7 @@ HTTP status codes are attached only in the ingress (``serve/``), never here.
     ├── ModelError                  a model cannot be resolved or prepared
     ├── BudgetExceeded              GPUs, memory or spend over a limit; nothing was started
     ├── DeviceUnavailable           the deployment's device (CUDA) is not usable on this host/cluster
+    ├── NoCluster                   nothing listens where a Ray cluster was looked for
     ├── RequestError                a request is bad; the replica keeps serving others
     │   ├── InvalidRequest          names the offending field
     │   └── RequestTooLarge         the body is over the ingress's size limit
@@ -113,6 +114,12 @@ class DeviceUnavailable(AtomrError):
     def __str__(self) -> str:
         msg = f"deployment {self.deployment!r} cannot run here: {self.reason}"
         return msg + (f" (hint: {self.hint})" if self.hint else "")
+
+
+class NoCluster(AtomrError):
+    """No Ray cluster runs where one was looked for: nothing listens there. Distinct from a
+    cluster that answers but cannot be joined (a timeout, a missing auth token), which ``atomr
+    down`` must not take for "nothing to stop"."""
 
 
 class RequestError(AtomrError):

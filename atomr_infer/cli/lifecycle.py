@@ -21,7 +21,7 @@ import typer
 
 from atomr_infer.cli import common
 from atomr_infer.cli.app import EXIT_INVALID, EXIT_OK, app, err, fail, out
-from atomr_infer.errors import AtomrError, one_line
+from atomr_infer.errors import AtomrError, NoCluster, one_line
 
 if TYPE_CHECKING:
     from atomr_infer.control.client import ControlPlane
@@ -171,7 +171,9 @@ def down_command(
         common.connect(address, start=False)
     except AtomrError as exc:
         target = address or os.environ.get("RAY_ADDRESS", "").strip()
-        if target and not _on_this_machine(target):  # another machine's cluster does not answer
+        # Another machine's cluster that does not answer, or a cluster that answers but cannot be
+        # joined (a timeout, no auth token): stopping the head here would be undrained, on a guess.
+        if not isinstance(exc, NoCluster) or (target and not _on_this_machine(target)):
             fail(AtomrError(f"nothing was stopped: {one_line(exc)}"))
         if not target or _atomrs_head(target):  # (not the head atomr started here when another is named)
             _stop_stale_head()

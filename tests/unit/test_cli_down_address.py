@@ -40,3 +40,22 @@ def test_down_at_an_address_that_does_not_answer_stops_nothing_and_says_so(tmp_p
     assert elsewhere.returncode == 1, elsewhere.stdout + elsewhere.stderr
     assert elsewhere.stderr.strip().splitlines()[-1].startswith("error: nothing was stopped: "), elsewhere.stderr
     assert "192.0.2.1:6379" in elsewhere.stderr and marker.exists()
+
+
+def test_down_at_a_cluster_that_answers_but_cannot_be_joined_stops_nothing(tmp_path: Path) -> None:
+    """Something listens at atomr's own head's address but the join fails (here: it listens on
+    loopback only; a join timeout or a missing auth token take the same path). That is no
+    "nothing to stop": it stopped the head undrained and exited 0."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        marker = tmp_path / "ray-started-by-atomr"
+        marker.write_text(address)
+        result = down(tmp_path, address)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: nothing was stopped: "), result.stderr
+    assert address in result.stderr and "no cluster is running" not in result.stdout
+    assert marker.exists()  # atomr's record of its head is kept: the head was not touched
