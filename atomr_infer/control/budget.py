@@ -85,6 +85,15 @@ def gpus_needed(spec: Deployment, cluster: ClusterView, surge: int = 0) -> float
     return float(spec.gpus * (spec.replicas + surge)) if uses_gpus(spec, cluster) else 0.0
 
 
+def _autoscaled(spec: Deployment) -> str:
+    return " (autoscaled)" if spec.autoscaling is not None else ""
+
+
+def _lower(spec: Deployment) -> str:
+    """What to lower for fewer replicas: autoscaled, the bounds move the target."""
+    return "replicas" if spec.autoscaling is None else "autoscaling.max_replicas"
+
+
 def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: ClusterView, raise_on_fail: bool = True,
                  weights_bytes: int | None = None, kv_bytes_per_token: int | None = None,
                  max_model_len: int | None = None) -> BudgetVerdict:
@@ -113,8 +122,8 @@ def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: Cluste
     if not ok and raise_on_fail:
         raise BudgetExceeded(
             spec.name, "gpus", others_need + need, cluster.total_gpus, "GPUs",
-            f"this deployment needs {need:g} (gpus {spec.gpus} x replicas {spec.replicas}), others hold "
-            f"{others_need:g}; lower replicas or gpus, remove a deployment, or add GPU nodes",
+            f"this deployment needs {need:g} (gpus {spec.gpus} x replicas {spec.replicas}{_autoscaled(spec)}), others "
+            f"hold {others_need:g}; lower {_lower(spec)} or gpus, remove a deployment, or add GPU nodes",
         )
 
     # Memory fit, per GPU, when both the model size and the GPU memory are known.
@@ -156,8 +165,9 @@ def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: Cluste
             checks.append(Check("spend", ok, f"{cost:.2f} of {limit:g} {unit} (budget.{field_name})"))
             if ok:
                 continue
-            hint = (f"{need:g} GPUs x ${cluster.price_per_gpu_hour():.2f}/GPU-hour "
-                    f"({cluster.accelerator_type or 'default price'}); lower replicas or raise budget.{field_name}")
+            priced = cluster.accelerator_type or "default price"
+            hint = (f"{need:g} GPUs x ${cluster.price_per_gpu_hour():.2f}/GPU-hour ({priced}); "
+                    f"lower {_lower(spec)} or raise budget.{field_name}")
             if budget.on_exceeded == "warn":
                 warnings.append(f"spend {cost:.2f} {unit} over budget.{field_name}={limit:g} (on_exceeded: warn)")
                 log.warning("budget_exceeded_warn", deployment=spec.name, cost=round(cost, 2), limit=limit, unit=unit)
@@ -183,8 +193,8 @@ def _cpu_memory(spec: Deployment, available: int, weights: int | None, kv_per_to
         return Check("memory", True, detail), None
     error = BudgetExceeded(
         spec.name, "memory", round(need / GiB, 2), round(available / GiB, 2), "GiB of CPU memory",
-        f"{spec.replicas} CPU replicas each need their weights and KV cache on this node; "
-        "lower replicas, runtime_config.max_model_len or runtime_config.cpu_kvcache_space_gb",
+        f"{spec.replicas} CPU replicas{_autoscaled(spec)} each need their weights and KV cache on this node; "
+        f"lower {_lower(spec)}, runtime_config.max_model_len or runtime_config.cpu_kvcache_space_gb",
     )
     return Check("memory", False, detail), error
 

@@ -32,6 +32,16 @@ def runtime_key(spec: Deployment, nonce: int) -> str:
     return f"{digest}:{nonce}"
 
 
+def budgeted(spec: Deployment, current: ManagedDeployment | None) -> Deployment:
+    """``spec`` as apply's budget check sees it: with the replicas it will run (an autoscaled one at
+    its target now, not its starting ``replicas``), and at least one when it scales from zero (the
+    first request starts one: a replica that can never fit is refused at apply, not at that request)."""
+    checked = current.as_applied(spec) if current is not None else spec
+    if checked.autoscaling is not None and checked.replicas == 0:
+        return checked.model_copy(update={"replicas": 1})
+    return checked
+
+
 @dataclass
 class ManagedDeployment:
     spec: Deployment
@@ -62,11 +72,20 @@ class ManagedDeployment:
     def autoscale(self, now: float, cap: BudgetCap) -> ScaleDecision | None:
         """One autoscaling look at the load (no-op without autoscaling); the reconciler follows."""
         cfg = self.spec.autoscaling
-        if self.autoscaler is None or cfg is None or self.reconciler.gave_up:
+        if self.autoscaler is None or cfg is None:
             return None
+        failed = self.reconciler.gave_up
+        if failed:  # no replica more until applied again, but fewer still as the load falls
+            cap = self._held(self.autoscaler.target, f"a replica failed to start: {self.reconciler.last_failure}")
         decision = self.autoscaler.decide(cfg, self.reconciler.in_flight(), now, cap)
         self.reconciler.replicas_wanted = self.autoscaler.target
+        if failed and decision is not None and self.autoscaler.target <= len(self.reconciler.ready_replicas()):
+            self.reconciler.retry()  # what failed to start is no longer wanted: a later scale-up tries again
         return decision
+
+    @staticmethod
+    def _held(replicas: int, why: str) -> BudgetCap:
+        return lambda _wanted: (replicas, why)
 
     def as_applied(self, spec: Deployment) -> Deployment:
         """``spec`` with the replicas it would run once applied here: autoscaled, the current

@@ -27,7 +27,7 @@ from atomr_infer.control.budget import (
     uses_gpus,
 )
 from atomr_infer.control.cluster_view import ray_cluster_view
-from atomr_infer.control.managed import ManagedDeployment, recover_or_stop
+from atomr_infer.control.managed import ManagedDeployment, budgeted, recover_or_stop
 from atomr_infer.control.plan import ApplyResult, Plan, PlanResult, check_names, plan_apply, plan_remove
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
 from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
@@ -245,7 +245,7 @@ class DeploymentManager:
             try:
                 others = self._others(deployment.name)
                 check_names(deployment, others)
-                verdict = self._check(deployment, others, raise_on_fail=True)
+                verdict = self._check(budgeted(deployment, current), others, raise_on_fail=True)
                 self._check_engine_args(deployment)
             except Exception as exc:
                 self._metrics.applied(deployment.name, "rejected")
@@ -264,25 +264,25 @@ class DeploymentManager:
         if recorded first: ``atomr deploy`` of several files checks them all before any apply)."""
         deployment = parse_deployment(spec)
         others = self._others(deployment.name, [parse_deployment(s) for s in alongside])
-        plan = self._plan(deployment, self._desired.get(deployment.name))
+        current = self._desired.get(deployment.name)
+        plan = self._plan(deployment, current)
         if plan.changed:
             check_names(deployment, others)
             self._check_engine_args(deployment)
-        error = None
+        error, checked = None, budgeted(deployment, current)
         try:
-            verdict = self._check(deployment, others, raise_on_fail=True) if plan.changed else BudgetVerdict(())
+            verdict = self._check(checked, others, raise_on_fail=True) if plan.changed else BudgetVerdict(())
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             error = str(exc)
-            verdict = self._check(deployment, others, raise_on_fail=False)
+            verdict = self._check(checked, others, raise_on_fail=False)
         actions = tuple(a.summary for a in plan.actions)
         scaling = ""
         if deployment.autoscaling is not None:
             cluster = self._cluster_view()
-            cap = self._scale_cap(deployment, deployment.replicas, deployment.autoscaling.max_replicas, cluster)
+            cap = self._scale_cap(deployment, checked.replicas, deployment.autoscaling.max_replicas, cluster)
             scaling = scaling_summary(deployment, cluster, cap)
-        return PlanResult(
-            deployment.name, plan.changed, actions, verdict.ok and error is None, str(verdict), error, scaling
-        )
+        return PlanResult(deployment.name, plan.changed, actions, verdict.ok and error is None, str(verdict), error,
+                          scaling)
 
     async def remove(self, name: str) -> ApplyResult:
         """Drain and stop a deployment's replicas. Unknown names are a no-op that says so."""
@@ -364,7 +364,7 @@ class DeploymentManager:
 
     def _plan(self, spec: Deployment, current: ManagedDeployment | None) -> Plan:
         force = current is not None and spec.restart_on_apply
-        return plan_apply(current.spec if current else None, spec, force_restart=force)
+        return plan_apply(current.spec if current else None, spec, force, current.reconciler.want if current else None)
 
     def _check(self, spec: Deployment, others: list[Deployment], raise_on_fail: bool) -> BudgetVerdict:
         cluster = self._cluster_view()

@@ -5,7 +5,7 @@ Pure: no Ray. ``plan_apply`` is used by ``manager.apply`` (to report actions) an
 
 Change classes (docs/architecture.md), the rule itself in ``spec.restarts_replicas``:
 - in place: ``serving`` (but ``serving.openai``), ``budget``, ``restart_on_apply`` — no replica restarts;
-- scale: ``replicas`` — start or stop only the difference;
+- scale: ``replicas``, or autoscaling bounds that move the running count — start or stop only the difference;
 - restart: anything else (model, engine config, gpus, device, vLLM's server options) — rolling.
 """
 
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from atomr_infer.control.autoscale import within_bounds
 from atomr_infer.errors import SpecError, SpecProblem
-from atomr_infer.spec import Deployment, FieldChange, restarts_replicas, spec_changes, spec_hash
+from atomr_infer.spec import Deployment, restarts_replicas, spec_changes, spec_hash
 
 
 @dataclass(frozen=True)
@@ -67,30 +68,35 @@ def _plural(n: int) -> str:
     return f"{n} replica" + ("" if n == 1 else "s")
 
 
-def classify(changes: list[FieldChange]) -> tuple[list[FieldChange], list[FieldChange], list[FieldChange]]:
-    """Split changes into (in place, scale, restart)."""
-    scale = [c for c in changes if c.path == "replicas"]
-    restart = [c for c in changes if restarts_replicas(c.path)]
-    in_place = [c for c in changes if c not in restart and c not in scale]
-    return in_place, scale, restart
-
-
-def plan_apply(old: Deployment | None, new: Deployment, force_restart: bool = False) -> Plan:
-    """The actions that turn ``old`` (the recorded spec, or None) into ``new``."""
+def plan_apply(old: Deployment | None, new: Deployment, force_restart: bool = False,
+               running: int | None = None) -> Plan:
+    """The actions that turn ``old`` (the recorded spec, or None) into ``new``. ``running``: the
+    replica count the deployment converges to now (an autoscaled one's target), else ``old.replicas``.
+    Autoscaled, ``replicas`` is only the starting count: the target moved within the new bounds runs
+    (as ``ManagedDeployment.update`` moves it), and turning autoscaling off runs ``replicas``."""
     if old is None:
         return Plan(new.name, True, (Action("create", f"create {_plural(new.replicas)}"),))
     if spec_hash(old) == spec_hash(new) and not force_restart:
         return Plan(new.name, False, (Action("unchanged", "unchanged"),))
-    in_place, scale, restart = classify(spec_changes(old, new))
+    changes = spec_changes(old, new)
+    restart = [c for c in changes if restarts_replicas(c.path)]
+    now = old.replicas if running is None else running
+    then = within_bounds(now, new.autoscaling) if new.autoscaling is not None else new.replicas
+    counts = [c for c in changes if c.path == "replicas" or c.path.startswith("autoscaling")]
+    scale = counts if then != now else []
+    in_place = [c for c in changes if c not in restart and c not in scale]
     actions: list[Action] = []
     if restart or force_restart:
         reason = tuple(str(c) for c in restart) or ("restart_on_apply: true",)
-        kept = min(old.replicas, new.replicas)
-        actions.append(Action("roll", f"roll {_plural(kept)} ({', '.join(reason)})", reason))
+        actions.append(Action("roll", f"roll {_plural(min(now, then))} ({', '.join(reason)})", reason))
     if scale:
-        actions.append(Action("scale", f"scale {old.replicas} → {new.replicas}", (str(scale[0]),)))
+        why = [("autoscaling on" if c.old is None else "autoscaling off") if c.path == "autoscaling" else str(c)
+               for c in scale if c.path != "replicas"]
+        actions.append(Action("scale", f"scale {now} → {then}" + (f" ({', '.join(why)})" if why else ""),
+                              tuple(str(c) for c in scale)))
     if in_place:
-        text = tuple(str(c) for c in in_place)
+        text = tuple(str(c) + (f" (the starting count; the autoscaler runs {then})"
+                               if c.path == "replicas" and new.autoscaling is not None else "") for c in in_place)
         actions.append(Action("update_in_place", f"update in place ({', '.join(text)})", text))
     return Plan(new.name, True, tuple(actions), restart=bool(restart) or force_restart)
 

@@ -4,9 +4,13 @@ is in tests/integration/test_autoscaling.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from atomr_infer.cli.render import scaling_line
 from atomr_infer.control.autoscale import Autoscaler
 from atomr_infer.control.budget import ClusterView, scale_cap
+from atomr_infer.control.replicas import Poll
+from atomr_infer.errors import BudgetExceeded
 from atomr_infer.spec import Autoscaling, Deployment
 
 from .test_manager import Harness, spec
@@ -148,3 +152,77 @@ def test_the_autoscaled_count_survives_a_manager_restart() -> None:
     assert restarted.call("status", "demo").replicas_desired == 2
     restarted.converge()
     assert len(restarted.launcher.started) == 2  # both re-adopted, none started
+
+
+def scaled_to_4(h: Harness) -> None:
+    h.call("apply", autoscaled(max_replicas=4))
+    h.converge()
+    set_load(h, 40)
+    h.converge(passes=6)
+    assert h.call("status", "demo").replicas_desired == 4
+
+
+def test_apply_checks_the_budget_of_the_replicas_the_autoscaler_runs() -> None:
+    """Scaled to 4 on 4 GPUs, 2 GPUs a replica needs 8: refused (the check counted the starting
+    ``replicas``, 1, and the roll then stalled with no GPU to surge into); so is a spend budget
+    the 4 running replicas are over. Nothing changes."""
+    h = Harness()
+    scaled_to_4(h)
+    wider = autoscaled(max_replicas=4).model_copy(update={"gpus": 2})
+    plan = h.call("plan", wider)
+    assert not plan.budget_ok and "8 of 4 GPUs" in plan.budget and plan.actions == ("roll 4 replicas (gpus: 1 → 2)",)
+    with pytest.raises(BudgetExceeded, match=r"gpus 2 x replicas 4 \(autoscaled\).*lower autoscaling.max_replicas"):
+        h.call("apply", wider)
+    capped = autoscaled(max_replicas=4).model_copy(update={"budget": {"max_spend_per_hour_usd": 1.0}})
+    with pytest.raises(BudgetExceeded, match=r"3\.2 USD/hour"):
+        h.call("apply", capped)
+    assert h.call("status", "demo").generation == 1 and h.call("status", "demo").replicas_desired == 4
+    narrower = autoscaled(max_replicas=2).model_copy(update={"gpus": 2})  # 2 x 2 GPUs fit
+    assert h.call("apply", narrower).actions == ("roll 2 replicas (gpus: 1 → 2)",
+                                                 "scale 4 → 2 (autoscaling.max_replicas: 4 → 2)")
+
+
+def test_a_deployment_that_scales_from_zero_must_fit_one_replica() -> None:
+    h = Harness()
+    never_fits = autoscaled(min_replicas=0).model_copy(update={"gpus": 8})
+    assert not h.call("plan", never_fits).budget_ok
+    with pytest.raises(BudgetExceeded, match="8 of 4|needs 8 GPUs"):  # its first request would wait, then 503
+        h.call("apply", never_fits)
+    assert h.call("status", "demo") is None
+
+
+def test_plan_says_what_runs_when_autoscaled() -> None:
+    h = Harness()
+    scaled_to_4(h)
+    start_at_2 = autoscaled(max_replicas=4, min_replicas=2).model_copy(update={"replicas": 2})
+    (action,) = h.call("plan", start_at_2).actions  # not "scale 1 → 2": 4 run, and keep running
+    assert action.startswith("update in place") and "replicas: 1 → 2 (the starting count; the autoscaler runs 4)" in (
+        action)
+    assert h.call("plan", spec()).actions == ("scale 4 → 1 (autoscaling off)",)  # it said "update in place"
+    h.call("apply", spec())
+    h.converge()
+    assert len(h.live()) == 1
+
+
+def test_a_replica_that_fails_to_start_stops_scaling_up_not_down() -> None:
+    """A scale-up replica failed for good: the deployment failed, and the autoscaler stopped
+    altogether, so the one replica it had never scaled to zero. Now it scales down as the load
+    falls, and once what failed is no longer wanted a later scale-up tries again."""
+    h = Harness()
+    h.call("apply", autoscaled(min_replicas=0, max_replicas=2))
+    h.call("report_demand", "router-a", "demo", 1)
+    h.converge(passes=2)
+    set_load(h, 16)
+    for _ in range(40):
+        h.manager.reconcile_once()
+        for handle in h.launcher.started[1:]:
+            if not handle.ready.done:
+                handle.ready = Poll.failed("ValueError: not enough memory", recurring=True)
+        h.clock.advance(1.0)
+    status = h.call("status", "demo")
+    assert status.failed and status.replicas_desired == 2 and status.replicas_ready == 1
+    set_load(h, 0)
+    h.converge(passes=20)
+    status = h.call("status", "demo")
+    assert status.replicas_desired == 0 and h.live() == [] and not status.failed
+    assert "not enough memory" in status.last_failure  # still said, until a replica starts
