@@ -75,6 +75,7 @@ class ReplicaStatus:
     kv_events: dict[str, Any] | None = None  # where it publishes KV-cache events (endpoint, replay, block size)
     model: str | None = None  # the spec's model it was started with (mid-roll: the old spec's or the new)
     max_model_len: int | None = None  # its engine's context length
+    parses_output: bool = False  # vLLM parses every chat answer (Harmony: gpt-oss): its streams move only unstarted
 
 
 @dataclass(frozen=True)

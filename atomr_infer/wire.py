@@ -188,8 +188,11 @@ class RoutingFacts:
 
 # Request fields under which a continuation is not the answer the client would have had: a
 # grammar's or a parser's state mid-way, logprobs computed with another context, several choices.
+# Beam search: each beam step is an engine request of its own; prompt embeddings: the prompt is
+# not the token ids a continuation extends.
 _STATEFUL = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-             "guided_grammar", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "return_token_ids")
+             "guided_grammar", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "return_token_ids",
+             "use_beam_search", "prompt_embeds")
 
 
 def resumable(data: dict[str, Any]) -> str:

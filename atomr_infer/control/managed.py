@@ -157,7 +157,8 @@ class ManagedDeployment:
             self.spec.routing.adapter_affinity,
             s.migration.max_tries if s.migration.enabled else 0,
             # A tool-call parser reads only requests with tools (which move only unstarted).
-            s.openai.reasoning_parser is not None,
+            s.openai.reasoning_parser is not None
+            or any(r.handle.placement().get("parses_output") for r in self.reconciler.ready_replicas()),
             model=self.spec.model,
         )
 

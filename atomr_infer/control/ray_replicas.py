@@ -77,6 +77,7 @@ class RayReplicaHandle:
             "kv_events": self._info.get("kv_events"),
             "model": self._info.get("model"),  # the spec's model it was started with
             "max_model_len": self._info.get("max_model_len"),
+            "parses_output": bool(self._info.get("parses_output")),
         }
 
     def poll_ready(self) -> Poll:

@@ -43,6 +43,9 @@ class EngineFacts:
     routes: tuple[str, ...] = ()
     # Where it publishes its KV-cache events: {"endpoint", "replay_endpoint", "block_size"}.
     kv_events: dict[str, Any] | None = None
+    # vLLM's serving layer parses every chat answer of this model (Harmony: gpt-oss), whatever the
+    # spec's parsers: a stream's text is no longer a function of its token ids alone mid-way.
+    parses_output: bool = False
 
 
 @dataclass(frozen=True)

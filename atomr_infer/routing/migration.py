@@ -14,8 +14,11 @@ Which streams can move (``RoutingFacts.resumable``, wire.py): a chat or completi
 choice anywhere, unless a grammar (``response_format``, structured outputs), logprobs, echo,
 returned token ids, tools (a tool-call parser reads only requests with tools), stop strings (vLLM
 holds back the text that may begin one: the ids run ahead of the text sent) or several prompts
-(one engine request each) are in play, or the deployment parses reasoning out of the output;
-those move only before their first token.
+(one engine request each), beam search or prompt embeddings are in play, or the deployment's
+answers are parsed (a reasoning parser, or a Harmony model such as gpt-oss: the replica reports it);
+those move only before their first token. A stream whose answer was whole when its replica died
+only lacks its end (``end_of``); a continuation that dies before its first output is the same
+move, tried on another replica (bounded by the router's ``MAX_ATTEMPTS``, not ``max_tries``).
 Non-streaming requests send nothing before their end and are re-run from the start on another
 replica, as before. A ``seed`` seeds the
 continuation afresh: a resumed sampled answer is not the one an unbroken run would have given.
@@ -24,6 +27,7 @@ continuation afresh: a resumed sampled answer is not the one an unbroken run wou
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Container
@@ -38,11 +42,29 @@ log = get_logger(__name__)
 Item = HttpHead | bytes
 
 
-def can_move(facts: RoutingFacts, tries: int, moved: int, generated: int, parses_output: bool) -> bool:
+def can_move(facts: RoutingFacts, dep: DeploymentRoute, moved: int, generated: int) -> bool:
     """Whether a stream that had ``generated`` tokens when its replica died may move again."""
-    if moved >= tries or not facts.resumable:
+    if moved >= dep.migration_tries or not facts.resumable:
         return False
-    return generated == 0 or (facts.resumable == "anywhere" and not parses_output)
+    return generated == 0 or (facts.resumable == "anywhere" and not dep.parses_output)
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def end_of(last: bytes) -> bytes | None:
+    """What a one-choice stream whose replica died after ``last`` (its last body bytes) still
+    needs to end, where its answer was whole: nothing after ``[DONE]``, ``[DONE]`` after the
+    choice's finish_reason or the usage chunk that follows it. None: the answer was not whole
+    (a continuation after a whole answer would add a token past its end)."""
+    if last.endswith(DONE):
+        return b""
+    return DONE if _WHOLE.search(last) else None
+
+
+# A choice's finish_reason (not null), or the usage chunk after it (no choice): vLLM's JSON is
+# compact, and a quote inside content is escaped, so neither matches text the model wrote.
+_WHOLE = re.compile(rb'"finish_reason": ?"|"choices": ?\[\]')
 
 
 def on_model(
@@ -74,26 +96,30 @@ def named(request: HttpRequest) -> HttpRequest:
 
 async def seam(kind: RequestKind, items: AsyncIterator[Item], body_sent: bool) -> AsyncIterator[Item]:
     """A continuation's items less what the client already has: the head, and (once the first
-    part sent body bytes) a chat's opening chunk that only names the assistant's role."""
+    part sent body bytes) a chat's opening chunk that only names the assistant's role. A
+    continuation that failed (its head not 200) is an ``EngineError``, not text in the stream."""
     pending = b""
     opened = kind is not RequestKind.CHAT or not body_sent
     async for item in items:
         if isinstance(item, HttpHead):
+            if item.status != 200:
+                body = b"".join([b async for b in items if isinstance(b, bytes)])[:300]
+                raise EngineError(f"its replica died mid-request, and the continuation on another failed: "
+                                  f"HTTP {item.status}: {body.decode(errors='replace')}")
             continue
         if opened:
             yield item
             continue
         pending += item
-        end = pending.find(b"\n\n")
-        if end < 0:
-            continue
-        opened = True
-        first, pending = pending[: end + 2], pending[end + 2:]
-        if not _role_only(first):
-            yield first
-        if pending:
+        while not opened and (end := pending.find(b"\n\n")) >= 0:
+            event, pending = pending[: end + 2], pending[end + 2:]
+            opened = not event.startswith(b":")  # an SSE comment (a keep-alive) opens nothing
+            if not _role_only(event):
+                yield event
+        if opened and pending:
             yield pending
-    if not opened and pending:
+            pending = b""
+    if pending:
         yield pending
 
 

@@ -119,9 +119,6 @@ class Router:
         """How many requests this router routed for each (deployment, reason)."""
         return self._picker.reasons
 
-    def in_flight(self, actor_name: str) -> int:
-        return self._in_flight[actor_name]
-
     def load(self, actor_name: str) -> int:
         """Requests open on the replica as far as this router knows (its own at least)."""
         channel = self._channels.get(actor_name)
@@ -328,7 +325,7 @@ class Router:
         attempt = moved = 0
         generated: list[int] = []  # token ids a resumable stream generated, as the replicas report them
         resume: list[int] | None = None  # set once it moved: continue after these
-        sent = body_sent = False  # anything (any body bytes) sent to the caller, by any replica
+        sent, last = False, b""  # anything sent to the caller, by any replica; the last body bytes
         failed_at, began_on = 0.0, ""  # began_on: the model its tokens came from (moved: only on that one)
         if facts.resumable and not facts.named:  # the body's request_id names its chunks on any replica
             request = migration.named(request)
@@ -348,7 +345,7 @@ class Router:
             items = self._channel(route).request(opening, generated if want else None, prefilled)
             sent_here = finished = False
             try:
-                answer = items if resume is None else migration.seam(facts.kind, items, body_sent)
+                answer = items if resume is None else migration.seam(facts.kind, items, bool(last))
                 async for chunk in answer:
                     if work and not isinstance(chunk, HttpHead):  # its first output: its prefill is done
                         prefilled()
@@ -358,7 +355,7 @@ class Router:
                         failed_at = 0.0
                     began_on = began_on or route.model
                     sent = sent_here = True
-                    body_sent = body_sent or not isinstance(chunk, HttpHead)
+                    last = last if isinstance(chunk, HttpHead) else chunk
                     yield chunk
                 finished = True
                 return
@@ -368,12 +365,17 @@ class Router:
                 if failure.kind in (Failure.DEAD, Failure.UNREACHABLE):
                     # Unreachable may come back; dead never serves again.
                     self.exclude(route.actor_name, permanent=failure.kind is Failure.DEAD)
-                    if sent and migration.can_move(facts, dep.migration_tries, moved, len(generated),
-                                                   dep.parses_output):
-                        moved += 1
-                        resume, failed_at = list(generated), time.monotonic()
-                        self._count_migration(dep.name, failure.kind.value)
-                        attempt -= 1  # moves have their own bound (serving.migration.max_tries)
+                    if facts.resumable and (end := migration.end_of(last)) is not None:  # only its end was lost
+                        if end:
+                            yield end
+                        return
+                    again = resume is not None and not sent_here  # a continuation died before its output
+                    if sent and (again and not last_try or migration.can_move(facts, dep, moved, len(generated))):
+                        if not again:
+                            moved, attempt = moved + 1, attempt - 1  # moves have their own bound (max_tries)
+                            self.migrations[dep.name, failure.kind.value] += 1
+                            self._picker.metrics.migrated(dep.name, failure.kind.value)
+                        resume, failed_at = list(generated), failed_at or time.monotonic()
                     elif sent or last_try:
                         raise EngineError(f"replica {route.actor_name} died mid-request: {exc}") from None
                 elif failure.kind is Failure.BUSY and not sent_here:
@@ -393,8 +395,4 @@ class Router:
                     await items.aclose()
             log.info("request_retried", deployment=name, replica=route.actor_name, attempt=attempt, moved=moved)
             await self.refresh(force=True)
-
-    def _count_migration(self, deployment: str, reason: str) -> None:
-        self.migrations[deployment, reason] += 1
-        self._picker.metrics.migrated(deployment, reason)
 

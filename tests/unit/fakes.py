@@ -66,9 +66,11 @@ class FakeHandle:
     load: int = 0  # what its health checks say is in flight
     asked: dict | None = None  # the adapters its last health check asked for (each loaded, unless states says)
     states: dict = field(default_factory=dict)
+    facts: dict = field(default_factory=dict)  # more of what its ready() reported (engine facts)
 
     def placement(self):
-        return {"actor_id": f"id-{self.actor_name}", "node_id": "n0", "gpu_ids": [], "model": self.spec_model}
+        return {"actor_id": f"id-{self.actor_name}", "node_id": "n0", "gpu_ids": [], "model": self.spec_model,
+                **self.facts}
 
     def poll_ready(self):
         return self.ready

@@ -179,6 +179,9 @@ def test_which_requests_may_move():
     assert facts("/v1/chat/completions", response_format={"type": "json_schema"}) == "unstarted"
     assert facts("/v1/chat/completions", tools=[{}], tool_choice="none") == "anywhere"
     assert facts("/v1/completions", echo=True) == facts("/v1/completions", logprobs=2) == "unstarted"
+    # beam search: an engine request per beam step; prompt embeddings: no token ids to extend
+    assert facts("/v1/chat/completions", use_beam_search=True) == facts("/v1/completions", prompt_embeds="e") == (
+        "unstarted")
     # stop strings: the text that may start one is held back, so the ids run ahead of the text sent
     assert facts("/v1/chat/completions", stop=["\n\nUser:"]) == facts("/v1/completions", stop="x") == "unstarted"
     assert facts("/v1/chat/completions", stop=[], stop_token_ids=[2]) == "anywhere"  # ids are whole tokens
@@ -187,3 +190,120 @@ def test_which_requests_may_move():
     assert facts("/v1/completions", prompt=[1, 2, 3]) == facts("/v1/completions", prompt=["a"]) == "anywhere"
     assert facts("/v1/chat/completions", n=3) == facts("/v1/responses") == facts("/v1/messages") == ""
     assert RoutingFacts.of("/v1/chat/completions", {"model": "d"}).resumable == ""  # not a stream: re-run
+
+
+def stream_over(tables, facts_request):
+    """Stream through a router whose source gives ``tables`` in turn: the next once the one replica
+    of the one before has failed."""
+    facts, request = facts_request
+
+    def failed(table: RoutingTable) -> bool:
+        (replica,) = [r.actor for r in table.deployments["d"].replicas]
+        return replica.dead.is_set() if isinstance(replica, Dying) else bool(replica.error and replica.calls)
+
+    async def source(version):
+        current = next((t for t in tables if not failed(t)), tables[-1])
+        return current if version != current.version else None
+
+    async def main():
+        router = Router(source, refresh_s=0.0, wait_for_replica_s=0.5)
+        got: list = []
+        try:
+            async for item in router.stream(facts, request):
+                got.append(item)
+        except EngineError as exc:
+            return got, exc, router
+        return got, None, router
+
+    return asyncio.run(main())
+
+
+def only(version: int, replica: FakeReplica, tries: int = 1) -> RoutingTable:
+    return RoutingTable(version, {"d": DeploymentRoute("d", 8, "queue", (route(replica),), migration_tries=tries)})
+
+
+def test_a_moved_stream_whose_next_replicas_died_with_the_node_goes_on_on_a_live_one():
+    """A node died with the stream's replica and two more the table still listed: opening the
+    continuation on each of those failed, and each failure counted as a move of its own, so
+    ``max_tries`` ran out before the live replica was tried (the stream failed)."""
+    dying, alive = Dying("r0"), Continuing("r3")
+    gone1, gone2 = FakeReplica("r1", ActorDiedError()), FakeReplica("r2", ActorDiedError())
+    tables = [only(1, dying), only(2, gone1), only(3, gone2), only(4, alive)]
+    got, failure, router = stream_over(tables, chat())
+    assert failure is None and gone1.calls and gone2.calls and alive.resumed == [[7]]
+    assert b"".join(i for i in got if not isinstance(i, HttpHead)) == (
+        ROLE + event("one") + event(" two", "length") + b"data: [DONE]\n\n")
+    assert router.migrations == {("d", "dead"): 1}  # one move, tried on three replicas
+
+
+class DiesAfter(Dying):
+    """Sends ``sent`` whole, then dies before the router hears the stream ended."""
+
+    def __init__(self, name: str, sent: bytes) -> None:
+        super().__init__(name)
+        self.sent = sent
+
+    async def _serve(self, request, put, tokens, resume=None, prefilled=None):
+        put(HttpHead(200, SSE))
+        put(self.sent)
+        if tokens is not None:
+            tokens([7, 8])
+        await asyncio.sleep(0.05)
+        self.dead.set()
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("tail", [b"data: [DONE]\n\n", b""])
+def test_a_stream_that_had_its_whole_answer_is_not_continued(tail):
+    """The replica sent the choice's finish_reason (and maybe ``[DONE]``), then died before its end
+    reached the router: the stream was continued, and a token past max_tokens came after ``[DONE]``."""
+    sent = ROLE + event("one") + event(" two", "length") + tail
+    dying, after = DiesAfter("r0", sent), Continuing("r1")
+    got, failure, router = stream_over([only(1, dying, 2), only(2, after, 2)], chat(max_tokens=2))
+    assert failure is None and after.resumed == [] and not router.migrations
+    assert b"".join(i for i in got if not isinstance(i, HttpHead)) == sent + (b"" if tail else b"data: [DONE]\n\n")
+
+
+class Refusing(FakeReplica):
+    """Answers the continuation with an error (vLLM's serving layer refused it)."""
+
+    async def _serve(self, request, put, tokens, resume=None, prefilled=None):
+        put(HttpHead(400, JSON))
+        put(b'{"error":{"message":"This model\'s maximum context length is 8 tokens","code":400}}')
+
+
+def test_a_continuation_that_fails_ends_the_stream_with_its_error_not_as_text():
+    dying, refusing = Dying("r0"), Refusing("r1")
+    got, failure, _ = stream_over([only(1, dying, 2), only(2, refusing, 2)], chat())
+    assert isinstance(failure, EngineError) and "HTTP 400" in str(failure) and "maximum context" in str(failure)
+    assert b"".join(i for i in got if not isinstance(i, HttpHead)) == ROLE + event("one")  # no JSON in the stream
+
+
+class KeepingAlive(Continuing):
+    async def _serve(self, request, put, tokens, resume=None, prefilled=None):
+        self.resumed.append(resume)
+        put(HttpHead(200, SSE))
+        put(b": keep-alive\n\n")
+        put(ROLE + event(" two", "length") + b"data: [DONE]\n\n")
+
+
+def test_a_keep_alive_before_the_continuations_role_chunk_does_not_let_it_through():
+    got, failure, _ = stream_over([only(1, Dying("r0"), 2), only(2, KeepingAlive("r1"), 2)], chat())
+    assert failure is None
+    body = b"".join(i for i in got if not isinstance(i, HttpHead))
+    assert body == ROLE + event("one") + b": keep-alive\n\n" + event(" two", "length") + b"data: [DONE]\n\n"
+
+
+def test_a_model_whose_every_chat_answer_vllm_parses_moves_its_streams_only_unstarted():
+    """gpt-oss (Harmony): vLLM parses every chat answer whatever the spec's parsers, and a
+    continuation's first chunk rebuilt its text from all the token ids: the earlier text again.
+    The replica reports it among its engine facts; the routing table says so for the deployment."""
+    from .test_manager import Harness, spec
+
+    h = Harness()
+    h.call("apply", spec())
+    h.converge()
+    assert not h.call("routing_table", -1).deployments["demo"].parses_output
+    h.launcher.started[0].facts = {"parses_output": True}
+    h.call("apply", spec(serving={"max_concurrent": 4}))  # any change publishes the table again
+    assert h.call("routing_table", -1).deployments["demo"].parses_output

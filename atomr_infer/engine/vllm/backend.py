@@ -96,7 +96,9 @@ class VllmBackend:
         self._engine = engine
         model_config = getattr(engine, "model_config", None)
         max_len = getattr(model_config, "max_model_len", None) or self._deployment.runtime_config.max_model_len
-        self._facts = EngineFacts(max_model_len=max_len, kv_events=kv_event_source(engine), **engine_memory(engine))
+        harmony = getattr(getattr(model_config, "hf_config", None), "model_type", None) == "gpt_oss"  # as vLLM's chat
+        self._facts = EngineFacts(max_model_len=max_len, kv_events=kv_event_source(engine), parses_output=harmony,
+                                  **engine_memory(engine))
         self._started.set()
 
     def _on_loop_error(self, exc: BaseException) -> None:
