@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import difflib
+import importlib
 import json
 import threading
 import weakref
@@ -61,8 +62,6 @@ class _Endpoint:
     chunk: str | None  # the streamed chunk model, if the endpoint streams
 
     def model(self, which: str) -> Any:
-        import importlib
-
         module, _, cls = getattr(self, which).partition(":")
         model = getattr(importlib.import_module(module), cls)
         _freeze_vllm_heap()
@@ -174,11 +173,9 @@ class Client:
         key = asyncio.get_running_loop()
         for loop in [loop for loop in list(self._routers) if loop.is_closed()]:  # (other threads add theirs)
             self._routers.pop(loop, None)
-        router = self._routers.get(key)
-        if router is None:
-            router = self._routers[key] = Router(
-                self._fetch, wait_for_replica_s=self._wait_s, demand=self._manager.report_demand.remote
-            )
+        if (router := self._routers.get(key)) is None:
+            router = self._routers[key] = Router(self._fetch, wait_for_replica_s=self._wait_s,
+                                                 demand=self._manager.report_demand.remote)
         return router
 
     # -- async -------------------------------------------------------------------------------
@@ -261,6 +258,8 @@ class Client:
 
     async def aembed(self, name: str, input: str | list[str], **fields: Any) -> Any:  # noqa: A002 - OpenAI's name
         """vLLM's ``EmbeddingResponse`` (a deployment with ``runtime_config.runner: pooling``)."""
+        if (fmt := fields.get("encoding_format")) in ("bytes", "bytes_only"):  # no EmbeddingResponse to parse
+            raise InvalidRequest("encoding_format", f"{fmt!r} is raw bytes; embed() gives vectors ('float', 'base64')")
         return await self._send(EMBEDDING, name, {"input": input, **fields})
 
     # -- sync --------------------------------------------------------------------------------

@@ -47,6 +47,6 @@ class AccessLog:
             # Closed early (the client left): close the source too, now, so that the request is
             # aborted in the engine at once rather than when the generator is collected.
             await chunks.aclose()  # type: ignore[attr-defined]
-            tokens = usage_tokens(last_usage) if counts_tokens else None
+            tokens = usage_tokens(last_usage, sse=True) if counts_tokens else None
             on_end(tokens)
             self.done(key, deployment, status, tokens, started)

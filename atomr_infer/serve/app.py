@@ -59,7 +59,7 @@ from atomr_infer.serve.listener import HttpListener, direct_posts, listen
 from atomr_infer.serve.rate_limit import Budget, IngressLimits
 from atomr_infer.serve.routes import BY_KEY, Via, paths
 from atomr_infer.serve.table_cache import TableCache
-from atomr_infer.serve.usage import usage_tokens, without_usage
+from atomr_infer.serve.usage import body_tokens, refuse_uncounted, without_usage
 from atomr_infer.serving_process import tune_serving_process
 from atomr_infer.status import DeploymentStatus
 from atomr_infer.wire import HttpRequest, RequestKind, RoutingFacts
@@ -210,6 +210,8 @@ class OpenAIIngress:
             if facts.kind is not RequestKind.STORED or not self._by_any_name(key, model):
                 self._authorize(key, model, facts.deployment)
             limit_headers, token_budgets = await self._admit(key, model)
+            if token_budgets:
+                refuse_uncounted(data)
         except AtomrError as exc:
             return self._logged(error_response(exc, path), key, model, started)
         name = key.name if key is not None else None
@@ -245,7 +247,7 @@ class OpenAIIngress:
                 body = b"".join([chunk async for chunk in items])
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
             return self._logged(error_response(exc, path), key, model, started)
-        tokens = usage_tokens(body) if runs else None
+        tokens = body_tokens(body, out_headers) if runs else None
         self._limits.charge(token_budgets, tokens)
         self._access.done(name, model, head.status, tokens, started)
         return Response(body, status_code=head.status, headers=out_headers)

@@ -4,24 +4,28 @@ the token budgets, and asked of a stream whose client did not ask for it (then h
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from atomr_infer.errors import InvalidRequest
 
 # Anthropic's usage counts the prompt in parts (Messages): all of them, with the output.
 _ANTHROPIC_PARTS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 
 
-def usage_tokens(data: bytes) -> int | None:
-    """The tokens (prompt plus output) of the last usage in a JSON body or an SSE chunk, if there
-    is one: OpenAI's ``usage.total_tokens`` (chat, completions, embeddings, Responses, where a
-    stream's usage is in its ``response``), or Anthropic's parts (Messages: a stream's last
-    usage is its ``message_delta``'s)."""
-    at = data.rfind(b'"usage"')
+def usage_tokens(data: bytes, sse: bool = False) -> int | None:
+    """The tokens (prompt plus output) of the last usage in a JSON body or (``sse``) an SSE chunk,
+    if there is one: OpenAI's ``usage.total_tokens`` (chat, completions, embeddings, Responses,
+    where a stream's usage is in its ``response``), Anthropic's parts (Messages: a stream's last
+    usage is its ``message_delta``'s), or Cohere's ``meta.billed_units`` (``/v2/embed``)."""
+    at = max(data.rfind(b'"usage"'), data.rfind(b'"billed_units"'))
     if at < 0:
         return None
-    start = data.rfind(b"data: ", 0, at)
-    if start >= 0:  # an SSE event: its one line of JSON
-        end = data.find(b"\n", at)
-        data = data[start + len(b"data: ") : end if end >= 0 else len(data)]
+    if sse:  # the event's one line of JSON (its text may hold "data: " too: the line, not the last one)
+        line = data[data.rfind(b"\n", 0, at) + 1 : (end if (end := data.find(b"\n", at)) >= 0 else len(data))]
+        if not line.startswith(b"data: "):
+            return None
+        data = line[len(b"data: ") :]
     try:
         parsed = json.loads(data)
     except ValueError:
@@ -31,6 +35,10 @@ def usage_tokens(data: bytes) -> int | None:
     usage = parsed.get("usage")
     if not isinstance(usage, dict):  # a Responses event's usage is its response's
         usage = (parsed.get("response") or {}).get("usage") if isinstance(parsed.get("response"), dict) else None
+    if not isinstance(usage, dict) and isinstance(meta := parsed.get("meta"), dict):  # Cohere's
+        billed = meta.get("billed_units")
+        if isinstance(billed, dict) and isinstance(billed.get("input_tokens"), int):
+            return billed["input_tokens"] + (billed.get("image_tokens") or 0)
     if not isinstance(usage, dict):
         return None
     total = usage.get("total_tokens")
@@ -40,6 +48,22 @@ def usage_tokens(data: bytes) -> int | None:
     if not isinstance(parts[0], int) or not isinstance(parts[1], int):
         return None
     return sum(p for p in parts if isinstance(p, int))
+
+
+def body_tokens(body: bytes, headers: Mapping[str, str]) -> int | None:
+    """``usage_tokens`` of an answer not streamed: a binary one (embeddings with
+    ``encoding_format: bytes``) carries its usage in its ``metadata`` header."""
+    if headers.get("content-type", "").startswith("application/octet-stream"):
+        return usage_tokens(headers.get("metadata", "").encode())
+    return usage_tokens(body)
+
+
+def refuse_uncounted(data: Any) -> None:
+    """``InvalidRequest`` for a request whose answer reports no usage to charge to a token budget
+    (embeddings as ``bytes_only``: no metadata header)."""
+    if isinstance(data, dict) and data.get("encoding_format") == "bytes_only":
+        raise InvalidRequest("encoding_format", "'bytes_only' answers carry no usage to charge to a "
+                             "tokens_per_minute budget: use 'bytes' (its usage is in the metadata header)")
 
 
 async def without_usage(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

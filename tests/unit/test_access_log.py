@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
-from atomr_infer.serve.usage import usage_tokens
+import pytest
+
+from atomr_infer.errors import InvalidRequest
+from atomr_infer.serve.usage import body_tokens, refuse_uncounted, usage_tokens
 
 USAGE = {"prompt_tokens": 30, "completion_tokens": 11, "total_tokens": 41}
 
@@ -17,14 +20,14 @@ def test_a_json_body_reports_its_total_tokens() -> None:
 def test_a_stream_reports_the_usage_of_its_usage_event() -> None:
     chunk = {"choices": [], "usage": None}
     events = [b"data: " + json.dumps(chunk).encode(), b"data: " + json.dumps({"choices": [], "usage": USAGE}).encode()]
-    assert usage_tokens(b"\n\n".join([*events, b"data: [DONE]"]) + b"\n\n") == 41
+    assert usage_tokens(b"\n\n".join([*events, b"data: [DONE]"]) + b"\n\n", sse=True) == 41
 
 
 def test_no_usage_or_an_unreadable_one_is_none() -> None:
-    assert usage_tokens(b'data: {"choices": []}\n\n') is None
-    assert usage_tokens(b'data: {"usage": {"total_tokens": "many"}}\n\n') is None
+    assert usage_tokens(b'data: {"choices": []}\n\n', sse=True) is None
+    assert usage_tokens(b'data: {"usage": {"total_tokens": "many"}}\n\n', sse=True) is None
     assert usage_tokens(b'{"usage": ') is None
-    assert usage_tokens(b"data: {\"usage\": null}\n\n") is None
+    assert usage_tokens(b"data: {\"usage\": null}\n\n", sse=True) is None
 
 
 def test_a_stream_that_did_not_ask_for_usage_gets_it_hidden_again() -> None:
@@ -58,7 +61,31 @@ def test_a_stream_that_did_not_ask_for_usage_gets_it_hidden_again() -> None:
 def test_responses_and_messages_report_their_usage() -> None:
     completed = {"type": "response.completed", "response": {"usage": {"input_tokens": 9, "output_tokens": 5,
                                                                       "total_tokens": 14}}}
-    assert usage_tokens(b"event: response.completed\ndata: " + json.dumps(completed).encode() + b"\n\n") == 14
+    assert usage_tokens(b"event: response.completed\ndata: " + json.dumps(completed).encode() + b"\n\n", sse=True) == 14
     delta = {"type": "message_delta", "usage": {"input_tokens": 9, "output_tokens": 7, "cache_read_input_tokens": 2}}
-    assert usage_tokens(b"event: message_delta\ndata: " + json.dumps(delta).encode() + b"\n\n") == 18
+    assert usage_tokens(b"event: message_delta\ndata: " + json.dumps(delta).encode() + b"\n\n", sse=True) == 18
     assert usage_tokens(json.dumps({"type": "message", "usage": {"input_tokens": 3, "output_tokens": 4}}).encode()) == 7
+
+
+def test_text_that_says_data_colon_does_not_hide_the_usage() -> None:
+    """A body or an event whose text held "data: " (a chat answer, a Responses event's output):
+    it was read as an SSE prefix, the JSON cut there, and the request charged nothing."""
+    said = "The metadata: x, and data: y"
+    body = json.dumps({"choices": [{"message": {"content": said}}], "usage": USAGE}).encode()
+    assert usage_tokens(body) == 41
+    completed = {"type": "response.completed", "response": {"output": [{"text": said}], "usage": USAGE}}
+    assert usage_tokens(b"event: response.completed\ndata: " + json.dumps(completed).encode() + b"\n\n", sse=True) == 41
+
+
+def test_pooling_answers_without_a_usage_field_are_counted() -> None:
+    """Cohere's /v2/embed bills in meta.billed_units; embeddings as bytes carry their usage in a
+    metadata header (vLLM's pooling/utils.py). Both were charged nothing."""
+    cohere = {"id": "x", "embeddings": {"float": [[0.1]]}, "meta": {"api_version": {"version": "2"},
+                                                                   "billed_units": {"input_tokens": 7}}}
+    assert usage_tokens(json.dumps(cohere).encode()) == 7
+    metadata = json.dumps({"id": "x", "data": [], "usage": {"prompt_tokens": 5, "total_tokens": 5}})
+    assert body_tokens(b"\x00\x01binary", {"content-type": "application/octet-stream", "metadata": metadata}) == 5
+    assert body_tokens(json.dumps({"usage": USAGE}).encode(), {"content-type": "application/json"}) == 41
+    with pytest.raises(InvalidRequest, match="encoding_format: 'bytes_only' answers carry no usage"):
+        refuse_uncounted({"model": "m", "input": "x", "encoding_format": "bytes_only"})
+    refuse_uncounted({"model": "m", "input": "x", "encoding_format": "bytes"})  # its usage is in a header
