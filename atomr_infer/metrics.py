@@ -60,7 +60,7 @@ REPLICA_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "atomr_e2e_request_latency_seconds": ("histogram", "Admission to the last token.", ()),
     "atomr_engine_step_duration_seconds": ("histogram", "Duration of one engine.step() call.", ()),
     "atomr_requests_in_flight": ("gauge", "Requests admitted and not yet finished.", ()),
-    "atomr_requests_waiting": ("gauge", "Requests admitted that have no token yet.", ()),
+    "atomr_requests_waiting": ("gauge", "Requests vLLM queued and has not scheduled yet.", ()),
     "atomr_kv_cache_usage_ratio": ("gauge", "Fraction of KV-cache blocks in use (0-1).", ()),
     "atomr_replica_state": ("gauge", "1 for the replica's current state, 0 for the others.", ("state",)),
 }

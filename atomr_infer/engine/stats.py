@@ -33,7 +33,7 @@ class Summary:
 class ReplicaStats:
     phase: str
     in_flight: int
-    waiting: int  # admitted but no token yet
+    waiting: int  # queued in vLLM, not scheduled yet (no engine metrics: admitted with no token yet)
     requests_started: int
     requests_finished: int
     requests_aborted: int

@@ -91,3 +91,36 @@ def test_nothing_is_accepted_after_the_end():
 
     outs = asyncio.run(main())
     assert [c.outputs[0].text for c in outs] == ["x"]
+
+
+def test_a_whole_answer_times_its_first_token_by_vllms_own_stats():
+    """``stream: false`` (vLLM's FINAL_ONLY): one output, at the end, with every token. Its time
+    to first token was recorded as its whole latency and its time per token as 0; the first token
+    now comes as long before the end as vLLM's stats say the decode took, and without stats it is
+    not recorded at all."""
+    from vllm.v1.metrics.stats import RequestStateStats
+
+    whole = delta("Paris is the capital", [1, 2, 3, 4, 5], "length")
+    whole.metrics = RequestStateStats(first_token_ts=100.0, last_token_ts=100.8)
+    s = RequestStream("r", prompt_tokens=4)
+    s.put(whole, 5)
+    assert s.last_token_at is not None and s.first_token_at == pytest.approx(s.last_token_at - 0.8)
+    bare = RequestStream("r", prompt_tokens=4)
+    bare.put(delta("Paris is the capital", [1, 2, 3, 4, 5], "length"), 5)  # no stats kept
+    assert bare.first_token_at is None and bare.last_token_at is None and bare.completion_tokens == 5
+    one = RequestStream("r", prompt_tokens=4)  # a streamed answer of one token: its one output is its first
+    one.put(delta("Paris", [1], "stop"), 1)
+    assert one.first_token_at is not None and one.first_token_at == one.last_token_at
+
+
+def test_waiting_is_vllms_count_where_the_engine_keeps_metrics():
+    from vllm.v1.metrics.reader import Gauge
+
+    from atomr_infer.engine.vllm.engine_info import kv_cache_usage, requests_waiting
+
+    class Engine:
+        def get_metrics(self):
+            return [Gauge("vllm:num_requests_waiting", {}, 3.0), Gauge("vllm:kv_cache_usage_perc", {}, 0.25)]
+
+    assert requests_waiting(Engine()) == 3 and kv_cache_usage(Engine()) == 0.25
+    assert requests_waiting(object()) is None  # no metrics: the replica counts requests with no token yet

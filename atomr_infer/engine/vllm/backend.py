@@ -21,7 +21,13 @@ from atomr_infer.engine.backend import BackendContext, EngineFacts, EngineHealth
 from atomr_infer.engine.vllm import adapters
 from atomr_infer.engine.vllm.coalesce import coalesce_core_outputs
 from atomr_infer.engine.vllm.core_failure import CoreStartFailed
-from atomr_infer.engine.vllm.engine_info import engine_memory, engine_unfinished, kv_cache_usage, start_failure_recurs
+from atomr_infer.engine.vllm.engine_info import (
+    engine_memory,
+    engine_unfinished,
+    kv_cache_usage,
+    requests_waiting,
+    start_failure_recurs,
+)
 from atomr_infer.engine.vllm.handoff import LoopHandoff
 from atomr_infer.engine.vllm.kv_events import kv_event_source
 from atomr_infer.engine.vllm.open_streams import OpenStreams
@@ -192,7 +198,10 @@ class VllmBackend:
         )
 
     def open_requests(self) -> tuple[int, int]:
-        return len(self._streams), self._streams.waiting
+        # Waiting as vLLM counts it, queued and not scheduled: a whole answer (stream: false) has no
+        # output before its end, so "no token yet" would count it waiting until it is done.
+        waiting = requests_waiting(self._engine)
+        return len(self._streams), self._streams.waiting if waiting is None else waiting
 
     def fail_open(self, error: BaseException) -> None:
         """Fail every open request with ``error`` (the replica found the engine wedged)."""

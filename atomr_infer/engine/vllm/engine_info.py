@@ -44,12 +44,22 @@ def engine_unfinished(engine: Engine | None) -> int | None:
 
 def kv_cache_usage(engine: Engine | None) -> float | None:
     """Fraction of KV-cache blocks in use, from vLLM's metrics when the engine keeps them."""
+    return _gauge(engine, "vllm:kv_cache_usage_perc")
+
+
+def requests_waiting(engine: Engine | None) -> int | None:
+    """Requests vLLM's scheduler holds and has not scheduled yet, when the engine keeps metrics."""
+    waiting = _gauge(engine, "vllm:num_requests_waiting")
+    return None if waiting is None else int(waiting)
+
+
+def _gauge(engine: Engine | None, name: str) -> float | None:
     get_metrics = getattr(engine, "get_metrics", None)
     if get_metrics is None:
         return None
     try:
         for metric in get_metrics():
-            if metric.name == "vllm:kv_cache_usage_perc":
+            if metric.name == name:
                 return float(metric.value)
     except Exception:  # noqa: BLE001 - stats are best effort
         return None

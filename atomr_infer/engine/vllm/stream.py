@@ -58,8 +58,11 @@ class RequestStream:
         self.cached_tokens = max(self.cached_tokens, getattr(output, "num_cached_tokens", None) or 0)
         if new_tokens:
             self.completion_tokens += new_tokens
-            self.first_token_at = self.first_token_at or now
-            self.last_token_at = now
+            if self.first_token_at is None and output.finished and new_tokens > 1:
+                self.first_token_at, self.last_token_at = whole_answer_times(output, now)
+            else:
+                self.first_token_at = self.first_token_at or now
+                self.last_token_at = now
         self._outputs.put(output)
         if output.finished:
             self._outputs.end()
@@ -70,6 +73,18 @@ class RequestStream:
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._outputs.__aiter__()
+
+
+def whole_answer_times(output: Any, now: float) -> tuple[float | None, float | None]:
+    """(first, last token) times of an answer that came out whole at ``now`` (``stream: false``:
+    vLLM's FINAL_ONLY has no output before its last): its last token now, its first that much
+    earlier as vLLM's own stats say its decode took; (None, None) where the engine keeps no stats
+    (its time to first token is not its whole latency)."""
+    stats = getattr(output, "metrics", None)
+    first, last = getattr(stats, "first_token_ts", 0.0) or 0.0, getattr(stats, "last_token_ts", 0.0) or 0.0
+    if not first or last < first:
+        return None, None
+    return now - (last - first), now
 
 
 def new_tokens(output: Any) -> int:
