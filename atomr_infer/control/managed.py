@@ -106,13 +106,9 @@ class ManagedDeployment:
         self._follow_autoscaling(self.reconciler.want)
 
     def synced_record(self) -> DeploymentRecord:
-        """The record, with the reconciler's next replica index and its live replicas."""
+        """The record, with the reconciler's next replica index and its replicas (live and draining)."""
         self.record.next_index = self.reconciler.next_index
-        self.record.replicas = {
-            r.replica_id: {"runtime_key": r.runtime_key, "generation": r.generation, "started_at": r.started_at}
-            for r in self.reconciler.replicas
-            if r.live
-        }
+        self.record.replicas = self.reconciler.stored_replicas()
         self.record.autoscaled_replicas = self.autoscaler.target if self.autoscaler else None
         return self.record
 
@@ -181,35 +177,40 @@ def adopt_replicas(
                 ReplicaRecord(
                     replica_id, info["runtime_key"], info["generation"], handle,
                     started_at=info.get("started_at", 0.0), state_since=now(),
-                )
+                ),
+                draining=bool(info.get("draining")),
             )
 
 
 def recover_or_stop(
     record: DeploymentRecord, reconciler: DeploymentReconciler, launcher: ReplicaLauncher, now: Callable[[], float],
 ) -> ManagedDeployment | None:
-    """A stored deployment, recovered with its live replicas (a restarted manager). None if this
-    version refuses its spec (``SpecError``): then its replicas, which the manager can neither
-    route to nor manage, are adopted into ``reconciler`` and drained and stopped as a removal's
-    are (they free their GPUs, and their names for a corrected apply), and the reason is its last
-    failure (``atomr status``) until they are gone."""
+    """A stored deployment, recovered with its live replicas (a restarted manager). None if it
+    was being removed, or if this version refuses its spec (``SpecError``): then its replicas,
+    which the manager can neither route to nor manage, are adopted into ``reconciler`` and drained
+    and stopped as a removal's are (they free their GPUs, and their names for a corrected apply),
+    and the refusal is its last failure (``atomr status``) until they are gone. A Ray error
+    adopting is raised (recovery.py tries again)."""
     refused: SpecError | None = None
-    try:
-        parse_deployment(record.spec)
-    except SpecError as exc:
-        refused = exc
-    try:
+    if not record.removing:
+        try:
+            parse_deployment(record.spec)
+        except SpecError as exc:
+            refused = exc
         if refused is None:
             return ManagedDeployment.recover(record, reconciler, launcher, now)
-        adopt_replicas(record, reconciler, launcher, now)
-    except Exception as exc:  # noqa: BLE001 - Ray's, adopting: nothing against the spec; skipped, as before
-        log.error("deployment_not_recovered", deployment=reconciler.name, error=str(exc))
-        reconciler.replicas.clear()  # none stopped
-        reconciler.set_desired(None, record.generation + 1, "")  # (gone from the manager's next pass)
-        return None
+    adopt_replicas(record, reconciler, launcher, now)
     reconciler.set_desired(None, record.generation + 1, "")
     reconciler.drain_live()  # adopted: not heard ready yet, but maybe serving a router's cached table
-    reconciler.last_failure = f"not recovered: this version of atomr refuses its stored spec ({one_line(refused)})"
-    log.error("deployment_not_recovered", deployment=reconciler.name, error=str(refused),
-              stopping=len(reconciler.replicas))
+    if refused is not None:
+        reconciler.last_failure = f"not recovered: this version of atomr refuses its stored spec ({one_line(refused)})"
+        log.error("deployment_not_recovered", deployment=reconciler.name, error=str(refused),
+                  stopping=len(reconciler.replicas))
     return None
+
+
+def removal_record(reconciler: DeploymentReconciler) -> DeploymentRecord:
+    """What is kept of a deployment being removed, while its replicas drain: them (a restarted
+    manager drains and stops them), and its next replica index (a re-apply never reuses a name)."""
+    return DeploymentRecord({}, reconciler.generation, "", next_index=reconciler.next_index,
+                            replicas=reconciler.stored_replicas(), removing=True)

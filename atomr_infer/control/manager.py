@@ -27,17 +27,18 @@ from atomr_infer.control.budget import (
     uses_gpus,
 )
 from atomr_infer.control.cluster_view import ray_cluster_view
-from atomr_infer.control.managed import ManagedDeployment, budgeted, recover_or_stop
+from atomr_infer.control.managed import ManagedDeployment, budgeted, removal_record
 from atomr_infer.control.plan import ApplyResult, Plan, PlanResult, check_names, plan_apply, plan_remove
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
-from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
+from atomr_infer.control.recovery import Recovery
+from atomr_infer.control.replicas import ReplicaLauncher
 from atomr_infer.control.store import StateStore
 from atomr_infer.engine.backend import backend_class
 from atomr_infer.log import get_logger
 from atomr_infer.metrics import ManagerMetrics
 from atomr_infer.routing.table import RoutingTable
 from atomr_infer.spec import Deployment, parse_deployment, spec_hash
-from atomr_infer.status import DeploymentStatus, ReplicaState
+from atomr_infer.status import DeploymentStatus
 
 log = get_logger(__name__)
 RECONCILE_PERIOD_S = 1.0
@@ -71,10 +72,9 @@ class DeploymentManager:
         self._table_changed = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._metrics = ManagerMetrics()
-        # Adopted replicas not heard from yet (until RECOVERY_WAIT_S): routers keep their table meanwhile.
-        self._adopted: list[ReplicaRecord] = []
+        self._recovery = Recovery(self._store, self._clock, RECOVERY_WAIT_S)  # routers keep their tables meanwhile
         self._recover()
-        self._recovered_by = self._clock() + RECOVERY_WAIT_S
+        self._publish()
         self._start_loop_soon()
 
     def __repr__(self) -> str:
@@ -112,25 +112,19 @@ class DeploymentManager:
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
 
     def _persist(self) -> None:
-        self._store.save({name: d.synced_record() for name, d in self._desired.items()})
+        removing = {name: removal_record(r) for name, r in self._removing.items()}
+        self._recovery.save({**removing, **{name: d.synced_record() for name, d in self._desired.items()}})
 
     def _recover(self) -> None:
         """Rebuild desired state from the store and re-adopt live replicas by name."""
-        try:
-            records = self._store.load()
-        except Exception as exc:  # noqa: BLE001 - a manager without state still serves applies
-            log.error("state_load_failed", error=repr(exc))
-            return
-        for name, rec in records.items():
-            reconciler = self._new_reconciler(name, rec.next_index)
-            managed = recover_or_stop(rec, reconciler, self._launcher, self._clock)
+        recovered = self._recovery.recover(self._new_reconciler, self._launcher, self._clock)
+        for name, managed, reconciler in recovered:
             if managed is None:  # refused by this version: its replicas are stopped, as a removal's
                 self._removing[name] = reconciler
             else:
                 self._desired[name] = managed
-                self._adopted += (adopted := list(reconciler.replicas))
-                log.info("deployment_recovered", deployment=name, generation=rec.generation, adopted=len(adopted))
-        self._publish()  # every deployment, some with no replica (scaled to zero); withheld while _adopted
+        if recovered:
+            self._publish()  # every deployment, some with no replica (scaled to zero); withheld while recovering
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -145,6 +139,8 @@ class DeploymentManager:
         """One pass over every deployment; safe to call any number of times."""
         started = time.perf_counter()
         routes_changed = False
+        if not self._recovery.done:
+            self._recover()
         for name, managed in self._desired.items():
             try:
                 self._autoscale(name, managed)
@@ -165,9 +161,7 @@ class DeploymentManager:
         for name in [n for n, r in self._removing.items() if r.finished_removing]:
             del self._removing[name]
             routes_changed = True
-        if self._adopted and (self._clock() >= self._recovered_by
-                              or all(r.state is not ReplicaState.STARTING for r in self._adopted)):
-            self._adopted, routes_changed = [], True  # recovered: the table lists them (or not)
+        routes_changed |= self._recovery.settled()  # its adopted replicas answered: the table lists them (or not)
         reap = getattr(self._launcher, "reaper", None)
         if reap is not None:
             reap.reap()
@@ -230,6 +224,7 @@ class DeploymentManager:
             self._metrics.applied(str(spec.get("name", "")) if isinstance(spec, dict) else "", "rejected")
             raise
         async with self._lock:
+            self._recovery.check(deployment.name)
             current = self._desired.get(deployment.name)
             plan = self._plan(deployment, current)
             if not plan.changed:
@@ -263,6 +258,7 @@ class DeploymentManager:
         would for the spec's names and vLLM settings. ``alongside``: specs applied with it (as
         if recorded first: ``atomr deploy`` of several files checks them all before any apply)."""
         deployment = parse_deployment(spec)
+        self._recovery.check(deployment.name)
         others = self._others(deployment.name, [parse_deployment(s) for s in alongside])
         current = self._desired.get(deployment.name)
         plan = self._plan(deployment, current)
@@ -288,6 +284,7 @@ class DeploymentManager:
         """Drain and stop a deployment's replicas. Unknown names are a no-op that says so."""
         self._ensure_loop()
         async with self._lock:
+            self._recovery.check(name)
             current = self._desired.pop(name, None)
             plan = plan_remove(current.spec if current else None, name)
             if current is None:
@@ -313,12 +310,12 @@ class DeploymentManager:
         """The current table if newer than ``since_version``; waits up to ``timeout_s`` for one. None
         while a restarted manager has not heard its adopted replicas answer (routers keep theirs)."""
         self._ensure_loop()
-        if (self._table.version == since_version or self._adopted) and timeout_s > 0:
+        if (self._table.version == since_version or self._recovery.withheld) and timeout_s > 0:
             try:
                 await asyncio.wait_for(self._table_changed.wait(), timeout_s)
             except asyncio.TimeoutError:
                 return None
-        return self._table if self._table.version != since_version and not self._adopted else None
+        return self._table if self._table.version != since_version and not self._recovery.withheld else None
 
     async def wait_ready(self, name: str, timeout_s: float = 600.0) -> DeploymentStatus | None:
         """Wait until ``name`` has converged (observed = desired generation), failed, or ``timeout_s`` passes."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from atomr_infer.control.replicas import AdapterRoutes, ReplicaLauncher, ReplicaRecord, adapter_routes
 from atomr_infer.log import get_logger
@@ -92,15 +93,31 @@ class DeploymentReconciler:
         now = self._clock()
         for r in self.replicas:
             if r.live:
-                r.handle.begin_drain(self._cfg.drain_timeout_s)
-                r.drain_deadline = now + self._cfg.drain_timeout_s + 5.0
-                self._set_state(r, ReplicaState.DRAINING, now)
+                self._drain(r, now)
 
-    def adopt(self, record: ReplicaRecord) -> None:
-        """Take over a replica found alive after a manager restart."""
+    def _drain(self, r: ReplicaRecord, now: float) -> None:
+        r.handle.begin_drain(self._cfg.drain_timeout_s)
+        r.drain_deadline = now + self._cfg.drain_timeout_s + 5.0
+        self._set_state(r, ReplicaState.DRAINING, now)
+
+    def adopt(self, record: ReplicaRecord, draining: bool = False) -> None:
+        """Take over a replica found alive after a manager restart; one that was draining drains
+        on (and is then stopped: else it held its GPU, refusing requests, for good)."""
         self.replicas.append(record)
+        if draining:
+            self._drain(record, self._clock())
         index = int(record.replica_id.lstrip("r") or 0)
         self._next_index = max(self._next_index, index + 1)
+
+    def stored_replicas(self) -> dict[str, dict[str, Any]]:
+        """What a deployment's record keeps of its replicas: the live ones and those draining, for
+        a restarted manager to adopt (and drain on)."""
+        return {
+            r.replica_id: {"runtime_key": r.runtime_key, "generation": r.generation, "started_at": r.started_at,
+                           **({"draining": True} if r.state == ReplicaState.DRAINING else {})}
+            for r in self.replicas
+            if r.live or r.state == ReplicaState.DRAINING
+        }
 
     @property
     def next_index(self) -> int:
@@ -249,9 +266,7 @@ class DeploymentReconciler:
 
     def _retire(self, r: ReplicaRecord, now: float) -> None:
         if r.state == ReplicaState.READY:
-            r.handle.begin_drain(self._cfg.drain_timeout_s)
-            r.drain_deadline = now + self._cfg.drain_timeout_s + 5.0
-            self._set_state(r, ReplicaState.DRAINING, now)
+            self._drain(r, now)
         elif r.state == ReplicaState.STARTING:
             r.handle.stop()
             self._set_state(r, ReplicaState.STOPPED, now, "no longer needed")

@@ -24,6 +24,7 @@ class DeploymentRecord:
     next_index: int = 0
     replicas: dict[str, dict[str, Any]] = field(default_factory=dict)  # id → {runtime_key, generation, started_at}
     autoscaled_replicas: int | None = None  # the autoscaler's target, kept across a manager restart
+    removing: bool = False  # removed, its replicas still draining: a restarted manager drains and stops them
 
 
 class StateStore:

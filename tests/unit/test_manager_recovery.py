@@ -1,0 +1,114 @@
+"""A restarted manager whose recovery takes more than one pass: the store not readable yet, or a
+deployment's replicas not looked up (a Ray error other than "no such actor"). Nothing may be
+lost meanwhile: it dropped the deployment's record (its replicas ran on unmanaged, and a
+re-apply collided with their names), or, with the store unread, saved an empty state over it."""
+
+from __future__ import annotations
+
+import pytest
+
+from atomr_infer.control.recovery import NotRecoveredYet
+
+from .test_manager import Harness, spec
+
+
+def running(*names: str) -> Harness:
+    first = Harness()
+    for name in names:
+        first.call("apply", spec(name=name))
+    first.converge()
+    return first
+
+
+def test_a_deployment_whose_replicas_could_not_be_looked_up_is_kept_and_recovered_on_a_later_pass() -> None:
+    first = running("good", "other")
+    adopt = first.launcher.adopt
+
+    def flaky(deployment, replica_id):  # the new head's GCS, not answering yet for this one
+        if deployment == "good":
+            raise TimeoutError("GCS did not answer")
+        return adopt(deployment, replica_id)
+
+    first.launcher.adopt = flaky
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.manager.reconcile_once()
+    assert set(second.store.load()) == {"good", "other"}  # its record was saved away
+    assert second.call("routing_table", -1) is None  # routers keep theirs (it would say "good" is gone)
+    with pytest.raises(NotRecoveredYet, match="has not recovered deployment 'good' yet"):
+        second.call("apply", spec(name="good"))  # a new r0 would collide with the live one
+    with pytest.raises(NotRecoveredYet):
+        second.call("remove", "good")
+    first.launcher.adopt = adopt  # the GCS answers again
+    second.converge(passes=2)
+    good = second.call("status", "good")
+    assert [r.actor_name for r in good.replicas] == ["atomr:good:r0"] and len(first.launcher.started) == 2
+    assert first.launcher.started[0].adopted and not first.launcher.started[0].stopped  # adopted, not replaced
+    assert "good" in second.call("routing_table", -1).deployments
+
+
+def test_a_store_that_cannot_be_read_yet_is_not_saved_over() -> None:
+    first = running("demo")
+    load = first.store.load
+    calls = []
+
+    def unreadable():
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("GCS unavailable")
+        return load()
+
+    first.store.load = unreadable
+    second = Harness(store=first.store, launcher=first.launcher)  # its first load fails
+    second.manager.reconcile_once()  # ... its second, on this pass, reads it
+    assert list(load()) == ["demo"] and second.call("status", "demo") is not None
+    assert first.launcher.started[0].adopted and len(first.launcher.started) == 1
+
+
+def test_while_the_store_is_unread_nothing_is_saved_applied_or_published() -> None:
+    first = running("demo")
+    load = first.store.load
+    first.store.load = lambda: (_ for _ in ()).throw(ConnectionError("GCS unavailable"))
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.converge(passes=3)
+    assert list(load()) == ["demo"]  # it was saved as [] on the first pass
+    assert second.call("routing_table", -1) is None  # (an empty table: routers would answer 404 for all)
+    with pytest.raises(NotRecoveredYet, match="cannot read its stored state yet .*GCS unavailable"):
+        second.call("apply", spec(name="new"))
+    first.store.load = load
+    second.converge(passes=2)
+    assert "demo" in second.call("routing_table", -1).deployments
+
+
+def test_a_replica_draining_when_the_manager_died_is_drained_and_stopped_by_the_next() -> None:
+    """Only live replicas were stored: one draining (a scale-down, a roll) was never stopped,
+    refusing requests and holding its GPU for good."""
+    first = running()
+    first.call("apply", spec(replicas=2))
+    first.converge()
+    first.call("apply", spec(replicas=1))
+    first.manager.reconcile_once()
+    leaving = [h for h in first.launcher.started if h.draining]
+    assert len(leaving) == 1 and not leaving[0].stopped
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.converge()
+    (staying,) = [h for h in first.launcher.started if h is not leaving[0]]
+    assert leaving[0].stopped and not staying.stopped
+    assert [r.actor_name for r in second.call("status", "demo").replicas] == [staying.actor_name]
+    assert sorted(second.store.load()["demo"].replicas) == [staying.actor_name.rpartition(":")[2]]
+
+
+def test_a_removal_under_way_when_the_manager_died_is_finished_by_the_next() -> None:
+    """The record went at once, the replicas were draining: the next manager knew nothing of
+    them (they ran on, and a re-apply collided with their names)."""
+    first = running("demo")
+    first.call("remove", "demo")
+    first.manager.reconcile_once()
+    (r0,) = first.launcher.started
+    assert r0.draining and not r0.stopped
+    second = Harness(store=first.store, launcher=first.launcher)
+    assert second.call("status", "demo").replicas_desired == 0  # listed as going, until it is gone
+    second.converge()
+    assert r0.stopped and second.call("status", "demo") is None and not second.store.load()
+    second.call("apply", spec())  # its name is free again: the old r0 is gone
+    second.converge()
+    assert [r.state for r in second.call("status", "demo").replicas] == ["ready"]
