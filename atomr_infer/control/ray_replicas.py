@@ -209,4 +209,8 @@ class RayReplicaLauncher:
             actor = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
             return None
-        return RayReplicaHandle(actor, name, self.reaper, adopted=True)
+        try:  # a tensor-parallel replica's group, named as it: stopped with it, or its GPUs stay reserved
+            pg = ray.util.get_placement_group(name)
+        except ValueError:
+            pg = None
+        return RayReplicaHandle(actor, name, self.reaper, pg, adopted=True)

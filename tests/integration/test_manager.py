@@ -251,3 +251,30 @@ def test_remove_is_idempotent_and_unknown_names_say_so(manager, client):
     assert not result.changed and "nothing to remove" in result.actions[0]
     err = raised(lambda: client.chat("never-existed", ASK, max_tokens=4))
     assert isinstance(err, DeploymentNotFound) and "never-existed" in str(err)
+
+
+def test_an_adopted_replica_gets_back_its_placement_group(ray_cluster):
+    """A tensor-parallel replica's placement group (named as the replica) was left out of its
+    adopted handle: stopped after a manager restart, the replica left its GPUs reserved for good.
+    Real Ray, a stand-in actor and a one-CPU-sliver group (no GPU here)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from atomr_infer.control.ray_replicas import RayReplicaLauncher
+
+    name = "atomr:pgtest:r0"
+    group = placement_group([{"CPU": 0.01}], strategy="STRICT_PACK", name=name)
+    ray_cluster.get(group.ready(), timeout=60)
+
+    @ray_cluster.remote(num_cpus=0)
+    class StandIn:
+        def ready(self, timeout: float | None = None) -> dict:  # what a handle asks of a replica first
+            return {}
+
+    actor = StandIn.options(name=name, namespace="atomr").remote()
+    try:
+        launcher = RayReplicaLauncher(lambda spec: False)
+        assert launcher.adopt("pgtest", "r0")._pg.id == group.id
+        assert launcher.adopt("pgtest", "r1") is None  # no such replica
+    finally:
+        ray_cluster.kill(actor)
+        remove_placement_group(group)
