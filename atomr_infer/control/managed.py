@@ -169,7 +169,14 @@ def kv_source(reported: dict[str, Any] | None) -> tuple[str, str | None, int] | 
 def adopt_replicas(
     record: DeploymentRecord, reconciler: DeploymentReconciler, launcher: ReplicaLauncher, now: Callable[[], float],
 ) -> None:
-    """The record's replicas still alive, re-adopted by name into ``reconciler``."""
+    """The record's replicas still alive, re-adopted by name into ``reconciler``. Replicas named
+    past its ``next_index`` were started after the last save (a pass saves at its end): what they
+    run is not known, so they are stopped, and their names skipped."""
+    index = record.next_index
+    while (stray := launcher.adopt(reconciler.name, f"r{index}")) is not None:
+        log.warning("replica_not_recorded_stopped", deployment=reconciler.name, replica=f"r{index}")
+        stray.stop()
+        reconciler.skip_index(index := index + 1)
     for replica_id, info in sorted(record.replicas.items()):
         handle = launcher.adopt(reconciler.name, replica_id)
         if handle is not None:

@@ -109,6 +109,10 @@ class DeploymentReconciler:
         index = int(record.replica_id.lstrip("r") or 0)
         self._next_index = max(self._next_index, index + 1)
 
+    def skip_index(self, index: int) -> None:
+        """Name no new replica below ``index`` (those names are taken)."""
+        self._next_index = max(self._next_index, index)
+
     def stored_replicas(self) -> dict[str, dict[str, Any]]:
         """What a deployment's record keeps of its replicas: the live ones and those draining, for
         a restarted manager to adopt (and drain on)."""

@@ -120,8 +120,9 @@ class FakeLauncher:
 
     def adopt(self, deployment, replica_id):
         h = self.alive.get(f"atomr:{deployment}:{replica_id}")
-        if h is not None:
-            h.adopted = True
+        if h is None or h.stopped:  # as Ray's get_actor: a stopped actor's name is free
+            return None
+        h.adopted = True
         return h
 
     def make_ready(self) -> None:

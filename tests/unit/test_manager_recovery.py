@@ -112,3 +112,33 @@ def test_a_removal_under_way_when_the_manager_died_is_finished_by_the_next() -> 
     second.call("apply", spec())  # its name is free again: the old r0 is gone
     second.converge()
     assert [r.state for r in second.call("status", "demo").replicas] == ["ready"]
+
+
+def test_a_replica_started_after_the_last_save_is_stopped_not_orphaned() -> None:
+    """A pass saves the next replica index at its end: a manager that died in between (or whose
+    save failed) left a replica no record names. The next one tried its name, failed ("already
+    taken"), went on to the next, and the first ran on, unmanaged, for good."""
+    from atomr_infer.control.store import MemoryStore
+
+    class Failing(MemoryStore):
+        fail = False
+
+        def save(self, records):
+            if self.fail:
+                raise TimeoutError("internal_kv_put: GCS did not answer")
+            super().save(records)
+
+    store = Failing()
+    first = Harness(store=store)
+    first.call("apply", spec())
+    first.converge()
+    first.call("apply", spec(replicas=2))
+    store.fail = True
+    first.manager.reconcile_once()  # r1 started; the save after it failed
+    stray = first.launcher.started[1]
+    assert stray.actor_name == "atomr:demo:r1" and store.load()["demo"].next_index == 1
+    store.fail = False
+    second = Harness(store=store, launcher=first.launcher)
+    second.converge()
+    assert stray.stopped
+    assert [r.actor_name for r in second.call("status", "demo").replicas] == ["atomr:demo:r0", "atomr:demo:r2"]
