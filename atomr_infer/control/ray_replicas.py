@@ -25,6 +25,7 @@ from atomr_infer.log import get_logger
 from atomr_infer.replica import replica_actor_class
 from atomr_infer.replica_calls import ReplicaCalls, replica_failure
 from atomr_infer.spec import Deployment
+from atomr_infer.status import ReplicaState
 
 log = get_logger(__name__)
 
@@ -108,6 +109,9 @@ class RayReplicaHandle:
 
     def in_flight(self) -> int:
         return self._in_flight
+
+    def answered_draining(self) -> bool:
+        return self._info.get("state") in (ReplicaState.DRAINING.value, ReplicaState.STOPPED.value)
 
     def begin_drain(self, timeout_s: float) -> None:
         self._drain = self._calls.drain(timeout_s).future()

@@ -191,7 +191,9 @@ class DeploymentReconciler:
         for r in self.replicas:
             if r.state == ReplicaState.STARTING:
                 poll = r.handle.poll_ready()
-                if poll.done and poll.ok:
+                if poll.done and poll.ok and r.handle.answered_draining():  # adopted mid-drain: drains on, stops
+                    self._drain(r, now)
+                elif poll.done and poll.ok:
                     self._set_state(r, ReplicaState.READY, now)
                     r.last_health_at = now
                     self.failures = self.recurring_failures = 0

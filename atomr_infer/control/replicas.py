@@ -63,6 +63,9 @@ class ReplicaHandle(Protocol):
     def in_flight(self) -> int:
         """Last known number of requests in flight (refreshed with health checks)."""
 
+    def answered_draining(self) -> bool:
+        """It answered ready() draining: told to drain by a manager that then died."""
+
     def begin_drain(self, timeout_s: float) -> None: ...
 
     def poll_drained(self) -> Poll: ...

@@ -178,7 +178,7 @@ class VllmReplica:
         (``EngineStartFailed``) if either failed or timed out."""
         await self._wait_ready(timeout)
         return {"replica_id": self._replica_id, "device": self._device, "model": self._deployment.model,
-                **self._facts, **_placement()}
+                "state": self._life.state.value, **self._facts, **_placement()}
 
     async def health(self, adapters: dict[str, str] | None = None) -> ReplicaHealth:
         """The replica's health report; raises ``EngineError`` once it is unhealthy.

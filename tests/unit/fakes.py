@@ -67,6 +67,7 @@ class FakeHandle:
     asked: dict | None = None  # the adapters its last health check asked for (each loaded, unless states says)
     states: dict = field(default_factory=dict)
     facts: dict = field(default_factory=dict)  # more of what its ready() reported (engine facts)
+    ready_draining: bool = False
 
     def placement(self):
         return {"actor_id": f"id-{self.actor_name}", "node_id": "n0", "gpu_ids": [], "model": self.spec_model,
@@ -97,6 +98,9 @@ class FakeHandle:
 
     def stop(self):
         self.stopped = True
+
+    def answered_draining(self):  # it answered ready() draining (a manager told it, then died)
+        return self.ready_draining
 
     def actor(self):
         return self.actor_name

@@ -142,3 +142,16 @@ def test_a_replica_started_after_the_last_save_is_stopped_not_orphaned() -> None
     second.converge()
     assert stray.stopped
     assert [r.actor_name for r in second.call("status", "demo").replicas] == ["atomr:demo:r0", "atomr:demo:r2"]
+
+
+def test_a_replica_told_to_drain_before_the_save_drains_on_after_adoption() -> None:
+    """Told to drain by a manager that died before saving so: adopted, it answered ready() and
+    was counted ready for good while routers, told by it that it drains, left it alone."""
+    first = running("demo")
+    (r0,) = first.launcher.started
+    r0.ready_draining = True
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.converge()
+    assert r0.draining and r0.stopped
+    status = second.call("status", "demo")
+    assert [(r.actor_name, r.state) for r in status.replicas if r.state == "ready"] == [("atomr:demo:r1", "ready")]
