@@ -103,11 +103,14 @@ class KvIndex:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._holders: dict[int, set[str]] = {}  # our block hash -> replicas
-        # replica -> vLLM's hash -> our hash. One entry per hash, however often it is reported
-        # stored (vLLM may cache a hash twice, or report reused blocks again): the first removal
-        # forgets it, which can miss a block still held but never believes one evicted.
-        self._blocks: dict[str, dict[BlockHash, int]] = collections.defaultdict(dict)
+        # our block hash -> replica -> how many of its KV-cache groups hold it (a hybrid model's
+        # full-attention and sliding-window groups each store the same hashes; a sliding window's
+        # blocks go while the full-attention copy stays)
+        self._holders: dict[int, dict[str, int]] = {}
+        # replica -> (its KV-cache group, vLLM's hash) -> our hash. One entry per key, however often
+        # it is reported stored (vLLM may report reused blocks again): the first removal forgets it,
+        # which can miss a block still held but never believes one evicted.
+        self._blocks: dict[str, dict[tuple[int | None, BlockHash], int]] = collections.defaultdict(dict)
         self.heard_at: dict[str, float] = {}  # replica -> when its last batch was applied
         self._awaiting: dict[str, float] = {}  # replica -> since when a batch is due from it
         self.events = 0  # applied, for the benchmarks
@@ -123,10 +126,12 @@ class KvIndex:
         with self._lock:
             for event in batch.events:
                 self.events += 1
+                if isinstance(event, BlockStored | BlockRemoved) and event.medium not in (None, "GPU"):
+                    continue  # an offload tier's (CPU): not the device's prefix cache
                 if isinstance(event, BlockStored):
                     self._stored(replica, event)
                 elif isinstance(event, BlockRemoved):
-                    self._removed(replica, event.block_hashes)
+                    self._removed(replica, event.group_idx, event.block_hashes)
                 else:
                     self._drop(replica)
             self.heard_at[replica] = time.monotonic() if now is None else now
@@ -142,27 +147,36 @@ class KvIndex:
         return since is not None and (time.monotonic() if now is None else now) - since > SILENT_S
 
     def _stored(self, replica: str, event: BlockStored) -> None:
-        mine = self._blocks[replica]
+        mine, group = self._blocks[replica], event.group_idx
+        size, tokens = event.block_size, event.token_ids
+        if size <= 0 or len(tokens) != len(event.block_hashes) * size:
+            self.skipped += 1  # tokens not one block per hash (a placeholder, a window's skipped blocks)
+            return
         if event.parent_block_hash is None:
             parent = root_hash(event.lora_name)
         else:
-            known = mine.get(event.parent_block_hash)
+            known = mine.get((group, event.parent_block_hash))
             if known is None:  # its parent was stored before we listened (or evicted): unusable
                 self.skipped += 1
                 return
             parent = known
-        size, tokens = event.block_size, event.token_ids
         for i, vllm_hash in enumerate(event.block_hashes):
             parent = hash((parent, *tokens[i * size:(i + 1) * size]))
-            mine[vllm_hash] = parent
-            self._holders.setdefault(parent, set()).add(replica)
+            before = mine.get((group, vllm_hash))
+            if before == parent:
+                continue  # reported again: held once
+            if before is not None:  # the hash stored again for other tokens: the old entry goes
+                self._unhold(before, replica)
+            mine[group, vllm_hash] = parent
+            held = self._holders.setdefault(parent, {})
+            held[replica] = held.get(replica, 0) + 1
 
-    def _removed(self, replica: str, hashes: Iterable[BlockHash]) -> None:
+    def _removed(self, replica: str, group: int | None, hashes: Iterable[BlockHash]) -> None:
         mine = self._blocks.get(replica)
         if mine is None:
             return
         for vllm_hash in hashes:
-            ours = mine.pop(vllm_hash, None)
+            ours = mine.pop((group, vllm_hash), None)
             if ours is not None:  # else stored before we listened
                 self._unhold(ours, replica)
 
@@ -172,8 +186,10 @@ class KvIndex:
 
     def _unhold(self, ours: int, replica: str) -> None:
         holders = self._holders.get(ours)
-        if holders is not None:
-            holders.discard(replica)
+        if holders is not None and replica in holders:
+            holders[replica] -= 1
+            if not holders[replica]:
+                del holders[replica]
             if not holders:
                 del self._holders[ours]
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from atomr_infer.routing.kv_index import SILENT_S, KvIndex, chain, decode_batch
+from atomr_infer.routing.kv_index import SILENT_S, BlockRemoved, BlockStored, KVEventBatch, KvIndex, chain, decode_batch
 from atomr_infer.routing.kv_subscriber import KvEventsHub
 from tests.waiting import await_until, wait_until
 
@@ -481,3 +481,37 @@ def test_a_request_cancelled_before_its_first_step_leaves_nothing_counted_on_the
 
     asyncio.run(main())
 
+
+
+def test_a_hybrid_models_window_group_evicting_its_copy_keeps_the_full_attention_one():
+    """Every KV-cache group of a hybrid model (full attention + sliding window) stores the same
+    hashes; the window's blocks go while the request runs. Removing that copy forgot the block,
+    and the next store chaining from it was skipped: hits lost."""
+    index, chained = KvIndex(), chain(DOC, BLOCK)
+    for group in (0, 1):
+        index.apply("r1", KVEventBatch(0.0, [BlockStored([1000, 1001, 1002, 1003], None, DOC[:16], BLOCK,
+                                                         group_idx=group)]))
+    index.apply("r1", KVEventBatch(0.0, [BlockRemoved([1000, 1001], group_idx=1)]))
+    assert index.depths(chained) == {"r1": 4}
+    index.apply("r1", KVEventBatch(0.0, [BlockStored([1004], 1003, DOC[16:20], BLOCK, group_idx=0)]))
+    assert index.depths(chained) == {"r1": 5} and index.skipped == 0
+    index.apply("r1", KVEventBatch(0.0, [BlockRemoved([1000], group_idx=0)]))
+    assert index.depths(chained) == {}  # gone from every group
+    # An offload tier's copy (medium CPU) is not the device's prefix cache: neither stored nor removed.
+    index.apply("r2", KVEventBatch(0.0, [BlockStored([1000], None, DOC[:4], BLOCK, medium="CPU")]))
+    assert index.depths(chained) == {}
+
+
+def test_a_hash_stored_again_for_other_tokens_releases_its_old_entry():
+    """The overwritten entry stayed held for good: removals and drop() could not reach it, and a
+    prompt matched blocks the replica no longer had (a false hit)."""
+    index, chained = KvIndex(), chain(DOC, BLOCK)
+    index.apply("r1", KVEventBatch(0.0, [BlockStored([1000, 1001], None, DOC[:8], BLOCK)]))
+    other = [t + 1 for t in DOC[:8]]
+    index.apply("r1", KVEventBatch(0.0, [BlockStored([1000, 1001], None, other, BLOCK)]))
+    assert index.depths(chained) == {} and index.depths(chain(other, BLOCK)) == {"r1": 2}
+    index.drop("r1")
+    assert len(index) == 0
+    # Tokens that are not one block per hash (a placeholder: no tokens, block size 0) are skipped.
+    index.apply("r1", KVEventBatch(0.0, [BlockStored([1000], None, [], 0), BlockStored([1000], None, DOC[:8], BLOCK)]))
+    assert len(index) == 0 and index.skipped == 2
