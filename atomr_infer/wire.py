@@ -140,6 +140,9 @@ class RoutingFacts:
     # the prefix key of routing.prefix is computed from it only where the deployment routes by
     # prefix. None when the body has neither.
     prompt: Any = None
+    # A chat's fields its template renders besides the messages (tools, chat_template_kwargs, …):
+    # routing.policy kv_events tokenizes the prompt as vLLM renders it. None when it has none.
+    template: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, path: str, data: Any) -> RoutingFacts:
@@ -172,6 +175,7 @@ class RoutingFacts:
             named=isinstance(data.get("request_id"), str),
             resumable=resumable(data) if stream and kind in _RESUMABLE else "",
             prompt=messages if isinstance(messages, list) else text if isinstance(text, str) else None,
+            template={k: data[k] for k in _TEMPLATE_FIELDS if k in data} or None if kind is RequestKind.CHAT else None,
         )
 
     @classmethod
@@ -185,6 +189,8 @@ class RoutingFacts:
             raise InvalidRequest("body", f"the request body is not valid JSON: {exc}") from None
         return cls.of(request.path, data)
 
+
+_TEMPLATE_FIELDS = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 
 # Request fields under which a continuation is not the answer the client would have had: a
 # grammar's or a parser's state mid-way, logprobs computed with another context, several choices.

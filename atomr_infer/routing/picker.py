@@ -80,7 +80,9 @@ class ReplicaPicker:
         tokenizers().retain({name: {dep.model, *(r.model for r in dep.replicas)}
                              for name, dep in table.deployments.items() if dep.policy == "kv_events"})
 
-    async def prompt_tokens(self, dep: DeploymentRoute, usable: list[ReplicaRoute], prompt: Any) -> PromptIds | None:
+    async def prompt_tokens(
+        self, dep: DeploymentRoute, usable: list[ReplicaRoute], prompt: Any, template: dict[str, Any] | None = None,
+    ) -> PromptIds | None:
         """``routing.policy: kv_events``: the prompt's token ids as the engine will see them (None
         where unknown here: another policy, no tokenizer fetched yet). A long prompt is tokenized
         in a thread (milliseconds for thousands of tokens) while the event loop routes others."""
@@ -93,9 +95,9 @@ class ReplicaPicker:
         if tokenizer is None:
             return None
         if len(str(prompt)) < INLINE_TOKENIZE_CHARS:
-            ids = tokenizer.tokens(prompt)
+            ids = tokenizer.tokens(prompt, template)
         else:
-            ids = await asyncio.to_thread(tokenizer.tokens, prompt)
+            ids = await asyncio.to_thread(tokenizer.tokens, prompt, template)
         return None if ids is None else PromptIds(source.model, ids)
 
     def pick(

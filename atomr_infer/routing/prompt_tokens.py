@@ -34,15 +34,94 @@ def _token_text(token: Any) -> str | None:
 
 def _text_content(content: Any) -> Any:
     """OpenAI content parts as the one string templates expect (vLLM's "string" format)."""
+    if content is None:
+        return ""
     if isinstance(content, list):
         return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
     return content
 
 
+def _as_vllm_renders(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message as vLLM hands it to the template (renderers/chat_utils.py): content as one
+    string, an assistant's tool-call arguments parsed into objects (a JSON string was quoted
+    again), no empty tool_calls, reasoning under both its names."""
+    out = {**message, "content": _text_content(message.get("content"))}
+    calls = out.get("tool_calls")
+    if out.get("role") == "assistant" and isinstance(calls, list):
+        if not calls:
+            del out["tool_calls"]
+        else:
+            out["tool_calls"] = [_parsed_call(c) for c in calls]
+    if out.get("role") == "assistant" and out.get("reasoning") is not None:
+        out["reasoning_content"] = out["reasoning"]
+    return out
+
+
+def _parsed_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = {}
+    return {**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}}
+
+
+def _tool_dicts(tools: Any) -> list[dict[str, Any]] | None:
+    """The request's tools as vLLM renders them (``ChatCompletionToolsParam.model_dump()``)."""
+    if not isinstance(tools, list):
+        return None
+    out = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict):
+            return None  # vLLM refuses it: nothing to route by
+        deferred = tool.get("defer_loading")
+        dumped = {"name": function.get("name"), "description": function.get("description"),
+                  "parameters": function.get("parameters")}
+        for key, value in (("strict", function.get("strict")), ("defer_loading", function.get("defer_loading",
+                                                                                               deferred))):
+            if value is not None:
+                dumped[key] = value
+        out.append({"type": tool.get("type", "function"), "function": dumped,
+                    **({"defer_loading": deferred} if deferred is not None else {})})
+    return out
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """Hugging Face's ``tojson`` (jinja2's own sorts keys and escapes HTML characters)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _environment() -> Any:
+    """A jinja2 environment as Hugging Face's chat templates get it (transformers'
+    ``chat_template_utils``): its ``tojson``, ``{% generation %}`` (rendered as its body)."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = _tojson
+    return env
+
+
 class PromptTokenizer:
     def __init__(self, files: dict[str, str]) -> None:
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
         from tokenizers import Tokenizer
 
         self._tokenizer = Tokenizer.from_str(files["tokenizer.json"])
@@ -52,7 +131,7 @@ class PromptTokenizer:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         self._special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token",
                                                                           "pad_token")}
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = _environment()
 
         def raise_exception(message: str) -> None:
             raise ValueError(message)
@@ -61,17 +140,23 @@ class PromptTokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         self._template = env.from_string(template) if isinstance(template, str) else None
 
-    def tokens(self, prompt: Any) -> list[int] | None:
-        """The token ids of a completion's ``prompt`` text or a chat's ``messages``; None when
-        they cannot be known here (no chat template, one that fails on these messages)."""
+    def tokens(self, prompt: Any, template: dict[str, Any] | None = None) -> list[int] | None:
+        """The token ids of a completion's ``prompt`` text or a chat's ``messages`` (rendered with
+        the request's ``template`` fields: ``RoutingFacts.template``); None when they cannot be
+        known here (no chat template, one that fails on these messages)."""
         if isinstance(prompt, str):
             return self._tokenizer.encode(prompt).ids
-        if not isinstance(prompt, Sequence) or self._template is None:
-            return None
-        messages = [{**m, "content": _text_content(m.get("content"))} for m in prompt if isinstance(m, dict)]
+        args = template or {}
+        if not isinstance(prompt, Sequence) or self._template is None or args.get("continue_final_message"):
+            return None  # (continuing the last message cuts the rendered text as transformers does)
+        messages = [_as_vllm_renders(m) for m in prompt if isinstance(m, dict)]
+        extra = args.get("chat_template_kwargs")
         try:
-            text = self._template.render(messages=messages, add_generation_prompt=True, tools=None,
-                                         **self._special)
+            text = self._template.render(
+                **{**self._special, **(extra if isinstance(extra, dict) else {})}, messages=messages,
+                add_generation_prompt=args.get("add_generation_prompt", True) is not False,
+                tools=_tool_dicts(args.get("tools")),
+            )
         except Exception:  # noqa: BLE001 - a template's own refusal: route without it
             return None
         return self._tokenizer.encode(text, add_special_tokens=False).ids  # as vLLM encodes a rendered chat

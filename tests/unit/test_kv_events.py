@@ -515,3 +515,74 @@ def test_a_hash_stored_again_for_other_tokens_releases_its_old_entry():
     # Tokens that are not one block per hash (a placeholder: no tokens, block size 0) are skipped.
     index.apply("r1", KVEventBatch(0.0, [BlockStored([1000], None, [], 0), BlockStored([1000], None, DOC[:8], BLOCK)]))
     assert len(index) == 0 and index.skipped == 2
+
+
+# A Qwen2.5-style template that renders tools first and tool calls' arguments with tojson.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\nTools:\\n<tools>' }}{%- for tool in tools %}{{- '\\n' }}"
+    "{{- tool | tojson }}{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}{{- '<|im_start|>assistant' }}"
+    "{%- for call in message.tool_calls %}{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + "
+    "'\", \"arguments\": ' }}{{- call.function.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}{% generation %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{% endgeneration %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_a_chat_with_tools_and_tool_calls_is_rendered_as_vllm_renders_it(bundled_model_dir):
+    """The router rendered tools as none, a tool call's JSON-string arguments quoted again, and
+    jinja2's own tojson (keys sorted, HTML characters escaped): an agent's chat matched no block
+    after its first tool call (none at all where the template puts the tools first). The same
+    conversation through vLLM's own steps (its tool model's dump, its message post-processing,
+    transformers' template environment) now gives the same text, token for token."""
+    import copy
+
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+    from vllm.renderers.chat_utils import _postprocess_messages
+
+    from atomr_infer.routing.prompt_tokens import PromptTokenizer
+    from atomr_infer.wire import RoutingFacts
+
+    tools = [{"type": "function", "function": {"name": "weather", "description": "Now & <soon>",
+                                                "parameters": {"type": "object", "properties": {"city": {}}}}}]
+    messages = [
+        {"role": "user", "content": "Weather in Paris & <O'Hare>?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "weather", "arguments": '{"unit": "c", "city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+        {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]},
+    ]
+    facts = RoutingFacts.of("/v1/chat/completions", {"model": "d", "messages": messages, "tools": tools})
+    vocabulary = (bundled_model_dir / "tokenizer.json").read_text()
+    files = {"tokenizer.json": vocabulary, "chat_template.jinja": TOOLS_TEMPLATE}
+    ours = PromptTokenizer(files).tokens(facts.prompt, facts.template)
+
+    theirs_messages = copy.deepcopy(messages)
+    theirs_messages[0]["content"], theirs_messages[1]["content"] = messages[0]["content"], ""
+    theirs_messages[3]["content"] = "And tomorrow?"
+    _postprocess_messages(theirs_messages)
+    text = _compile_jinja_template(TOOLS_TEMPLATE).render(
+        messages=theirs_messages, add_generation_prompt=True,
+        tools=[ChatCompletionToolsParam.model_validate(t).model_dump() for t in tools])
+    from tokenizers import Tokenizer
+
+    assert '"arguments": {"unit": "c", "city": "Paris"}' in text and "Now & <soon>" in text
+    assert ours == Tokenizer.from_str(vocabulary).encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("tool", [
+    {"type": "function", "function": {"name": "a"}},
+    {"type": "function", "function": {"name": "a", "strict": True, "description": None}, "defer_loading": True},
+    {"type": "function", "function": {"name": "a", "extra": 1, "parameters": {"type": "object"}}, "other": 2},
+])
+def test_tools_are_the_dicts_vllms_tool_model_dumps(tool):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+
+    from atomr_infer.routing.prompt_tokens import _tool_dicts
+
+    assert _tool_dicts([tool]) == [ChatCompletionToolsParam.model_validate(tool).model_dump()]
