@@ -236,6 +236,7 @@ class ManagerMetrics:
 
     def __init__(self, enabled: bool | None = None) -> None:
         self._m = _build(MANAGER_METRICS, {}, enabled)
+        self._targets: set[str] = set()  # deployments whose target it reports
 
     def reconcile_pass(self, seconds: float) -> None:
         self._m["atomr_manager_reconcile_duration_seconds"].record(seconds)
@@ -243,9 +244,18 @@ class ManagerMetrics:
     def applied(self, deployment: str, result: str) -> None:
         self._m["atomr_manager_applies_total"].record(1, {"deployment": deployment, "result": result})
 
-    def scaled(self, deployment: str, direction: str, target: int) -> None:
+    def scaled(self, deployment: str, direction: str) -> None:
         self._m["atomr_manager_scale_decisions_total"].record(1, {"deployment": deployment, "direction": direction})
-        self._m["atomr_manager_target_replicas"].record(target, {"deployment": deployment})
+
+    def target(self, deployment: str, target: int | None) -> None:
+        """The autoscaler's target, every pass (an apply moves it too); None: not autoscaled (any
+        more), or removed: 0 once, not the last target for good."""
+        if target is not None or deployment in self._targets:
+            self._m["atomr_manager_target_replicas"].record(target or 0, {"deployment": deployment})
+        if target is None:
+            self._targets.discard(deployment)
+        else:
+            self._targets.add(deployment)
 
 
 class RouterMetrics:

@@ -175,14 +175,13 @@ class DeploymentManager:
         self._metrics.reconcile_pass(self.last_reconcile_s)
 
     def _autoscale(self, name: str, managed: ManagedDeployment) -> None:
-        decision = managed.autoscale(
-            self._clock(), lambda n: self._scale_cap(managed.spec, managed.reconciler.want, n)
-        )
+        decision = managed.autoscale(self._clock(), lambda n: self._scale_cap(managed.spec, managed.reconciler.want, n))
+        self._metrics.target(name, managed.autoscaler.target if managed.autoscaler is not None else None)
         if decision is None:
             return
         log.info("autoscale", deployment=name, replicas_from=decision.from_replicas,
                  replicas_to=decision.to_replicas, reason=decision.reason)
-        self._metrics.scaled(name, decision.direction, decision.to_replicas)
+        self._metrics.scaled(name, decision.direction)
 
     def _scale_cap(
         self, spec: Deployment, current: int, wanted: int, cluster: ClusterView | None = None
@@ -291,6 +290,7 @@ class DeploymentManager:
                 return ApplyResult(name, False, 0, tuple(a.summary for a in plan.actions))
             generation = current.record.generation + 1
             current.reconciler.set_desired(None, generation, "")
+            self._metrics.target(name, None)
             self._removing[name] = current.reconciler
             self._persist()
             self._publish()  # stop routing to it at once

@@ -22,14 +22,17 @@ NO_KEY = "-"
 
 
 class AccessLog:
-    def __init__(self) -> None:
+    def __init__(self, known: Callable[[str], bool] = lambda deployment: True) -> None:
         self._metrics = ApiMetrics()
+        # Whether a name is a deployment (or one's adapter): the metrics' label is "-" for any
+        # other, as a client may send any string (one series each, for good).
+        self._known = known
 
     def done(self, key: str | None, deployment: str, status: int, tokens: int | None, started: float) -> None:
         key = key or NO_KEY
         latency_ms = round((time.perf_counter() - started) * 1000, 1)
         log.info("api_request", key=key, deployment=deployment, status=status, tokens=tokens, latency_ms=latency_ms)
-        self._metrics.request(key, deployment, status, tokens)
+        self._metrics.request(key, deployment if self._known(deployment) else NO_KEY, status, tokens)
 
     async def stream(
         self, chunks: AsyncIterator[bytes], key: str | None, deployment: str, status: int, started: float,

@@ -116,7 +116,7 @@ class OpenAIIngress:
         self._max_body_bytes = max_body_bytes
         self._keys = KeyFile(api_keys_path, watch=True) if api_keys_path else None
         self._limits = IngressLimits()
-        self._access = AccessLog()
+        self._access = AccessLog(lambda name: self._router.table.knows(name))
         self._tables = TableCache()
         self._router = Router(
             self._tables.get, wait_for_replica_s=replica_wait_s, refresh_s=0.0,

@@ -231,3 +231,36 @@ def test_metrics_off_when_ray_is_not_initialized():
     if ray.is_initialized():
         pytest.skip("a Ray session is running in this process")
     assert not ReplicaMetrics("d", "r0").enabled
+
+
+def test_the_autoscalers_target_is_reported_every_pass_and_zeroed_once_removed():
+    """It was set only by a scaling decision: missing after an apply, and a removed deployment's
+    last target was exported for good."""
+    from .test_autoscale import autoscaled
+    from .test_manager import Harness, spec
+
+    records: list = []
+    h = Harness()
+    h.manager._metrics._m = {name: Recorder(name, records) for name in h.manager._metrics._m}
+    h.call("apply", autoscaled(max_replicas=4))
+    h.call("apply", spec(name="plain"))
+    h.converge(passes=1)
+    targets = [(t["deployment"], v) for n, v, t in records if n == "atomr_manager_target_replicas"]
+    assert ("demo", 1) in targets and not any(name == "plain" for name, _ in targets)
+    h.call("remove", "demo")
+    assert [(t["deployment"], v) for n, v, t in records if n == "atomr_manager_target_replicas"][-1] == ("demo", 0)
+    records.clear()
+    h.converge(passes=2)
+    assert not [r for r in records if r[0] == "atomr_manager_target_replicas"]
+
+
+def test_a_name_that_names_no_deployment_is_counted_under_a_dash():
+    """The API's requests were labelled by the model string the client sent: one series per
+    string, for good (a 404 each)."""
+    from atomr_infer.serve.access_log import AccessLog
+
+    log, seen = AccessLog(lambda name: name in ("smollm2", "smollm2:pirate")), []
+    log._metrics.request = lambda key, deployment, status, tokens: seen.append(deployment)
+    for name in ("smollm2", "smollm2:pirate", "ignore previous instructions", "smollm2:x-1f3a"):
+        log.done(None, name, 404, None, 0.0)
+    assert seen == ["smollm2", "smollm2:pirate", "-", "-"]
