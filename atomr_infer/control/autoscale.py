@@ -62,9 +62,14 @@ class Autoscaler:
         self._waiting = {k: v for k, v in self._waiting.items() if now - v[0] < DEMAND_FRESH_S}
         return sum(n for _, n in self._waiting.values())
 
-    def rebound(self, cfg: Autoscaling) -> None:
-        """New bounds (a changed spec): the current target moved inside them."""
-        self.target = within_bounds(self.target, cfg)
+    def rebound(self, cfg: Autoscaling, now: float | None = None) -> ScaleDecision | None:
+        """New bounds (a changed spec): the current target moved inside them; a decision (in
+        status, as ``last``) where it moved and ``now`` is given (an apply, not a recovery)."""
+        moved = within_bounds(self.target, cfg)
+        if moved == self.target or now is None:
+            self.target = moved
+            return None
+        return self._move(self.target, moved, f"the bounds changed to {cfg.min_replicas}-{cfg.max_replicas}", now)
 
     def decide(self, cfg: Autoscaling, in_flight: int, now: float, cap: BudgetCap) -> ScaleDecision | None:
         """One look at the load; a decision when the target changes."""

@@ -56,9 +56,10 @@ class ManagedDeployment:
         managed._follow_autoscaling(spec.replicas)
         return managed
 
-    def _follow_autoscaling(self, start_at: int) -> None:
+    def _follow_autoscaling(self, start_at: int, now: float | None = None) -> None:
         """Autoscaling on: the autoscaler owns the replica count (starting at ``start_at``, kept
-        within the spec's bounds); off: the spec's ``replicas`` does."""
+        within the spec's bounds: a move is a decision of its own at ``now``); off: the spec's
+        ``replicas`` does."""
         cfg = self.spec.autoscaling
         if cfg is None:
             self.autoscaler = None
@@ -66,7 +67,7 @@ class ManagedDeployment:
             self.autoscaler = Autoscaler(start_at)
         self.reconciler.replicas_wanted = None
         if self.autoscaler is not None and cfg is not None:
-            self.autoscaler.rebound(cfg)
+            self.autoscaler.rebound(cfg, now)
             self.reconciler.replicas_wanted = self.autoscaler.target
 
     def autoscale(self, now: float, cap: BudgetCap) -> ScaleDecision | None:
@@ -95,7 +96,7 @@ class ManagedDeployment:
             return spec
         return spec.model_copy(update={"replicas": within_bounds(self.reconciler.want, cfg)})
 
-    def update(self, spec: Deployment, forced_restart: bool) -> None:
+    def update(self, spec: Deployment, forced_restart: bool, now: float | None = None) -> None:
         """A changed spec: the next generation (a new runtime key if the replicas must restart)."""
         rec = self.record
         rec.nonce += 1 if forced_restart else 0
@@ -103,7 +104,7 @@ class ManagedDeployment:
         rec.runtime_key = runtime_key(spec, rec.nonce)
         self.spec = spec
         self.reconciler.set_desired(spec, rec.generation, rec.runtime_key)
-        self._follow_autoscaling(self.reconciler.want)
+        self._follow_autoscaling(self.reconciler.want, now)
 
     def synced_record(self) -> DeploymentRecord:
         """The record, with the reconciler's next replica index and its replicas (live and draining)."""

@@ -381,7 +381,7 @@ class DeploymentManager:
             reconciler = removing or self._new_reconciler(spec.name)
             self._desired[spec.name] = ManagedDeployment.create(spec, reconciler, generation)
         else:
-            current.update(spec, forced_restart=plan.restart and spec.restart_on_apply)
+            current.update(spec, plan.restart and spec.restart_on_apply, self._clock())
         self._persist()
         self._publish()  # serving limits take effect at once
 

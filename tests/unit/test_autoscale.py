@@ -226,3 +226,11 @@ def test_a_replica_that_fails_to_start_stops_scaling_up_not_down() -> None:
     status = h.call("status", "demo")
     assert status.replicas_desired == 0 and h.live() == [] and not status.failed
     assert "not enough memory" in status.last_failure  # still said, until a replica starts
+
+
+def test_new_bounds_that_move_the_target_are_a_decision_status_shows():
+    h = Harness()
+    scaled_to_4(h)
+    h.call("apply", autoscaled(max_replicas=2))
+    last = h.call("status", "demo").autoscaling["last_decision"]
+    assert (last["from_replicas"], last["to_replicas"]) == (4, 2) and "bounds changed to 1-2" in last["reason"]
