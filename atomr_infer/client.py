@@ -97,8 +97,9 @@ EMBEDDING = _Endpoint("/v1/embeddings", f"{_EMBED}:EmbeddingCompletionRequest", 
 def _request(
     endpoint: _Endpoint, name: str, fields: dict[str, Any], check: bool = True
 ) -> tuple[RoutingFacts, HttpRequest]:
-    """The routing facts and the request, after checking every field name against vLLM's
-    request model (the facts come from the fields themselves: no body is parsed here)."""
+    """The routing facts and the request, after checking every field name (openai's ``extra_body``
+    unpacked among them) against vLLM's request model; the facts come from the fields, no body."""
+    fields = {**{k: v for k, v in fields.items() if k != "extra_body"}, **(fields.get("extra_body") or {})}
     known = set(endpoint.model("request").model_fields) if check else set(fields)
     for key in fields:
         if key not in known:

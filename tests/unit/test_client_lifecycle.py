@@ -131,6 +131,8 @@ def test_inputs_an_openai_user_passes():
         client.chat("d", MESSAGES, stream=True)  # the event stream was parsed as one JSON body
     with pytest.raises(InvalidRequest, match="stop: not JSON-serialisable"):
         client.chat("d", MESSAGES, stop={"x"})
+    facts, request = _request(CHAT, "d", {"messages": MESSAGES, "extra_body": {"top_k": 5}})  # openai's idiom
+    assert json.loads(request.body)["top_k"] == 5 and "extra_body" not in json.loads(request.body)
     with pytest.raises(InvalidRequest, match="encoding_format: 'bytes' is raw bytes"):
         client.embed("d", "x", encoding_format="bytes")  # a pydantic ValidationError of the bytes, after the engine ran
     assert len(replica.bodies) == 2  # none of the refused was sent
