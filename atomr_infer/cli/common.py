@@ -85,6 +85,21 @@ def check_key_file(path: str | None) -> None:
             raise typer.Exit(EXIT_INVALID) from None
 
 
+def check_listen_host(host: str) -> None:
+    """``--host``: a name that does not resolve is a usage error (exit 2), said before anything
+    starts (it failed only once Ray had started, leaving a head running)."""
+    import socket
+
+    from atomr_infer.cli.app import EXIT_INVALID
+
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as exc:
+        err.print(f"error: --host {host!r}: not an address this machine can listen on ({exc.strerror or exc})",
+                  markup=False)
+        raise typer.Exit(EXIT_INVALID) from None
+
+
 def quiet_logs() -> None:
     """With ``--debug``, loggers bound from now on log at DEBUG."""
     from atomr_infer.log import configure_logging

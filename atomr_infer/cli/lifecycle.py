@@ -67,6 +67,7 @@ def up_command(
 
     if serve:
         common.check_key_file(api_keys)
+        common.check_listen_host(host)
     common.quiet_logs()
     cluster.use_local_auth_token()
     joining = cluster.target_address(address)

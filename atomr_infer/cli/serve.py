@@ -47,6 +47,7 @@ def serve_command(
     from atomr_infer.serve.server import api_settings, hold_foreground
 
     common.check_key_file(api_keys)
+    common.check_listen_host(host)
     try:
         common.connect(address, start=True)  # says so when it starts a local head, as other commands do
         max_body_bytes = int(max_body_mb * 1024 * 1024) if max_body_mb else None

@@ -39,3 +39,15 @@ def test_a_bad_ray_port_setting_is_one_line_naming_it(args, tmp_path) -> None:
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: ATOMR_RAY_PORT is 'abc': set it to a port number (1-65535), or unset it for 6379")
     assert (tmp_path / "ray-started-by-atomr").exists()  # nothing was stopped
+
+
+@pytest.mark.parametrize("args", [["serve"], ["up", "--no-gemma", "--serve"]])
+def test_a_host_that_does_not_resolve_is_refused_before_ray_starts(args, tmp_path) -> None:
+    """It was found only when the API bound, once Ray had started (a head left running)."""
+    # (a cluster address where nothing listens: were the host not checked first, nothing would start either)
+    env = os.environ | {"ATOMR_STATE_DIR": str(tmp_path), "RAY_ADDRESS": "127.0.0.1:1"}
+    proc = subprocess.run([sys.executable, "-m", "atomr_infer.cli.main", *args, "--host", "no-such-host.invalid"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --host 'no-such-host.invalid': not an address")
+    assert "no Ray cluster answers" not in proc.stderr  # refused before any cluster was asked for
