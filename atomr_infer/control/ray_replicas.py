@@ -13,8 +13,8 @@ from concurrent.futures import Future
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from atomr_infer.cluster import NAMESPACE
 from atomr_infer.control.placement import node_hint
@@ -184,15 +184,14 @@ class RayReplicaLauncher:
             "max_restarts": 0,  # the manager replaces failed replicas, with backoff
             **self._actor_options,
         }
-        pg = None
         if self._uses_gpus(deployment):
+            # Tensor parallel inside the one actor: Ray gives it all its GPUs on one node, and vLLM
+            # runs a worker process per GPU (engine_args: the "mp" executor). No placement group:
+            # in one, vLLM picks its Ray executor, which refuses a bundle of several GPUs and would
+            # wait for GPUs this actor already holds (Ray Serve LLM instead gives the actor none).
             need = {"GPU": float(deployment.gpus), "CPU": 1.0}
             node = node_hint(deployment.placement, need, peer_nodes)
-            if deployment.gpus > 1:
-                # Tensor parallel inside one actor: its GPUs in one bundle, so on one node.
-                pg = placement_group([need], strategy="STRICT_PACK", name=name, _soft_target_node_id=node)
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg)
-            elif node is not None:
+            if node is not None:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
             options.update(num_gpus=deployment.gpus, num_cpus=1)
         else:
@@ -205,7 +204,7 @@ class RayReplicaLauncher:
             deployment.model_dump(mode="json"), replica_id, **self._replica_kwargs
         )
         log.info("replica_actor_created", deployment=deployment.name, replica=replica_id, actor=name, node=node)
-        return RayReplicaHandle(actor, name, self.reaper, pg, node=node)
+        return RayReplicaHandle(actor, name, self.reaper, node=node)
 
     def adopt(self, deployment: str, replica_id: str) -> RayReplicaHandle | None:
         name = actor_name(deployment, replica_id)
@@ -213,7 +212,7 @@ class RayReplicaLauncher:
             actor = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
             return None
-        try:  # a tensor-parallel replica's group, named as it: stopped with it, or its GPUs stay reserved
+        try:  # one started (tensor parallel) by an earlier atomr in a group named as it: freed with it
             pg = ray.util.get_placement_group(name)
         except ValueError:
             pg = None

@@ -26,6 +26,7 @@ _ENGINE_ARGS_OWNED = {
     "model": "model",
     "download_dir": "runtime_config.hf_cache_dir",
     "enable_lora": "lora",
+    "distributed_executor_backend": "gpus",  # "mp" for a tensor-parallel replica on GPUs
     **{name: f"lora.{name}" for name in ("max_loras", "max_lora_rank", "max_cpu_loras")},
     **{
         name: f"serving.openai.{name}"
@@ -33,7 +34,12 @@ _ENGINE_ARGS_OWNED = {
     },
 }
 # EngineArgs keys atomr needs as it sets them: the value, and why.
-_ENGINE_ARGS_FIXED = {"disable_log_stats": (False, "the replica reports KV-cache use from vLLM's stats")}
+_ONE_NODE = "a replica is one tensor-parallel group (`gpus`) on one node: run more replicas for more copies"
+_ENGINE_ARGS_FIXED = {
+    "disable_log_stats": (False, "the replica reports KV-cache use from vLLM's stats"),
+    # More than one would take GPUs the replica never reserved (the budget counts `gpus`).
+    **{name: (1, _ONE_NODE) for name in ("pipeline_parallel_size", "data_parallel_size", "nnodes")},
+}
 
 class VllmConfig(Strict):
     """Engine settings, passed to vLLM's ``EngineArgs``. ``None`` means vLLM's default."""
@@ -103,6 +109,9 @@ class VllmConfig(Strict):
                 f"sets {', '.join(map(repr, clash))}, which the spec sets from its own field: "
                 f"set {', '.join(owned[k] for k in clash)} instead",
             )
+        if self.cpu_kvcache_space_gb is not None and "kv_cache_memory_bytes" in self.extra_engine_args:
+            raise FieldValueError("extra_engine_args.kv_cache_memory_bytes", "and runtime_config.cpu_kvcache_space_gb "
+                                  "both size the KV cache: set one (the memory check read the one, vLLM the other)")
         for key, (value, why) in _ENGINE_ARGS_FIXED.items():
             if key in self.extra_engine_args and self.extra_engine_args[key] != value:
                 raise FieldValueError(

@@ -96,3 +96,32 @@ def test_unknown_parser_names_are_refused_with_a_suggestion() -> None:
     fields = [p.field for p in info.value.problems]
     assert fields == ["serving.openai.tool_call_parser", "serving.openai.reasoning_parser"]
     assert "did you mean 'hermes'?" in str(info.value) and "'gemma5'" in str(info.value)
+
+
+def test_a_tensor_parallel_replica_on_gpus_runs_vllms_worker_processes_in_its_actor() -> None:
+    """In a placement group (as the replica was) vLLM picks its Ray executor inside a Ray actor,
+    which refuses a bundle of several GPUs ("Placement group bundle cannot have more than 1 GPU")
+    and would wait for GPUs the actor holds: every ``gpus`` > 1 replica failed at engine start.
+    The actor now holds its GPUs itself (ray_replicas.py) and vLLM runs one process per GPU."""
+    three = parse_deployment({"name": "d", "model": "m", "device": "cuda", "gpus": 3})
+    assert engine_args(three, "/m", "cuda")["distributed_executor_backend"] == "mp"
+    assert "distributed_executor_backend" not in engine_args(deployment(), "/m", "cuda")
+
+
+@pytest.mark.parametrize("key, value", [("pipeline_parallel_size", 2), ("data_parallel_size", 2), ("nnodes", 2),
+                                        ("distributed_executor_backend", "ray")])
+def test_a_parallel_layout_beyond_one_tensor_parallel_group_is_refused(key, value) -> None:
+    """They took GPUs (or nodes) the replica never reserved: the budget counts ``gpus``."""
+    from atomr_infer.errors import SpecError
+
+    with pytest.raises(SpecError, match=f"runtime_config.extra_engine_args.*{key}|extra_engine_args: sets '{key}'"):
+        deployment(extra_engine_args={key: value})
+    if key != "distributed_executor_backend":
+        assert deployment(extra_engine_args={key: 1})  # the value atomr runs with
+
+
+def test_two_sizes_of_the_cpu_kv_cache_are_refused() -> None:
+    from atomr_infer.errors import SpecError
+
+    with pytest.raises(SpecError, match="kv_cache_memory_bytes: and runtime_config.cpu_kvcache_space_gb both size"):
+        deployment(cpu_kvcache_space_gb=1, extra_engine_args={"kv_cache_memory_bytes": 100 * GiB})

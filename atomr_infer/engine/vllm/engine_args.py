@@ -93,6 +93,10 @@ def engine_args(
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
             if (value := getattr(deployment.lora, name)) is not None:
                 args[name] = value
+    if device == "cuda" and deployment.gpus > 1:
+        # One worker process per GPU inside the replica actor, which holds them all (Ray sets its
+        # CUDA_VISIBLE_DEVICES): vLLM would pick its Ray executor inside a Ray actor in a group.
+        args["distributed_executor_backend"] = "mp"
     if device == "cpu":
         # ``gpus`` is a GPU reservation: on the CPU backend the replica shards over CPU workers
         # only where the spec says so (runtime_config.tensor_parallel_size).
