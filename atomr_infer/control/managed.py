@@ -89,10 +89,11 @@ class ManagedDeployment:
         return lambda _wanted: (replicas, why)
 
     def as_applied(self, spec: Deployment) -> Deployment:
-        """``spec`` with the replicas it would run once applied here: autoscaled, the current
-        target within its bounds (as ``_follow_autoscaling`` rebounds it); else its own ``replicas``."""
+        """``spec`` with the replicas it would run once applied here (as ``update`` sets them):
+        autoscaled already, the current target within the new bounds; else its own ``replicas``
+        (turning autoscaling on starts the autoscaler there)."""
         cfg = spec.autoscaling
-        if cfg is None:
+        if cfg is None or self.autoscaler is None:
             return spec
         return spec.model_copy(update={"replicas": within_bounds(self.reconciler.want, cfg)})
 

@@ -81,7 +81,8 @@ def plan_apply(old: Deployment | None, new: Deployment, force_restart: bool = Fa
     changes = spec_changes(old, new)
     restart = [c for c in changes if restarts_replicas(c.path)]
     now = old.replicas if running is None else running
-    then = within_bounds(now, new.autoscaling) if new.autoscaling is not None else new.replicas
+    # Autoscaled already: the target stays, within the new bounds; turned on: it starts at ``replicas``.
+    then = within_bounds(now if old.autoscaling else new.replicas, new.autoscaling) if new.autoscaling else new.replicas
     counts = [c for c in changes if c.path == "replicas" or c.path.startswith("autoscaling")]
     scale = counts if then != now else []
     in_place = [c for c in changes if c not in restart and c not in scale]

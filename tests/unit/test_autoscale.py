@@ -234,3 +234,18 @@ def test_new_bounds_that_move_the_target_are_a_decision_status_shows():
     h.call("apply", autoscaled(max_replicas=2))
     last = h.call("status", "demo").autoscaling["last_decision"]
     assert (last["from_replicas"], last["to_replicas"]) == (4, 2) and "bounds changed to 1-2" in last["reason"]
+
+
+def test_autoscaling_turned_on_starts_at_the_specs_replicas_and_is_budgeted_there():
+    """Plan and the budget counted the old count (1) while the autoscaler started at the new
+    ``replicas`` (3 x 2 GPUs on 4): accepted, it ran 6 GPUs."""
+    h = Harness()
+    h.call("apply", spec())
+    h.converge()
+    on = autoscaled(max_replicas=8).model_copy(update={"replicas": 3})
+    assert h.call("plan", on).actions[0] == "scale 1 → 3 (autoscaling on)"
+    with pytest.raises(BudgetExceeded, match="needs 6 GPUs"):
+        h.call("apply", on.model_copy(update={"gpus": 2}))
+    h.call("apply", on)
+    h.manager.reconcile_once()  # (idle, it scales down after downscale_delay_s)
+    assert len(h.live()) == 3 and h.call("status", "demo").replicas_desired == 3
