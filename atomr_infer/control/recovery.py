@@ -35,6 +35,7 @@ class Recovery:
         self.unread: str | None = "not read yet"  # why the store has not been read, if it has not
         self.pending: dict[str, DeploymentRecord] = {}  # stored, not recovered yet
         self.adopted: list[ReplicaRecord] = []  # replicas adopted and not heard from yet (for wait_s at most)
+        self._wait_s = wait_s
         self._deadline = clock() + wait_s
 
     @property
@@ -46,6 +47,9 @@ class Recovery:
         """Whether routers keep their tables: adopted replicas not heard from, the store not read,
         or (until the deadline) a deployment not recovered yet."""
         return bool(self.adopted) or self.unread is not None or (bool(self.pending) and self._clock() < self._deadline)
+
+    def _wait_from_now(self) -> None:
+        self._deadline = max(self._deadline, self._clock() + self._wait_s)
 
     def settled(self) -> bool:
         """True once, when the adopted replicas have all answered (or the deadline passed)."""
@@ -78,6 +82,7 @@ class Recovery:
                 log.error("state_load_failed", error=self.unread)
                 return []
             self.unread = None
+            self._wait_from_now()
         recovered = []
         for name, record in list(self.pending.items()):
             reconciler = new_reconciler(name, record.next_index)
@@ -89,6 +94,8 @@ class Recovery:
             del self.pending[name]
             recovered.append((name, managed, reconciler))
             if managed is not None:
+                if reconciler.replicas:  # their wait runs from now, not from the manager's start
+                    self._wait_from_now()
                 self.adopted += (adopted := list(reconciler.replicas))
                 log.info("deployment_recovered", deployment=name, generation=record.generation, adopted=len(adopted))
         return recovered

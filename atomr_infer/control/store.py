@@ -8,7 +8,7 @@ replicas it describes.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 KEY = b"atomr/desired-state/v1"
@@ -27,6 +27,22 @@ class DeploymentRecord:
     removing: bool = False  # removed, its replicas still draining: a restarted manager drains and stops them
 
 
+def decoded(data: dict[str, Any]) -> DeploymentRecord:
+    """A stored record, less fields this version does not know (a newer atomr's: the record
+    still recovers, and a newer manager later finds them again where this one kept them)."""
+    known = {f.name for f in fields(DeploymentRecord)}
+    return DeploymentRecord(**{k: v for k, v in data.items() if k in known})
+
+
+def encoded(record: DeploymentRecord) -> dict[str, Any]:
+    """A record to store; ``removing`` only where set, so that an atomr older than it reads the
+    records of deployments that are not being removed."""
+    data = asdict(record)
+    if not data["removing"]:
+        del data["removing"]
+    return data
+
+
 class StateStore:
     def load(self) -> dict[str, DeploymentRecord]:
         from ray.experimental.internal_kv import _internal_kv_get
@@ -35,12 +51,12 @@ class StateStore:
         if not raw:
             return {}
         data = json.loads(raw)
-        return {name: DeploymentRecord(**rec) for name, rec in data.items()}
+        return {name: decoded(rec) for name, rec in data.items()}
 
     def save(self, records: dict[str, DeploymentRecord]) -> None:
         from ray.experimental.internal_kv import _internal_kv_put
 
-        blob = json.dumps({name: asdict(rec) for name, rec in records.items()}, sort_keys=True)
+        blob = json.dumps({name: encoded(rec) for name, rec in records.items()}, sort_keys=True)
         _internal_kv_put(KEY, blob.encode(), overwrite=True, namespace=KV_NAMESPACE)
 
 
@@ -51,7 +67,7 @@ class MemoryStore(StateStore):
         self._blob: dict[str, Any] = {}
 
     def load(self) -> dict[str, DeploymentRecord]:
-        return {name: DeploymentRecord(**json.loads(rec)) for name, rec in self._blob.items()}
+        return {name: decoded(json.loads(rec)) for name, rec in self._blob.items()}
 
     def save(self, records: dict[str, DeploymentRecord]) -> None:
-        self._blob = {name: json.dumps(asdict(rec)) for name, rec in records.items()}
+        self._blob = {name: json.dumps(encoded(rec)) for name, rec in records.items()}

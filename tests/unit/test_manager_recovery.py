@@ -155,3 +155,42 @@ def test_a_replica_told_to_drain_before_the_save_drains_on_after_adoption() -> N
     assert r0.draining and r0.stopped
     status = second.call("status", "demo")
     assert [(r.actor_name, r.state) for r in status.replicas if r.state == "ready"] == [("atomr:demo:r1", "ready")]
+
+
+def test_a_store_read_late_still_waits_for_its_adopted_replicas() -> None:
+    """The wait for adopted replicas ran from the manager's start: a store read after it had
+    passed published a table without them at once (routers dropped every route)."""
+    from .fakes import Poll
+
+    first = running("demo")
+    first.launcher.started[0].ready = Poll.pending()  # not heard ready yet by the next manager
+    load = first.store.load
+    first.store.load = lambda: (_ for _ in ()).throw(ConnectionError("GCS unavailable"))
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.clock.advance(60.0)  # past the 30 s wait
+    second.manager.reconcile_once()
+    first.store.load = load
+    second.manager.reconcile_once()
+    assert second.call("routing_table", -1) is None  # still waiting for r0 to answer
+    first.launcher.make_ready()
+    second.manager.reconcile_once()
+    assert [r.actor_name for r in second.call("routing_table", -1).deployments["demo"].replicas] == ["atomr:demo:r0"]
+
+
+def test_records_read_across_versions() -> None:
+    """A field this version does not know made every load fail (the manager refused every apply
+    for good); and ``removing: false`` in every record made an older atomr's load fail (it then
+    saved an empty state over them)."""
+    import json
+
+    from atomr_infer.control.store import DeploymentRecord, decoded, encoded
+
+    first = running("demo")
+    stored = json.loads(first.store._blob["demo"])
+    assert "removing" not in stored  # as an older atomr's records are
+    first.store._blob["demo"] = json.dumps({**stored, "a_newer_field": 1})
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.converge()
+    assert second.call("status", "demo").replicas_ready == 1 and first.launcher.started[0].adopted
+    removing = DeploymentRecord({}, 3, "", removing=True)
+    assert encoded(removing)["removing"] is True and decoded(encoded(removing)) == removing
