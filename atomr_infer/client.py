@@ -259,7 +259,7 @@ class Client:
 
     async def aembed(self, name: str, input: str | list[str], **fields: Any) -> Any:  # noqa: A002 - OpenAI's name
         """vLLM's ``EmbeddingResponse`` (a deployment with ``runtime_config.runner: pooling``)."""
-        if (fmt := fields.get("encoding_format")) in ("bytes", "bytes_only"):  # no EmbeddingResponse to parse
+        if (fmt := {**fields, **(fields.get("extra_body") or {})}.get("encoding_format")) in ("bytes", "bytes_only"):
             raise InvalidRequest("encoding_format", f"{fmt!r} is raw bytes; embed() gives vectors ('float', 'base64')")
         return await self._send(EMBEDDING, name, {"input": input, **fields})
 

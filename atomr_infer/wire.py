@@ -205,7 +205,11 @@ def resumable(data: dict[str, Any]) -> str:
     """``RoutingFacts.resumable`` of a chat or completion stream's body: "anywhere" where a
     continuation after the generated token ids is the same answer; "unstarted" where it is not
     but a start elsewhere before the first token is (one choice); "" otherwise."""
-    if data.get("n", 1) not in (1, None) or data.get("best_of", 1) not in (1, None):
+    # Several prompts: one engine request and one choice each, whose token ids one stream cannot
+    # tell apart (nor its end: one choice's finish_reason is not the answer's).
+    prompt = data.get("prompt")
+    prompts = isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(p, int) for p in prompt)
+    if data.get("n", 1) not in (1, None) or data.get("best_of", 1) not in (1, None) or prompts:
         return ""
     stateful = any(data.get(k) not in (None, False) for k in _STATEFUL)
     fmt = data.get("response_format")
@@ -215,10 +219,7 @@ def resumable(data: dict[str, Any]) -> str:
     # Stop strings: vLLM holds back the text that may begin one, so the token ids a replica
     # reports run ahead of the text it sent, and one across the seam would go unseen.
     stops = data.get("stop")
-    # Several prompts: one engine request each, whose token ids one stream cannot tell apart.
-    prompt = data.get("prompt")
-    prompts = isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(p, int) for p in prompt)
-    return "unstarted" if stateful or tools or stops or prompts else "anywhere"
+    return "unstarted" if stateful or tools or stops else "anywhere"
 
 
 @dataclass(slots=True)

@@ -11,10 +11,10 @@ role-only chunk. The chunks' ids stay the same (vLLM builds them from the body's
 or, where it has none, the ``X-Request-Id`` the router gives the request).
 
 Which streams can move (``RoutingFacts.resumable``, wire.py): a chat or completion stream with one
-choice anywhere, unless a grammar (``response_format``, structured outputs), logprobs, echo,
-returned token ids, tools (a tool-call parser reads only requests with tools), stop strings (vLLM
-holds back the text that may begin one: the ids run ahead of the text sent) or several prompts
-(one engine request each), beam search or prompt embeddings are in play, or the deployment's
+choice (not ``n`` > 1, nor several prompts) anywhere, unless a grammar (``response_format``,
+structured outputs), logprobs, echo, returned token ids, tools (a tool-call parser reads only
+requests with tools), stop strings (vLLM holds back the text that may begin one: the ids run
+ahead of the text sent), beam search or prompt embeddings are in play, or the deployment's
 answers are parsed (a reasoning parser, or a Harmony model such as gpt-oss: the replica reports it);
 those move only before their first token. A stream whose answer was whole when its replica died
 only lacks its end (``end_of``); a continuation that dies before its first output is the same

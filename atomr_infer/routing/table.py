@@ -38,7 +38,7 @@ class DeploymentRoute:
     adapters: tuple[str, ...] = ()  # lora.adapters: requested as "<name>:<adapter>"
     adapter_affinity: bool = True  # routing.adapter_affinity
     migration_tries: int = 2  # serving.migration.max_tries; 0: not enabled
-    parses_output: bool = False  # a reasoning parser reads the output (streams move only unstarted)
+    parses_output: bool = False  # vLLM parses the output (a reasoning parser, Harmony): streams move only unstarted
     model: str = ""  # spec.model, the one a roll goes to: kv_events tokenizes with its tokenizer
 
 

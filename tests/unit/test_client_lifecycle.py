@@ -135,6 +135,8 @@ def test_inputs_an_openai_user_passes():
     assert json.loads(request.body)["top_k"] == 5 and "extra_body" not in json.loads(request.body)
     with pytest.raises(InvalidRequest, match="encoding_format: 'bytes' is raw bytes"):
         client.embed("d", "x", encoding_format="bytes")  # a pydantic ValidationError of the bytes, after the engine ran
+    with pytest.raises(InvalidRequest, match="encoding_format: 'bytes_only' is raw bytes"):
+        client.embed("d", "x", extra_body={"encoding_format": "bytes_only"})
     assert len(replica.bodies) == 2  # none of the refused was sent
     client.close()
 
