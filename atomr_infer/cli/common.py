@@ -241,6 +241,23 @@ def node_ips() -> dict[str, str]:
         return {}
 
 
+def check_engine_settings(deployments: list[Any]) -> None:
+    """Each spec's vLLM settings (extra_engine_args keys, parser names, adapters found here) against
+    the vLLM installed here, as the manager checks them at apply (engine/vllm/spec_check.py: its
+    source read, nothing imported); ``SpecError`` with every problem at once."""
+    from atomr_infer.engine.backend import backend_class
+    from atomr_infer.errors import SpecError
+
+    problems = []
+    for d in deployments:
+        try:
+            backend_class(d).validate(d)
+        except SpecError as exc:
+            problems += exc.problems
+    if problems:
+        raise SpecError(problems)
+
+
 def load_specs(paths: list[Any]) -> list[Any]:
     """``load_deployments(*paths)``, printing each deprecation (an old field name) as a
     ``warning: …`` line; raises ``SpecError`` as the loader does."""

@@ -62,6 +62,8 @@ def deploy_command(
     try:
         for d in deployments:
             require_device(d, address=target)  # before anything starts: gemma on a CPU host stops here
+        if target is None:  # the local head's vLLM is this one: refused before a head is started for it
+            common.check_engine_settings(deployments)
         control = common.control_plane(address, start=True)
     except Exception as exc:  # noqa: BLE001 - fail() prints one line
         fail(exc)
@@ -151,6 +153,10 @@ def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
     except AtomrError as exc:
         control = None
         offline = one_line(exc)
+        try:  # what the manager would refuse, as far as the vLLM here can tell
+            common.check_engine_settings(deployments)
+        except AtomrError as refused:
+            return report(refused)
     code = EXIT_OK
     for i, d in enumerate(deployments):
         device_error = None

@@ -18,6 +18,7 @@ def validate(
     """Check deployment specs without touching a cluster. Exits 2 on any problem."""
     try:
         deployments = common.load_specs(paths)
+        common.check_engine_settings(deployments)  # against the vLLM installed here
     except AtomrError as exc:
         fail(exc)
     for d in deployments:

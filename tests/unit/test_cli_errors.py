@@ -51,3 +51,24 @@ def test_a_host_that_does_not_resolve_is_refused_before_ray_starts(args, tmp_pat
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --host 'no-such-host.invalid': not an address")
     assert "no Ray cluster answers" not in proc.stderr  # refused before any cluster was asked for
+
+
+BAD_ENGINE_SETTINGS = """name: t1
+model: bundled:smollm2-135m-instruct
+device: cpu
+serving: {openai: {reasoning_parser: deepseek-r1}}
+runtime_config: {extra_engine_args: {max_num_batched_tokenz: 10}}
+"""
+
+
+@pytest.mark.parametrize("args", [["validate"], ["deploy", "--dry-run"]])
+def test_validate_and_an_offline_dry_run_refuse_what_apply_would(args, tmp_path) -> None:
+    """They said ``valid`` (and ``create 1 replica``) for vLLM settings the manager refuses at apply."""
+    spec = tmp_path / "t1.yaml"
+    spec.write_text(BAD_ENGINE_SETTINGS)
+    env = os.environ | {"ATOMR_STATE_DIR": str(tmp_path), "RAY_ADDRESS": "127.0.0.1:1"}  # no cluster answers
+    proc = subprocess.run([sys.executable, "-m", "atomr_infer.cli.main", *args, str(spec)], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "max_num_batched_tokenz: not a vLLM EngineArgs field (did you mean 'max_num_batched_tokens'?)" in proc.stderr
+    assert "'deepseek-r1' is not a vLLM reasoning_parser (did you mean 'deepseek_r1'?)" in proc.stderr
