@@ -75,7 +75,7 @@ def _diff(a: Any, b: Any, prefix: str, out: list[FieldChange]) -> None:
     if isinstance(a, dict) and isinstance(b, dict) and not prefix.endswith(_OPAQUE):
         for key in sorted(set(a) | set(b)):
             _diff(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key, out)
-    elif a != b:
+    elif a != b or _fmt(a) != _fmt(b):  # as the hash tells them apart: 1 and 1.0, True and 1
         out.append(FieldChange(prefix, a, b))
 
 

@@ -339,3 +339,16 @@ def test_example_round_trips(path: Path, mode: str) -> None:
         again = parse_deployment(dep.model_dump(mode=mode))  # type: ignore[arg-type]
         assert again == dep
         assert spec_hash(again) == spec_hash(dep)
+
+
+def test_a_change_the_hash_sees_is_a_change_the_plan_names() -> None:
+    """1 → 1.0 (or True → 1) changed the hash and the runtime key (the replicas rolled) while the
+    plan listed no action: Python's == calls them equal."""
+    from atomr_infer.control.plan import plan_apply
+
+    def with_extra(value: Any) -> Deployment:
+        return parse_deployment({"name": "d", "model": "m", "runtime_config": {"extra_engine_args": {"x": value}}})
+
+    for before, after in ((1, 1.0), (True, 1)):
+        plan = plan_apply(with_extra(before), with_extra(after))
+        assert plan.changed and [a.kind for a in plan.actions] == ["roll"], (before, after, plan)
