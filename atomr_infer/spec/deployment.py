@@ -304,7 +304,7 @@ class Deployment(Strict):
     @model_validator(mode="after")
     def _check_consistency(self) -> Deployment:
         tp = self.runtime_config.tensor_parallel_size
-        if tp is not None and tp != self.gpus:
+        if tp is not None and tp != self.gpus and self.device != "cpu":  # (on cpu: CPU workers, no GPU)
             raise FieldValueError(
                 "runtime_config.tensor_parallel_size",
                 f"is {tp} but gpus is {self.gpus}: one replica shards over its GPUs, "

@@ -728,3 +728,13 @@ def test_both_names_disagreeing_is_an_error_naming_the_old_one() -> None:
     problem = one_problem({**BASE, "idempotent": False, "restart_on_apply": False})
     assert problem.field == "idempotent"
     assert "keep restart_on_apply only" in problem.message
+
+
+def test_on_cpu_tensor_parallel_size_need_not_equal_gpus() -> None:
+    """docs/spec.md: on ``device: cpu`` the replica shards over CPU workers only as
+    ``runtime_config.tensor_parallel_size`` says; it was refused unless ``gpus`` (a GPU
+    reservation, none on cpu) said the same."""
+    from atomr_infer.engine.vllm.engine_args import engine_args
+
+    dep = parse_deployment(spec(device="cpu", **{"runtime_config.tensor_parallel_size": 2}))
+    assert dep.gpus == 1 and engine_args(dep, "/m", "cpu", native_bf16=True)["tensor_parallel_size"] == 2
