@@ -125,3 +125,14 @@ def test_two_sizes_of_the_cpu_kv_cache_are_refused() -> None:
 
     with pytest.raises(SpecError, match="kv_cache_memory_bytes: and runtime_config.cpu_kvcache_space_gb both size"):
         deployment(cpu_kvcache_space_gb=1, extra_engine_args={"kv_cache_memory_bytes": 100 * GiB})
+
+
+def test_a_cpu_replica_refuses_a_vllm_built_for_gpus() -> None:
+    """vLLM's CUDA build picks the GPU from NVML whatever the actor reserved (none, on cpu): the
+    replica ran on an unreserved GPU, sized as a CPU replica. Refused, saying what to install."""
+    from atomr_infer.engine.vllm.engine_args import check_cpu_build
+    from atomr_infer.errors import DeviceUnavailable
+
+    check_cpu_build(deployment(), "cpu")
+    with pytest.raises(DeviceUnavailable, match="vLLM here is its cuda build.*hint: install vLLM's CPU build"):
+        check_cpu_build(deployment(), "cuda")

