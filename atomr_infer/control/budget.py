@@ -132,7 +132,7 @@ def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: Cluste
         util = cfg.gpu_memory_utilization if cfg.gpu_memory_utilization is not None else 0.9
         offload = (cfg.cpu_offload_gb or 0) * GiB
         kv = (kv_bytes_per_token or 0) * (max_model_len or cfg.max_model_len or 0)
-        per_gpu_need = max(0.0, weights_bytes - offload) / spec.gpus + kv / spec.gpus
+        per_gpu_need = max(0.0, weights_bytes / spec.gpus - offload) + kv / spec.gpus  # (offload is per GPU)
         per_gpu_have = cluster.gpu_memory_bytes * util
         ok = per_gpu_need <= per_gpu_have
         detail = f"{per_gpu_need / GiB:.1f} of {per_gpu_have / GiB:.1f} GiB per GPU"

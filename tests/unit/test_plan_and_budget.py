@@ -157,3 +157,12 @@ def test_an_alias_may_not_take_the_name_of_an_adapter(alias):
     with pytest.raises(SpecError, match="has the alias 'other:x', which would take the name of an adapter"):
         check_names(other, [spec(name="mine", serving={"openai": {"served_model_name": ["other:x"]}})])
     check_names(spec(name="mine", serving={"openai": {"served_model_name": ["llama3:8b"]}}), [other])  # ollama-style
+
+
+def test_cpu_offload_is_per_gpu():
+    """vLLM's cpu_offload_gb is per GPU: 2 GPUs each offloading 4 GiB of 20 GiB of weights hold 6
+    each, under 7 GiB of room; it was taken once for the whole (8 GiB each, refused)."""
+    cluster = ClusterView(total_gpus=2, gpu_memory_bytes=14 * GiB)
+    d = spec(device="cuda", gpus=2, runtime_config={"gpu_memory_utilization": 0.5, "cpu_offload_gb": 4})
+    verdict = check_budget(d, [], cluster, weights_bytes=20 * GiB, kv_bytes_per_token=0)
+    assert verdict.ok and "6.0 of 7.0 GiB per GPU" in str(verdict)
