@@ -25,6 +25,20 @@ def spec(**kw) -> Deployment:
     return Deployment.model_validate({"name": "demo", "model": "org/model", "device": "cuda", **kw})
 
 
+def adopting_fails_for(launcher: FakeLauncher, name: str):
+    """Make adopting ``name``'s replicas raise as Ray's GCS may (a new head not answering yet);
+    returns the launcher's own ``adopt``, to put back."""
+    adopt = launcher.adopt
+
+    def flaky(deployment, replica_id):
+        if deployment == name:
+            raise TimeoutError("GCS did not answer")
+        return adopt(deployment, replica_id)
+
+    launcher.adopt = flaky
+    return adopt
+
+
 class Harness:
     """A manager and its fakes; ``converge`` plays the replicas' side of the reconcile passes."""
 
@@ -338,14 +352,7 @@ def test_a_refused_specs_adopted_replicas_are_drained_not_killed_and_a_ray_error
     first.store._blob["old"] = json.dumps(record)
     for handle in first.launcher.started:  # a restarted manager has not heard them answer ready() yet
         handle.ready = Poll.pending()
-    adopt = first.launcher.adopt
-
-    def flaky(deployment, replica_id):  # the new head's GCS, not answering yet
-        if deployment == "good":
-            raise TimeoutError("GCS did not answer")
-        return adopt(deployment, replica_id)
-
-    first.launcher.adopt = flaky
+    adopting_fails_for(first.launcher, "good")
     second = Harness(store=first.store, launcher=first.launcher)
     second.manager.reconcile_once()
     old, good = ([h for h in first.launcher.started if h.actor_name == f"atomr:{n}:r0"][0] for n in ("old", "good"))

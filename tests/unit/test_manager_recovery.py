@@ -9,7 +9,7 @@ import pytest
 
 from atomr_infer.control.recovery import NotRecoveredYet
 
-from .test_manager import Harness, spec
+from .test_manager import Harness, adopting_fails_for, spec
 
 
 def running(*names: str) -> Harness:
@@ -22,14 +22,7 @@ def running(*names: str) -> Harness:
 
 def test_a_deployment_whose_replicas_could_not_be_looked_up_is_kept_and_recovered_on_a_later_pass() -> None:
     first = running("good", "other")
-    adopt = first.launcher.adopt
-
-    def flaky(deployment, replica_id):  # the new head's GCS, not answering yet for this one
-        if deployment == "good":
-            raise TimeoutError("GCS did not answer")
-        return adopt(deployment, replica_id)
-
-    first.launcher.adopt = flaky
+    adopt = adopting_fails_for(first.launcher, "good")
     second = Harness(store=first.store, launcher=first.launcher)
     second.manager.reconcile_once()
     assert set(second.store.load()) == {"good", "other"}  # its record was saved away

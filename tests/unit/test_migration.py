@@ -104,6 +104,13 @@ def serve(facts, request, tries: int = 2, parses_output: bool = False, death: Ex
         current = after if dying.dead.is_set() else before
         return current if version != current.version else None
 
+    got, failure, router = streamed(source, facts, request)
+    return got, failure, router, dying, continuing
+
+
+def streamed(source, facts, request):
+    """(what a router streamed of ``request`` from ``source``'s tables, its EngineError or None, the router)."""
+
     async def main():
         router = Router(source, refresh_s=0.0, wait_for_replica_s=0.5)
         got: list = []
@@ -114,8 +121,7 @@ def serve(facts, request, tries: int = 2, parses_output: bool = False, death: Ex
             return got, exc, router
         return got, None, router
 
-    got, failure, router = asyncio.run(main())
-    return got, failure, router, dying, continuing
+    return asyncio.run(main())
 
 
 def test_a_chat_stream_goes_on_after_the_tokens_it_had_with_nothing_repeated_or_missing():
@@ -205,17 +211,7 @@ def stream_over(tables, facts_request):
         current = next((t for t in tables if not failed(t)), tables[-1])
         return current if version != current.version else None
 
-    async def main():
-        router = Router(source, refresh_s=0.0, wait_for_replica_s=0.5)
-        got: list = []
-        try:
-            async for item in router.stream(facts, request):
-                got.append(item)
-        except EngineError as exc:
-            return got, exc, router
-        return got, None, router
-
-    return asyncio.run(main())
+    return streamed(source, facts, request)
 
 
 def only(version: int, replica: FakeReplica, tries: int = 1) -> RoutingTable:
