@@ -50,6 +50,7 @@ class DeploymentState(enum.StrEnum):
     COLD_START = "cold-start"  # scaled to zero, requests wait while its first replica starts
     IDLE = "idle"  # scaled to zero; the next request starts a replica
     REMOVING = "removing"  # removed: its replicas drain and stop
+    RECOVERING = "recovering"  # a restarted manager has not recovered it yet (it tries every second)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class DeploymentStatus:
     start_failures: int = 0  # recurring start failures since the last success
     next_start_in_s: float = 0.0  # backoff before the next start
     removing: bool = False
+    recovering: bool = False  # stored, not recovered yet by a restarted manager (last_failure says why)
     spec_hash: str | None = None  # of the desired spec; None while removing
     placement: str | None = None  # "spread" | "pack"
     # With autoscaling: bounds, target, load, the last decision and what stopped it (budget).
@@ -115,6 +117,8 @@ class DeploymentStatus:
 
     @property
     def state(self) -> DeploymentState:
+        if self.recovering:
+            return DeploymentState.RECOVERING
         if self.removing:
             return DeploymentState.REMOVING
         if self.failed:

@@ -300,11 +300,12 @@ class DeploymentManager:
 
     async def list(self) -> list[DeploymentStatus]:
         self._ensure_loop()
-        return [self._status(n) for n in sorted(set(self._desired) | set(self._removing))]
+        held = [self._status(n) for n in set(self._desired) | set(self._removing)]
+        return sorted(held + self._recovery.statuses(), key=lambda s: s.name)
 
     async def status(self, name: str) -> DeploymentStatus | None:
         self._ensure_loop()
-        return self._status(name) if name in self._desired or name in self._removing else None
+        return self._status(name) if name in self._desired or name in self._removing else self._recovery.status(name)
 
     async def routing_table(self, since_version: int = -1, timeout_s: float = 0.0) -> RoutingTable | None:
         """The current table if newer than ``since_version``; waits up to ``timeout_s`` for one. None

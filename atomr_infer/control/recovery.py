@@ -18,7 +18,7 @@ from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
 from atomr_infer.control.store import DeploymentRecord, StateStore
 from atomr_infer.errors import AtomrError
 from atomr_infer.log import get_logger
-from atomr_infer.status import ReplicaState
+from atomr_infer.status import DeploymentStatus, ReplicaState
 
 log = get_logger(__name__)
 
@@ -34,6 +34,7 @@ class Recovery:
         self._store, self._clock = store, clock
         self.unread: str | None = "not read yet"  # why the store has not been read, if it has not
         self.pending: dict[str, DeploymentRecord] = {}  # stored, not recovered yet
+        self._why: dict[str, str] = {}  # a pending deployment's last error
         self.adopted: list[ReplicaRecord] = []  # replicas adopted and not heard from yet (for wait_s at most)
         self._wait_s = wait_s
         self._deadline = clock() + wait_s
@@ -89,9 +90,11 @@ class Recovery:
             try:
                 managed = recover_or_stop(record, reconciler, launcher, clock)
             except Exception as exc:  # noqa: BLE001 - Ray's, looking its replicas up: kept, tried again
-                log.error("deployment_not_recovered_yet", deployment=name, error=f"{type(exc).__name__}: {exc}")
+                self._why[name] = f"{type(exc).__name__}: {exc}"
+                log.error("deployment_not_recovered_yet", deployment=name, error=self._why[name])
                 continue
             del self.pending[name]
+            self._why.pop(name, None)
             recovered.append((name, managed, reconciler))
             if managed is not None:
                 if reconciler.replicas:  # their wait runs from now, not from the manager's start
@@ -99,6 +102,18 @@ class Recovery:
                 self.adopted += (adopted := list(reconciler.replicas))
                 log.info("deployment_recovered", deployment=name, generation=record.generation, adopted=len(adopted))
         return recovered
+
+    def status(self, name: str) -> DeploymentStatus | None:
+        """A pending deployment as ``atomr status`` shows it: as stored, ``recovering``, and why."""
+        record = self.pending.get(name)
+        if record is None:
+            return None
+        why = f"not recovered yet after a manager restart: its replicas could not be looked up ({self._why.get(name)})"
+        return DeploymentStatus(name, record.spec.get("model"), record.generation, record.generation,
+                                len(record.replicas), 0, last_failure=why, recovering=True)
+
+    def statuses(self) -> list[DeploymentStatus]:
+        return [s for name in self.pending if (s := self.status(name)) is not None]
 
     def save(self, records: dict[str, DeploymentRecord]) -> None:
         """Save ``records`` with those still pending as they were stored; nothing while the

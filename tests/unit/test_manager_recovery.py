@@ -27,6 +27,9 @@ def test_a_deployment_whose_replicas_could_not_be_looked_up_is_kept_and_recovere
     second.manager.reconcile_once()
     assert set(second.store.load()) == {"good", "other"}  # its record was saved away
     assert second.call("routing_table", -1) is None  # routers keep theirs (it would say "good" is gone)
+    shown = second.call("status", "good")  # (it was missing from `atomr status` meanwhile)
+    assert shown.state == "recovering" and "TimeoutError: GCS did not answer" in shown.last_failure
+    assert [s.name for s in second.call("list")] == ["good", "other"]
     with pytest.raises(NotRecoveredYet, match="has not recovered deployment 'good' yet"):
         second.call("apply", spec(name="good"))  # a new r0 would collide with the live one
     with pytest.raises(NotRecoveredYet):
