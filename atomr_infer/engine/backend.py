@@ -61,6 +61,7 @@ class EngineHealth:
 @dataclass(frozen=True)
 class EngineStats:
     kv_cache_usage: float | None = None
+    waiting: int | None = None  # queued in the engine, not scheduled yet, where its metrics say
     steps: int = 0
     unfinished: int | None = None  # requests the engine itself still holds
 

@@ -24,7 +24,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from atomr_infer.engine.backend import BackendContext, EngineBackend, backend_class
+from atomr_infer.engine.backend import BackendContext, EngineBackend, EngineStats, backend_class
 from atomr_infer.engine.device import resolve_device
 from atomr_infer.engine.stats import ReplicaStats, StatsCollector
 from atomr_infer.errors import AtomrError, EngineError, EngineStartFailed, ReplicaUnavailable
@@ -130,9 +130,18 @@ class VllmReplica:
         elif not engine.alive:
             self._engine_failed(EngineError(f"{self!r}: its step loop is not running"))
 
+    def _load(self) -> tuple[int, int, EngineStats]:
+        """Requests open, those waiting, and the engine's stats, from one read of its metrics.
+        Waiting as the engine counts it, queued and not scheduled, where its metrics say: a whole
+        answer (stream: false) has no output before its end, so "no token yet" counts it waiting
+        until it is done."""
+        in_flight, no_token_yet = self._backend.open_requests()
+        engine = self._backend.stats()
+        return in_flight, no_token_yet if engine.waiting is None else engine.waiting, engine
+
     def _publish_gauges(self) -> None:
-        in_flight, waiting = self._backend.open_requests()
-        self._metrics.set_load(in_flight, waiting, self._backend.stats().kv_cache_usage)
+        in_flight, waiting, engine = self._load()
+        self._metrics.set_load(in_flight, waiting, engine.kv_cache_usage)
         self._metrics.set_state(self._life.state.value)
 
     def _start_tasks(self) -> None:
@@ -190,7 +199,7 @@ class VllmReplica:
             raise EngineError(f"{self!r} is unhealthy: {self._life.error}")
         if adapters is not None and self._life.state is ReplicaState.READY:
             self._adapters.sync(adapters)
-        in_flight, waiting = self._backend.open_requests()
+        in_flight, waiting, _ = self._load()
         return dataclasses.replace(self._life.report(in_flight, waiting), adapters=dict(self._adapters.states))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
@@ -202,8 +211,7 @@ class VllmReplica:
         return reset
 
     async def stats(self) -> ReplicaStats:
-        in_flight, waiting = self._backend.open_requests()
-        engine = self._backend.stats()
+        in_flight, waiting, engine = self._load()
         return self._stats.snapshot(
             in_flight=in_flight, waiting=waiting, phase=self._life.progress, uptime_s=self._uptime(),
             kv_cache_usage=engine.kv_cache_usage, steps=engine.steps, engine_unfinished=engine.unfinished,

@@ -116,11 +116,11 @@ def test_a_whole_answer_times_its_first_token_by_vllms_own_stats():
 def test_waiting_is_vllms_count_where_the_engine_keeps_metrics():
     from vllm.v1.metrics.reader import Gauge
 
-    from atomr_infer.engine.vllm.engine_info import kv_cache_usage, requests_waiting
+    from atomr_infer.engine.vllm.engine_info import engine_gauges
 
     class Engine:
         def get_metrics(self):
             return [Gauge("vllm:num_requests_waiting", {}, 3.0), Gauge("vllm:kv_cache_usage_perc", {}, 0.25)]
 
-    assert requests_waiting(Engine()) == 3 and kv_cache_usage(Engine()) == 0.25
-    assert requests_waiting(object()) is None  # no metrics: the replica counts requests with no token yet
+    assert engine_gauges(Engine()) == (0.25, 3)  # waiting 3, and the KV-cache use, from one read
+    assert engine_gauges(object()) == (None, None)  # no metrics: the replica counts requests with no token yet

@@ -21,13 +21,7 @@ from atomr_infer.engine.backend import BackendContext, EngineFacts, EngineHealth
 from atomr_infer.engine.vllm import adapters
 from atomr_infer.engine.vllm.coalesce import coalesce_core_outputs
 from atomr_infer.engine.vllm.core_failure import CoreStartFailed
-from atomr_infer.engine.vllm.engine_info import (
-    engine_memory,
-    engine_unfinished,
-    kv_cache_usage,
-    requests_waiting,
-    start_failure_recurs,
-)
+from atomr_infer.engine.vllm.engine_info import engine_gauges, engine_memory, engine_unfinished, start_failure_recurs
 from atomr_infer.engine.vllm.handoff import LoopHandoff
 from atomr_infer.engine.vllm.kv_events import kv_event_source
 from atomr_infer.engine.vllm.open_streams import OpenStreams
@@ -192,16 +186,12 @@ class VllmBackend:
         return EngineHealth(error=error, stuck_for=self._loop.stuck_for(), alive=alive)
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            kv_cache_usage=kv_cache_usage(self._engine), steps=self._loop.steps,
-            unfinished=engine_unfinished(self._engine),
-        )
+        kv_usage, waiting = engine_gauges(self._engine)
+        return EngineStats(kv_cache_usage=kv_usage, waiting=waiting, steps=self._loop.steps,
+                           unfinished=engine_unfinished(self._engine))
 
     def open_requests(self) -> tuple[int, int]:
-        # Waiting as vLLM counts it, queued and not scheduled: a whole answer (stream: false) has no
-        # output before its end, so "no token yet" would count it waiting until it is done.
-        waiting = requests_waiting(self._engine)
-        return len(self._streams), self._streams.waiting if waiting is None else waiting
+        return len(self._streams), self._streams.waiting
 
     def fail_open(self, error: BaseException) -> None:
         """Fail every open request with ``error`` (the replica found the engine wedged)."""

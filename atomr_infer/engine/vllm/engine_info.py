@@ -42,25 +42,16 @@ def engine_unfinished(engine: Engine | None) -> int | None:
         return None
 
 
-def kv_cache_usage(engine: Engine | None) -> float | None:
-    """Fraction of KV-cache blocks in use, from vLLM's metrics when the engine keeps them."""
-    return _gauge(engine, "vllm:kv_cache_usage_perc")
-
-
-def requests_waiting(engine: Engine | None) -> int | None:
-    """Requests vLLM's scheduler holds and has not scheduled yet, when the engine keeps metrics."""
-    waiting = _gauge(engine, "vllm:num_requests_waiting")
-    return None if waiting is None else int(waiting)
-
-
-def _gauge(engine: Engine | None, name: str) -> float | None:
+def engine_gauges(engine: Engine | None) -> tuple[float | None, int | None]:
+    """From one read of vLLM's metrics, when the engine keeps them: the fraction of KV-cache
+    blocks in use, and the requests its scheduler holds and has not scheduled yet."""
     get_metrics = getattr(engine, "get_metrics", None)
     if get_metrics is None:
-        return None
+        return None, None
     try:
-        for metric in get_metrics():
-            if metric.name == name:
-                return float(metric.value)
+        found = {m.name: float(m.value) for m in get_metrics()
+                 if m.name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting")}
     except Exception:  # noqa: BLE001 - stats are best effort
-        return None
-    return None
+        return None, None
+    waiting = found.get("vllm:num_requests_waiting")
+    return found.get("vllm:kv_cache_usage_perc"), None if waiting is None else int(waiting)
