@@ -136,11 +136,11 @@ class ManagedDeployment:
     def route(self) -> DeploymentRoute:
         """Its entry in the routing table: the ready replicas and the serving limits."""
         wanted = self.spec.lora.adapters if self.spec.lora is not None else {}
+        placed = [(r, r.handle.placement()) for r in self.reconciler.ready_replicas()]
         ready = tuple(
             ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor(), *adapter_routes(r.handle, wanted),
                          kv_events=kv_source(facts.get("kv_events")), model=self._served_model(facts, r.runtime_key))
-            for r in self.reconciler.ready_replicas()
-            for facts in (r.handle.placement(),)
+            for r, facts in placed
         )
         s = self.spec.serving
         aliases = tuple(s.openai.served_model_name)
@@ -155,8 +155,7 @@ class ManagedDeployment:
             self.spec.routing.adapter_affinity,
             s.migration.max_tries if s.migration.enabled else 0,
             # A tool-call parser reads only requests with tools (which move only unstarted).
-            s.openai.reasoning_parser is not None
-            or any(r.handle.placement().get("parses_output") for r in self.reconciler.ready_replicas()),
+            s.openai.reasoning_parser is not None or any(facts.get("parses_output") for _, facts in placed),
             model=self.spec.model,
         )
 
