@@ -51,6 +51,12 @@ def fail(exc: BaseException) -> NoReturn:
     raise typer.Exit(code)
 
 
+def usage_error(message: str) -> NoReturn:
+    """``error: message``, printed as given, and the usage exit code (2): before anything starts."""
+    err.print(f"error: {message}", markup=False, emoji=False)
+    raise typer.Exit(EXIT_INVALID)
+
+
 def _escape(text: str) -> str:
     """``text`` printed as is in a markup line: brackets, and the backslashes before them."""
     from rich.markup import escape

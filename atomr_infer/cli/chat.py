@@ -19,7 +19,7 @@ from typing import Any
 import typer
 
 from atomr_infer.cli import common
-from atomr_infer.cli.app import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, app, err, fail
+from atomr_infer.cli.app import EXIT_INTERRUPTED, EXIT_OK, app, err, fail, usage_error
 from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica, one_line
 
 HELP = "/clear forgets the conversation, /bye or Ctrl-D leaves; Ctrl-C stops an answer."
@@ -41,14 +41,11 @@ def chat_command(
     from atomr_infer.client import Client
 
     if ignore_eos and max_tokens is None:  # no end of sequence: it would run to the end of the context
-        err.print("error: --ignore-eos needs --max-tokens (without it the answer runs to the end of the context)")
-        raise typer.Exit(EXIT_INVALID)
+        usage_error("--ignore-eos needs --max-tokens (without it the answer runs to the end of the context)")
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read().strip()
-        if not prompt:  # a usage error
-            err.print("error: no prompt: give one as an argument, on stdin, or run in a terminal to converse",
-                      markup=False)
-            raise typer.Exit(EXIT_INVALID)
+        if not prompt:
+            usage_error("no prompt: give one as an argument, on stdin, or run in a terminal to converse")
     try:
         control = common.control_plane(address, start=False)
         if control.status(name) is None:  # say so before asking anything

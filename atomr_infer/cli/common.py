@@ -74,15 +74,14 @@ def cors_of(origins: Any, methods: Any, headers: Any, credentials: bool) -> Cors
 def check_key_file(path: str | None) -> None:
     """``--api-keys``: a file that cannot be read or is wrong is a usage error (exit 2), said before
     anything starts (a head and the manager left running after a typo)."""
-    from atomr_infer.cli.app import EXIT_INVALID
+    from atomr_infer.cli.app import usage_error
     from atomr_infer.serve.api_keys import load_key_file
 
     if path is not None:
         try:
             load_key_file(path)
         except AtomrError as exc:
-            err.print(f"error: --api-keys: {exc}", markup=False)
-            raise typer.Exit(EXIT_INVALID) from None
+            usage_error(f"--api-keys: {exc}")
 
 
 def check_listen_host(host: str) -> None:
@@ -90,14 +89,12 @@ def check_listen_host(host: str) -> None:
     starts (it failed only once Ray had started, leaving a head running)."""
     import socket
 
-    from atomr_infer.cli.app import EXIT_INVALID
+    from atomr_infer.cli.app import usage_error
 
     try:
         socket.getaddrinfo(host, None)
     except OSError as exc:
-        err.print(f"error: --host {host!r}: not an address this machine can listen on ({exc.strerror or exc})",
-                  markup=False)
-        raise typer.Exit(EXIT_INVALID) from None
+        usage_error(f"--host {host!r}: not an address this machine can listen on ({exc.strerror or exc})")
 
 
 def quiet_logs() -> None:

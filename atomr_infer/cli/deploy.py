@@ -18,7 +18,17 @@ from typing import TYPE_CHECKING
 import typer
 
 from atomr_infer.cli import common, render
-from atomr_infer.cli.app import EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, app, err, fail, out
+from atomr_infer.cli.app import (
+    EXIT_BUDGET,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    app,
+    err,
+    fail,
+    out,
+    usage_error,
+)
 from atomr_infer.errors import AtomrError, one_line
 
 if TYPE_CHECKING:
@@ -208,8 +218,7 @@ def remove_command(
 ) -> None:
     """Drain and remove deployments: in-flight requests finish, then the replicas stop."""
     if not names and not all_:
-        err.print("error: name a deployment to remove, or pass --all (hint: `atomr status` lists them)", markup=False)
-        raise typer.Exit(EXIT_INVALID)
+        usage_error("name a deployment to remove, or pass --all (hint: `atomr status` lists them)")
     try:
         control = common.control_plane(address, start=False)
         if all_:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from atomr_infer.cli import common
-from atomr_infer.cli.app import EXIT_INVALID, EXIT_OK, app, err, fail, out
+from atomr_infer.cli.app import EXIT_OK, app, err, fail, out, usage_error
 from atomr_infer.errors import AtomrError, NoCluster, one_line
 
 if TYPE_CHECKING:
@@ -60,9 +60,7 @@ def up_command(
     api_flags = [f"--{name.replace('_', '-')}" for name in API_PARAMETERS
                  if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
     if api_flags and not serve:  # said, not ignored
-        err.print(f"error: {', '.join(api_flags)}: for the HTTP API, which only --serve starts "
-                  "(or use `atomr serve`)", markup=False)
-        raise typer.Exit(EXIT_INVALID)
+        usage_error(f"{', '.join(api_flags)}: for the HTTP API, which only --serve starts (or use `atomr serve`)")
     from atomr_infer import cluster
 
     if serve:
@@ -153,11 +151,11 @@ def down_command(
     """Remove every deployment, stop the manager, and stop the Ray that `atomr up` started."""
     from atomr_infer import cluster
 
+    target = address or os.environ.get("RAY_ADDRESS", "").strip()  # the cluster named, if one is
     try:
         import ray
     except ImportError as exc:  # nothing can be asked of the cluster: stop atomr's head outright
         _line("Ray", f"cannot be imported here: {type(exc).__name__}: {one_line(exc)}")
-        target = address or os.environ.get("RAY_ADDRESS", "").strip()
         if target and target.rsplit(":", 1)[0] not in ("127.0.0.1", "localhost"):
             fail(AtomrError(f"the cluster at {target} cannot be reached without Ray; nothing was stopped"))
         stopped = _stop_stale_head()
@@ -171,7 +169,6 @@ def down_command(
     try:
         common.connect(address, start=False)
     except AtomrError as exc:
-        target = address or os.environ.get("RAY_ADDRESS", "").strip()
         # Another machine's cluster that does not answer, or a cluster that answers but cannot be
         # joined (a timeout, no auth token): stopping the head here would be undrained, on a guess.
         if not isinstance(exc, NoCluster) or (target and not _on_this_machine(target)):
