@@ -92,6 +92,11 @@ class VllmConfig(Strict):
         "replica reserves as many Ray CPUs. Unset: the node's cores shared among the "
         "deployment's replicas, with 1 Ray CPU reserved so that small machines still place them.",
     )
+    engine_metrics: StrictBool = Field(
+        True,
+        description="Export vLLM's own engine metrics (vllm:*) on Ray's metrics port as ray_vllm_*, as Ray "
+        "Serve LLM's log_engine_metrics does; false saves a Ray metrics call per metric and engine step.",
+    )
     extra_engine_args: dict[StrictStr, Any] = Field(
         default_factory=dict,
         description="Any other vLLM EngineArgs field, passed through as is. Checked against "
@@ -100,7 +105,8 @@ class VllmConfig(Strict):
 
     @model_validator(mode="after")
     def _no_shadowing(self) -> VllmConfig:
-        typed = set(type(self).model_fields) - {"extra_engine_args", "cpu_kvcache_space_gb", "cpu_threads"}
+        typed = set(type(self).model_fields) - {"extra_engine_args", "cpu_kvcache_space_gb", "cpu_threads",
+                                                "engine_metrics"}
         owned = {name: f"runtime_config.{name}" for name in typed} | _ENGINE_ARGS_OWNED
         clash = sorted(set(owned) & set(self.extra_engine_args))
         if clash:

@@ -33,13 +33,14 @@ def metrics_url() -> str:
 
 
 def scrape() -> Series:
-    """Every ``ray_atomr_*`` sample: (name, labels) -> value, with Ray's own labels dropped."""
+    """Every ``ray_atomr_*`` and ``ray_vllm_*`` sample (vLLM's own engine metrics, exported by the
+    replicas: engine/vllm/engine_metrics.py): (name, labels) -> value, with Ray's own labels dropped."""
     body = urllib.request.urlopen(metrics_url(), timeout=10).read().decode()
     out: Series = {}
     ray_labels = {"Component", "NodeAddress", "SessionName", "Version", "WorkerId", "JobId"}
     for family in text_string_to_metric_families(body):
         for s in family.samples:
-            if not s.name.startswith("ray_atomr_"):
+            if not s.name.startswith(("ray_atomr_", "ray_vllm_")):
                 continue
             labels = frozenset((k, v) for k, v in s.labels.items() if k not in ray_labels and not k.startswith("otel"))
             key = (s.name, labels)
@@ -79,12 +80,15 @@ def replica_id(smollm2, manager) -> str:
 def test_request_metrics_match_what_the_client_received(smollm2, smollm2_replica, manager, replica_id):
     tags = {"deployment": smollm2, "replica": replica_id}
     gen, ttft = "ray_atomr_generation_tokens_total", "ray_atomr_time_to_first_token_seconds_count"
+    # vLLM's own count of the tokens it generated, from the same replica.
+    vllm_gen, vllm_tags = "ray_vllm_generation_tokens_total", {"ReplicaId": f"{smollm2}-{replica_id}"}
 
     # Baseline only once the export has caught up with what the replica has counted so far.
     stats = ray.get(smollm2_replica.stats.remote())
     before = poll(
         lambda s: total(s, gen, **tags) == stats.tokens_generated
-        and total(s, "ray_atomr_requests_started_total", **tags) == stats.requests_started,
+        and total(s, "ray_atomr_requests_started_total", **tags) == stats.requests_started
+        and total(s, vllm_gen, **vllm_tags) == stats.tokens_generated,
         "the export catching up with earlier requests",
     )
 
@@ -102,7 +106,8 @@ def test_request_metrics_match_what_the_client_received(smollm2, smollm2_replica
 
     after = poll(
         lambda s: total(s, ttft, **tags) >= total(before, ttft, **tags) + n
-        and total(s, gen, **tags) >= total(before, gen, **tags) + generated,
+        and total(s, gen, **tags) >= total(before, gen, **tags) + generated
+        and total(s, vllm_gen, **vllm_tags) >= total(before, vllm_gen, **vllm_tags) + generated,
         "the new requests",
     )
 
@@ -110,6 +115,7 @@ def test_request_metrics_match_what_the_client_received(smollm2, smollm2_replica
         return total(after, name, **tags, **labels) - total(before, name, **tags, **labels)
 
     assert delta(gen) == generated
+    assert total(after, vllm_gen, **vllm_tags) - total(before, vllm_gen, **vllm_tags) == generated
     assert delta("ray_atomr_prompt_tokens_total") == prompt_tokens
     assert delta("ray_atomr_requests_started_total") == n
     assert delta("ray_atomr_requests_finished_total") == n

@@ -43,6 +43,7 @@ FULL: dict[str, Any] = {
         "convert": "none",
         "cpu_kvcache_space_gb": 2.5,
         "cpu_threads": 4,
+        "engine_metrics": False,
         "extra_engine_args": {"swap_space": 8, "seed": 7, "kv_cache_dtype": "fp8"},
     },
     "gpus": 2,
@@ -689,7 +690,9 @@ def test_defaults() -> None:
     assert dep.serving == Serving(max_concurrent=32, on_capacity_exhausted="queue")
     cfg = dep.runtime_config
     assert cfg.extra_engine_args == {}
-    unset = {name: getattr(cfg, name) for name in VllmConfig.model_fields if name != "extra_engine_args"}
+    assert cfg.engine_metrics is True  # vLLM's own metrics exported, as Ray Serve LLM does by default
+    unset = {name: getattr(cfg, name) for name in VllmConfig.model_fields
+             if name not in ("extra_engine_args", "engine_metrics")}
     assert unset == dict.fromkeys(unset)
 
 

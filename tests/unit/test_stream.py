@@ -111,16 +111,3 @@ def test_a_whole_answer_times_its_first_token_by_vllms_own_stats():
     one = RequestStream("r", prompt_tokens=4)  # a streamed answer of one token: its one output is its first
     one.put(delta("Paris", [1], "stop"), 1)
     assert one.first_token_at is not None and one.first_token_at == one.last_token_at
-
-
-def test_waiting_is_vllms_count_where_the_engine_keeps_metrics():
-    from vllm.v1.metrics.reader import Gauge
-
-    from atomr_infer.engine.vllm.engine_info import engine_gauges
-
-    class Engine:
-        def get_metrics(self):
-            return [Gauge("vllm:num_requests_waiting", {}, 3.0), Gauge("vllm:kv_cache_usage_perc", {}, 0.25)]
-
-    assert engine_gauges(Engine()) == (0.25, 3)  # waiting 3, and the KV-cache use, from one read
-    assert engine_gauges(object()) == (None, None)  # no metrics: the replica counts requests with no token yet

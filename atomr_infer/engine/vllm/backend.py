@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -21,7 +22,8 @@ from atomr_infer.engine.backend import BackendContext, EngineFacts, EngineHealth
 from atomr_infer.engine.vllm import adapters
 from atomr_infer.engine.vllm.coalesce import coalesce_core_outputs
 from atomr_infer.engine.vllm.core_failure import CoreStartFailed
-from atomr_infer.engine.vllm.engine_info import engine_gauges, engine_memory, engine_unfinished, start_failure_recurs
+from atomr_infer.engine.vllm.engine_info import engine_memory, engine_unfinished, start_failure_recurs
+from atomr_infer.engine.vllm.engine_metrics import SchedulerGauges, stat_loggers
 from atomr_infer.engine.vllm.handoff import LoopHandoff
 from atomr_infer.engine.vllm.kv_events import kv_event_source
 from atomr_infer.engine.vllm.open_streams import OpenStreams
@@ -38,17 +40,19 @@ EngineFactory = Callable[[Deployment, Callable[[str], None]], Engine]
 OPERATOR_CALL_TIMEOUT_S = 30.0  # an operator's call waits for the current step to end, then runs
 
 
-def _build_engine(deployment: Deployment, progress: Callable[[str], None]) -> Engine:
+def _build_engine(deployment: Deployment, progress: Callable[[str], None], replica: str,
+                  gauges: SchedulerGauges) -> Engine:
     from atomr_infer.engine.vllm.engine_args import build_vllm_engine
 
-    return build_vllm_engine(deployment, progress)
+    return build_vllm_engine(deployment, progress, stat_loggers(deployment, replica, gauges))
 
 
 class VllmBackend:
     def __init__(self, context: BackendContext, engine_factory: EngineFactory | None = None) -> None:
         self._ctx = context
         self._deployment = context.deployment
-        factory = engine_factory or _build_engine
+        self._gauges = SchedulerGauges()  # what vLLM's stat loggers last recorded: the default engine's only
+        factory = engine_factory or functools.partial(_build_engine, replica=context.name, gauges=self._gauges)
         self._handoff = LoopHandoff()
         self._engine: Engine | None = None
         self._facts = EngineFacts()
@@ -186,7 +190,7 @@ class VllmBackend:
         return EngineHealth(error=error, stuck_for=self._loop.stuck_for(), alive=alive)
 
     def stats(self) -> EngineStats:
-        kv_usage, waiting = engine_gauges(self._engine)
+        kv_usage, waiting = self._gauges.read()
         return EngineStats(kv_cache_usage=kv_usage, waiting=waiting, steps=self._loop.steps,
                            unfinished=engine_unfinished(self._engine))
 

@@ -223,8 +223,10 @@ def prepare_environment(deployment: Deployment, device: Device | None = None) ->
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | None = None) -> Any:
-    """Resolve the model and construct a ``vllm.v1.engine.llm_engine.LLMEngine``."""
+def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | None = None,
+                      stat_loggers: list[Any] | None = None) -> Any:
+    """Resolve the model and construct a ``vllm.v1.engine.llm_engine.LLMEngine`` (with vLLM's
+    default stat loggers, and ``stat_loggers``' factories: engine_metrics.py)."""
     import dataclasses
 
     from atomr_infer.models.resolve import resolve_model
@@ -261,7 +263,7 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
     )
     say(f"starting vLLM engine on {device}" + (f" ({args['dtype']}, {threads} threads, {kv})" if kv else ""))
     with core_start_failures():  # a core process's own exception, not vLLM's wrapper of it
-        return LLMEngine.from_engine_args(EngineArgs(**args))
+        return LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=stat_loggers)
 
 
 def check_cpu_build(deployment: Deployment, platform: str) -> None:

@@ -40,18 +40,3 @@ def engine_unfinished(engine: Engine | None) -> int | None:
         return int(count()) if count is not None else None
     except Exception:  # noqa: BLE001 - informational
         return None
-
-
-def engine_gauges(engine: Engine | None) -> tuple[float | None, int | None]:
-    """From one read of vLLM's metrics, when the engine keeps them: the fraction of KV-cache
-    blocks in use, and the requests its scheduler holds and has not scheduled yet."""
-    get_metrics = getattr(engine, "get_metrics", None)
-    if get_metrics is None:
-        return None, None
-    try:
-        found = {m.name: float(m.value) for m in get_metrics()
-                 if m.name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting")}
-    except Exception:  # noqa: BLE001 - stats are best effort
-        return None, None
-    waiting = found.get("vllm:num_requests_waiting")
-    return found.get("vllm:kv_cache_usage_perc"), None if waiting is None else int(waiting)
