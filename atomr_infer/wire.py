@@ -27,6 +27,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from atomr_infer.errors import InvalidRequest
 
 KEEPALIVE_S = 3.0  # how often a router renews its channels
@@ -114,6 +116,19 @@ class LastBytes(bytes):
     __slots__ = ()
 
 
+_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
+
+
+def _as_vllm_reads(flag: Any) -> bool:
+    """A boolean field as vLLM's pydantic request models read it (lax: 1, "true", "yes", "off", …);
+    a value they refuse is False here (vLLM answers 400). Read as ``is True``, ``"stream": 1``
+    streamed without the usage a token budget is charged from."""
+    try:
+        return _BOOL.validate_python(flag) if flag is not None else False
+    except ValidationError:
+        return False
+
+
 @dataclass(slots=True)
 class RoutingFacts:
     """What routing needs of a request, read once at the edge from the parsed body. Stays in
@@ -153,9 +168,9 @@ class RoutingFacts:
         model = data.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidRequest("model", f"model must name a deployment (a non-empty string), got {model!r}")
-        stream = data.get("stream") is True
+        stream = _as_vllm_reads(data.get("stream"))
         options = data.get("stream_options")
-        asked = isinstance(options, dict) and bool(options.get("include_usage"))
+        asked = isinstance(options, dict) and _as_vllm_reads(options.get("include_usage"))
         previous = data.get("previous_response_id")
         kind = RequestKind.of_path(path)
         # As routing has always read them: a chat's messages if a list, else a prompt's text.

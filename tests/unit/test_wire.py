@@ -30,6 +30,26 @@ def test_routing_facts_come_from_the_parsed_body_once():
     assert info.value.field == "model"
 
 
+@pytest.mark.parametrize("stream, include_usage, streams, usage", [
+    (1, None, True, False), ("true", None, True, False), ("yes", None, True, False),  # vLLM streams these
+    (True, "false", True, False), (True, 0, True, False), (True, "on", True, True),
+    (0, None, False, True), ("maybe", None, False, True),  # not a stream (vLLM refuses "maybe": 400)
+])
+def test_stream_and_include_usage_are_read_as_vllm_reads_them(stream, include_usage, streams, usage):
+    """Read as ``is True``, ``"stream": 1`` streamed with no usage for a token budget to charge."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    if include_usage is not None:
+        body["stream_options"] = {"include_usage": include_usage}
+    facts = RoutingFacts.of("/v1/chat/completions", body)
+    assert (facts.stream, facts.usage_wanted) == (streams, usage)
+    if stream != "maybe":
+        vllm_reads = ChatCompletionRequest.model_validate(body)
+        assert vllm_reads.stream == streams
+        assert bool(vllm_reads.stream_options and vllm_reads.stream_options.include_usage) == (usage and streams)
+
+
 def test_a_merging_buffer_joins_what_the_reader_has_not_taken_and_ends_with_its_error():
     async def main():
         buffer: MergingBuffer = MergingBuffer(join_bytes)
