@@ -119,7 +119,7 @@ class LastBytes(bytes):
 _BOOL: TypeAdapter[bool] = TypeAdapter(bool)
 
 
-def _as_vllm_reads(flag: Any) -> bool:
+def as_vllm_reads(flag: Any) -> bool:
     """A boolean field as vLLM's pydantic request models read it (lax: 1, "true", "yes", "off", …);
     a value they refuse is False here (vLLM answers 400). Read as ``is True``, ``"stream": 1``
     streamed without the usage a token budget is charged from."""
@@ -168,9 +168,9 @@ class RoutingFacts:
         model = data.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidRequest("model", f"model must name a deployment (a non-empty string), got {model!r}")
-        stream = _as_vllm_reads(data.get("stream"))
+        stream = as_vllm_reads(data.get("stream"))
         options = data.get("stream_options")
-        asked = isinstance(options, dict) and _as_vllm_reads(options.get("include_usage"))
+        asked = isinstance(options, dict) and as_vllm_reads(options.get("include_usage"))
         previous = data.get("previous_response_id")
         kind = RequestKind.of_path(path)
         # As routing has always read them: a chat's messages if a list, else a prompt's text.

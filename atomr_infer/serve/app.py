@@ -209,9 +209,11 @@ class OpenAIIngress:
             model = self._canonical(facts.deployment)
             if facts.kind is not RequestKind.STORED or not self._by_any_name(key, model):
                 self._authorize(key, model, facts.deployment)
-            limit_headers, token_budgets = await self._admit(key, model)
+            # What runs no engine step spends no budget: a caller with no key (tokenizing is open)
+            # would spend the deployment's requests_per_minute, and a poll of a background response one.
+            limit_headers, token_budgets = await self._admit(key, model) if facts.kind.runs_engine else ({}, [])
             if token_budgets:
-                refuse_uncounted(data)
+                refuse_uncounted(data, facts)
         except AtomrError as exc:
             return self._logged(error_response(exc, path), key, model, started)
         name = key.name if key is not None else None

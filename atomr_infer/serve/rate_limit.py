@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from atomr_infer.errors import RequestError
+from atomr_infer.log import get_logger
 
 LIMITER_NAME = "atomr-ratelimit"
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,15 @@ class Buckets:
         retry = 0.0 if allowed else (need - tokens) / rate
         return Verdict(allowed, per_minute, max(0, int(tokens)), reset, retry, unit)
 
+    def take_all(self, asks: list[tuple[str, int, float, float, str]]) -> list[Verdict]:
+        """``take`` from every bucket of ``asks`` (name, per minute, cost, need, unit) if every one
+        allows it, else from none: a request the deployment's budget refuses does not spend its
+        key's. The verdicts, a refusing one among them when refused."""
+        peeks = [self.take(name, per_minute, 0.0, need, unit) for name, per_minute, _cost, need, unit in asks]
+        if not all(v.allowed for v in peeks):
+            return peeks
+        return [self.take(*ask) for ask in asks]
+
 
 class RateLimiter:
     """The Ray actor that holds every ingress replica's buckets (``limiter_handle``)."""
@@ -102,6 +113,9 @@ class RateLimiter:
         self, name: str, per_minute: int, cost: float = 1.0, need: float | None = None, unit: str = "requests"
     ) -> Verdict:
         return self._buckets.take(name, per_minute, cost, need, unit)
+
+    def take_all(self, asks: list[tuple[str, int, float, float, str]]) -> list[Verdict]:
+        return self._buckets.take_all(asks)
 
 
 @dataclass(frozen=True)
@@ -132,11 +146,12 @@ def budgets_of(
 
 async def admit(limiter: Any, budgets: list[Budget]) -> dict[str, str]:
     """Take one request from each request budget and check that each token budget is above
-    zero; the tightest budget's headers per unit. ``RateLimited`` on the first that refuses."""
+    zero, in one call, all or nothing; the tightest budget's headers per unit. ``RateLimited``
+    naming the first that refuses."""
+    asks = [(b.bucket, b.per_minute, 1.0 if b.unit == "requests" else 0.0, 1.0, b.unit) for b in budgets]
+    verdicts = await limiter.take_all.remote(asks)
     tightest: dict[str, Verdict] = {}
-    for b in budgets:
-        cost, need = (1.0, 1.0) if b.unit == "requests" else (0.0, 1.0)
-        verdict = await limiter.take.remote(b.bucket, b.per_minute, cost, need, b.unit)
+    for b, verdict in zip(budgets, verdicts, strict=True):
         if not verdict.allowed:
             raise RateLimited(b.subject, verdict)
         if b.unit not in tightest or verdict.remaining < tightest[b.unit].remaining:
@@ -159,7 +174,10 @@ def limiter_handle():  # noqa: ANN201 - a Ray actor handle
 
     return (
         ray.remote(RateLimiter)
-        .options(name=LIMITER_NAME, namespace=NAMESPACE, get_if_exists=True, num_cpus=0, lifetime="detached")
+        # Restarted if its process dies (its buckets start full again), rather than refusing every
+        # limited request from then on.
+        .options(name=LIMITER_NAME, namespace=NAMESPACE, get_if_exists=True, num_cpus=0, lifetime="detached",
+                 max_restarts=-1, max_task_retries=1)
         .remote()
     )
 
@@ -181,7 +199,15 @@ class IngressLimits:
             return {}, []
         if self._limiter is None:
             self._limiter = limiter_handle()
-        headers = await admit(self._limiter, budgets)
+        try:
+            headers = await admit(self._limiter, budgets)
+        except RateLimited:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a Ray error: the actor is gone (killed, its node lost)
+            # Looked up again (get_if_exists makes a new one), once: the handle held a dead actor for good.
+            log.warning("rate_limiter_lost", error=f"{type(exc).__name__}: {exc}"[:300])
+            self._limiter = limiter_handle()
+            headers = await admit(self._limiter, budgets)
         return headers, [b for b in budgets if b.unit == "tokens"]
 
     def charge(self, budgets: list[Budget], tokens: int | None) -> None:

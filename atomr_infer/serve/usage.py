@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from atomr_infer.errors import InvalidRequest
+from atomr_infer.wire import RequestKind, RoutingFacts, as_vllm_reads
 
 # Anthropic's usage counts the prompt in parts (Messages): all of them, with the output.
 _ANTHROPIC_PARTS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
@@ -58,12 +59,18 @@ def body_tokens(body: bytes, headers: Mapping[str, str]) -> int | None:
     return usage_tokens(body)
 
 
-def refuse_uncounted(data: Any) -> None:
-    """``InvalidRequest`` for a request whose answer reports no usage to charge to a token budget
-    (embeddings as ``bytes_only``: no metadata header)."""
-    if isinstance(data, dict) and data.get("encoding_format") == "bytes_only":
+def refuse_uncounted(data: Any, facts: RoutingFacts) -> None:
+    """``InvalidRequest`` for a request whose answer reports no usage to charge to a token budget:
+    embeddings as ``bytes_only`` (no metadata header), and a background response (answered
+    ``queued`` before it runs; its usage comes only with a later retrieve, which is not charged)."""
+    if not isinstance(data, dict):
+        return
+    if data.get("encoding_format") == "bytes_only":
         raise InvalidRequest("encoding_format", "'bytes_only' answers carry no usage to charge to a "
                              "tokens_per_minute budget: use 'bytes' (its usage is in the metadata header)")
+    if facts.kind is RequestKind.RESPONSES and as_vllm_reads(data.get("background")):
+        raise InvalidRequest("background", "a background response is answered before it runs, with no usage to "
+                             "charge to a tokens_per_minute budget: send background: false")
 
 
 async def without_usage(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

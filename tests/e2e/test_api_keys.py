@@ -27,6 +27,7 @@ pytestmark = pytest.mark.e2e
 ATOMR = Path(sys.executable).parent / "atomr"
 ALICE, BOB, CAROL, DAVE = "sk-alice-0123456789", "sk-bob-0123456789", "sk-carol-0123456789", "sk-dave-0123456789"
 ERIN, FRANK, GRACE, HEIDI = "sk-erin-0123456789", "sk-frank-0123456789", "sk-grace-0123456789", "sk-heidi-0123456789"
+IVAN, JUDY = "sk-ivan-0123456789", "sk-judy-0123456789"
 KEYS = f"""
 keys:
   - name: alice
@@ -49,6 +50,12 @@ keys:
   - name: heidi
     key: {HEIDI}
     tokens_per_minute: 30
+  - name: ivan
+    key: {IVAN}
+    tokens_per_minute: 30
+  - name: judy
+    key: {JUDY}
+    requests_per_minute: 100
 """
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_BODY = 1 << 20  # configured for this module (the default is 16 MiB)
@@ -279,6 +286,40 @@ def test_a_stream_is_charged_the_usage_its_client_did_not_ask_to_see(keyed):
     assert first.status_code == 200 and first.text.rstrip().endswith("data: [DONE]")
     assert '"usage":{' not in first.text.replace(" ", ""), first.text[-300:]  # hidden again
     assert answers[-1].status_code == 429, [a.status_code for a in answers]
+
+
+def test_a_stream_sent_as_stream_1_is_charged_and_a_background_response_refused(keyed):
+    """vLLM streams "stream": 1 (pydantic reads it as true); the ingress read it as no stream and
+    charged nothing. A background response is answered before it runs, with no usage to charge."""
+    url, _ = keyed
+    body = {"model": "smollm2", "messages": ASK, "max_tokens": 8, "stream": 1}
+    answers = _until_refused(url, IVAN, body)
+    assert answers[0].status_code == 200 and answers[0].text.rstrip().endswith("data: [DONE]")
+    assert answers[-1].status_code == 429, [a.status_code for a in answers]
+    with pytest.raises(openai.BadRequestError) as info:
+        client(url, HEIDI).responses.create(model="smollm2", input="Say hi.", max_output_tokens=8, store=True,
+                                            background=True)
+    assert info.value.param == "background" and "tokens_per_minute" in info.value.message
+
+
+def test_a_lost_rate_limiter_is_replaced_and_limits_go_on(keyed, ray_cluster):
+    """The limiter actor died (its process killed): every limited request got a 500 until the
+    ingress restarted. Now Ray restarts it, or, killed for good, an ingress makes a new one."""
+    import ray
+
+    from atomr_infer.cluster import NAMESPACE
+    from atomr_infer.serve.rate_limit import LIMITER_NAME
+
+    url, _ = keyed
+    body = {"model": "smollm2", "messages": ASK, "max_tokens": 1}
+    headers = {"Authorization": f"Bearer {JUDY}"}
+    assert httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60).status_code == 200
+    for no_restart in (False, True):
+        ray.kill(ray.get_actor(LIMITER_NAME, namespace=NAMESPACE), no_restart=no_restart)
+        # a new connection each time: both ingress replicas meet the lost actor
+        answers = [httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60) for _ in range(4)]
+        assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+        assert all(int(a.headers["x-ratelimit-remaining-requests"]) < 100 for a in answers)
 
 
 def test_anthropic_clients_authenticate_with_x_api_key(keyed):

@@ -8,6 +8,7 @@ import pytest
 
 from atomr_infer.errors import InvalidRequest
 from atomr_infer.serve.usage import body_tokens, refuse_uncounted, usage_tokens
+from atomr_infer.wire import RequestKind, RoutingFacts
 
 USAGE = {"prompt_tokens": 30, "completion_tokens": 11, "total_tokens": 41}
 
@@ -77,6 +78,9 @@ def test_text_that_says_data_colon_does_not_hide_the_usage() -> None:
     assert usage_tokens(b"event: response.completed\ndata: " + json.dumps(completed).encode() + b"\n\n", sse=True) == 41
 
 
+EMBED = RoutingFacts("m", RequestKind.OTHER)
+
+
 def test_pooling_answers_without_a_usage_field_are_counted() -> None:
     """Cohere's /v2/embed bills in meta.billed_units; embeddings as bytes carry their usage in a
     metadata header (vLLM's pooling/utils.py). Both were charged nothing."""
@@ -87,5 +91,5 @@ def test_pooling_answers_without_a_usage_field_are_counted() -> None:
     assert body_tokens(b"\x00\x01binary", {"content-type": "application/octet-stream", "metadata": metadata}) == 5
     assert body_tokens(json.dumps({"usage": USAGE}).encode(), {"content-type": "application/json"}) == 41
     with pytest.raises(InvalidRequest, match="encoding_format: 'bytes_only' answers carry no usage"):
-        refuse_uncounted({"model": "m", "input": "x", "encoding_format": "bytes_only"})
-    refuse_uncounted({"model": "m", "input": "x", "encoding_format": "bytes"})  # its usage is in a header
+        refuse_uncounted({"model": "m", "input": "x", "encoding_format": "bytes_only"}, EMBED)
+    refuse_uncounted({"model": "m", "input": "x", "encoding_format": "bytes"}, EMBED)  # its usage is in a header
