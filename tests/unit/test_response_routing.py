@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from atomr_infer.engine.vllm.response_store import BoundedStore
+from atomr_infer.engine.vllm.response_store import StoreIndex
 from atomr_infer.routing import response_ids
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, RoutingTable
@@ -114,7 +114,7 @@ class Clock:
 
 
 def test_the_store_keeps_at_most_its_count_oldest_writes_first():
-    store = BoundedStore(3, 3600.0)
+    store = StoreIndex(3, 3600.0).store()
     for i in range(5):
         store[f"k{i}"] = i
     assert sorted(store) == ["k2", "k3", "k4"] and "k0" not in store and store.get("k1") is None
@@ -125,7 +125,7 @@ def test_the_store_keeps_at_most_its_count_oldest_writes_first():
 
 def test_the_store_forgets_what_is_older_than_its_age_and_keeps_what_runs():
     clock, running = Clock(), {"bg"}
-    store = BoundedStore(10, 60.0, keep=lambda key: key in running, clock=clock)
+    store = StoreIndex(10, 60.0, keep=lambda key: key in running, clock=clock).store()
     store["old"], store["bg"] = 1, 2
     clock.now = 30.0
     store["new"] = 3
@@ -133,3 +133,21 @@ def test_the_store_forgets_what_is_older_than_its_age_and_keeps_what_runs():
     assert "old" not in store and store.get("new") == 3 and store["bg"] == 2  # bg still runs
     running.clear()
     assert "bg" not in store and store.pop("new") == 3 and len(store) == 0
+
+
+def test_a_response_and_its_input_messages_are_kept_and_dropped_together():
+    """vLLM writes the messages when a response starts and the response when it ends: bounded
+    apart, a response outlived its messages, and its next turn lost the user's earlier turns."""
+    clock = Clock()
+    index = StoreIndex(2, 60.0, clock=clock)
+    responses, messages = index.store(), index.store()
+    messages["a"] = ["turn 1"]
+    clock.now = 50.0
+    responses["a"] = "answer"  # a 50 s generation
+    clock.now = 70.0  # the messages were written 70 s ago, the response 20 s ago
+    assert responses.get("a") == "answer" and messages.get("a") == ["turn 1"]
+    messages["b"], messages["c"] = ["b"], ["c"]  # two more started: one id too many
+    assert "a" not in responses and "a" not in messages  # the oldest id, from both
+    messages.pop("b")
+    responses["d"] = "d"  # b is held by no store: it takes no place
+    assert sorted(messages) == ["c"] and sorted(responses) == ["d"]

@@ -4,9 +4,10 @@ vLLM keeps stored responses, their input messages and a background stream's even
 plain dicts on its Responses serving object, turned on by ``VLLM_ENABLE_RESPONSES_API_STORE``
 and never emptied (its own FIXME: "this may cause a memory leak"). The replica sets the switch
 from the spec (``serving.openai.response_store``) on that object, not through the process's
-environment, and swaps the dicts for ``BoundedStore``s: at most ``max_responses`` entries,
-each kept ``max_age_s`` after it was last written. A response whose background task still
-runs is never dropped. Everything else of the store (what is stored when, the 404 for an id it
+environment, and swaps the dicts for ``BoundedStore``s over one ``StoreIndex``: at most
+``max_responses`` response ids, each kept ``max_age_s`` after it was last written to any of the
+three, and dropped from all three at once. A response whose background task still runs is
+never dropped. Everything else of the store (what is stored when, the 404 for an id it
 does not hold) is vLLM's.
 """
 
@@ -22,47 +23,38 @@ from atomr_infer.spec.serving import ResponseStore
 STORES = ("response_store", "msg_store", "event_store")  # keyed alike: by the response's id
 
 
-class BoundedStore(dict):  # type: ignore[type-arg]
-    """A dict that holds at most ``max_items`` keys, each for ``max_age_s`` after its last write.
-
-    Overrides the methods vLLM's serving code uses (``get``, ``[]``, ``in``, ``pop``); the oldest
-    writes go first, except keys ``keep`` says are still in use."""
+class StoreIndex:
+    """When each response id was last written to any of its stores, and which ids go: at most
+    ``max_items`` ids, each for ``max_age_s`` after its last write, oldest first, except ids
+    ``keep`` says are still in use. An id goes from every store at once: vLLM writes a response's
+    input messages when it starts and the response when it ends, so stores bounded apart kept a
+    response whose messages were gone (its next turn then lost the user's earlier turns)."""
 
     def __init__(
         self, max_items: int, max_age_s: float, keep: Callable[[Any], bool] = lambda key: False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__()
         self._max_items, self._max_age_s, self._keep, self._clock = max_items, max_age_s, keep, clock
         self._written: collections.OrderedDict[Any, float] = collections.OrderedDict()
+        self.stores: list[BoundedStore] = []
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, value)
+    def store(self) -> BoundedStore:
+        """A new store of this index."""
+        store = BoundedStore(self)
+        self.stores.append(store)
+        return store
+
+    def written(self, key: Any) -> None:
         self._written[key] = self._clock()
         self._written.move_to_end(key)
-        self._evict()
+        self.evict()
 
-    def __getitem__(self, key: Any) -> Any:
-        self._evict()
-        return super().__getitem__(key)
+    def dropped(self, key: Any) -> None:
+        """``key`` was taken out of one store: forgotten once no store holds it."""
+        if not any(dict.__contains__(store, key) for store in self.stores):
+            self._written.pop(key, None)
 
-    def __contains__(self, key: object) -> bool:
-        self._evict()
-        return super().__contains__(key)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        self._evict()
-        return super().get(key, default)
-
-    def pop(self, key: Any, *default: Any) -> Any:
-        self._written.pop(key, None)
-        return super().pop(key, *default)
-
-    def __delitem__(self, key: Any) -> None:
-        self._written.pop(key, None)
-        super().__delitem__(key)
-
-    def _evict(self) -> None:
+    def evict(self) -> None:
         oldest_kept = self._clock() - self._max_age_s
         kept: list[tuple[Any, float]] = []
         while self._written:
@@ -73,10 +65,45 @@ class BoundedStore(dict):  # type: ignore[type-arg]
             if self._keep(key):
                 kept.append((key, at))
             else:
-                super().pop(key, None)
+                for store in self.stores:
+                    dict.pop(store, key, None)
         for key, at in reversed(kept):  # still running: back at the front, in their order
             self._written[key] = at
             self._written.move_to_end(key, last=False)
+
+
+class BoundedStore(dict):  # type: ignore[type-arg]
+    """One of vLLM's store dicts, bounded by its ``StoreIndex``. Overrides the methods vLLM's
+    serving code uses (``get``, ``[]``, ``in``, ``pop``)."""
+
+    def __init__(self, index: StoreIndex) -> None:
+        super().__init__()
+        self._index = index
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self._index.written(key)
+
+    def __getitem__(self, key: Any) -> Any:
+        self._index.evict()
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self._index.evict()
+        return super().__contains__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._index.evict()
+        return super().get(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        value = super().pop(key, *default)
+        self._index.dropped(key)
+        return value
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self._index.dropped(key)
 
 
 def configure_response_store(state: Any, config: ResponseStore) -> None:
@@ -90,5 +117,6 @@ def configure_response_store(state: Any, config: ResponseStore) -> None:
     def running(key: Any) -> bool:
         return key in serving.background_tasks
 
+    index = StoreIndex(config.max_responses, config.max_age_s, running)
     for name in STORES:
-        setattr(serving, name, BoundedStore(config.max_responses, config.max_age_s, running))
+        setattr(serving, name, index.store())
