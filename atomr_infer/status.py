@@ -92,6 +92,7 @@ class DeploymentStatus:
     replicas: tuple[ReplicaStatus, ...] = ()
     last_failure: str | None = None
     failure_kind: str | None = None  # "recurring" (the engine refused the spec) | "transient"
+    failing: bool = False  # last_failure is current: no replica started since (it may be old history)
     failed: bool = False  # gave up: see DeploymentState.FAILED
     start_failures: int = 0  # recurring start failures since the last success
     next_start_in_s: float = 0.0  # backoff before the next start
@@ -125,7 +126,7 @@ class DeploymentStatus:
             return DeploymentState.FAILED
         if self.converged and self.replicas_ready == self.replicas_desired:
             return DeploymentState.IDLE if self.autoscaling and self.replicas_desired == 0 else DeploymentState.READY
-        if self.last_failure and self.replicas_ready < self.replicas_desired:
+        if self.failing and self.replicas_ready < self.replicas_desired:
             return DeploymentState.FAILING
         if self.autoscaling and self.converged:
             return DeploymentState.COLD_START if self.replicas_ready == 0 else DeploymentState.SCALING

@@ -12,7 +12,7 @@ from rich.text import Text
 from atomr_infer.cli import common, render
 from atomr_infer.cli.app import EXIT_OK, app, err, fail, out
 from atomr_infer.errors import AtomrError, DeploymentNotFound, one_line
-from atomr_infer.status import DeploymentState, DeploymentStatus
+from atomr_infer.status import DeploymentStatus
 
 
 def _statuses(address: str | None, name: str | None) -> list[DeploymentStatus] | None:
@@ -79,7 +79,7 @@ def status_command(
     for s in statuses:
         if s.autoscaling:
             out.print(Text("\n" + render.scaling_line(s), style="dim"), soft_wrap=True)
-        if s.last_failure and s.state != DeploymentState.READY:
+        if s.last_failure and (s.failing or s.failed or s.recovering):  # not a failure long since mended
             out.print(Text("\n" + render.failure_line(s), style="red"), soft_wrap=True)
     if dashboard:
         out.print(Text(f"\ndashboard: {dashboard}", style="dim"), soft_wrap=True)

@@ -212,6 +212,7 @@ def recover_or_stop(
     reconciler.drain_live()  # adopted: not heard ready yet, but maybe serving a router's cached table
     if refused is not None:
         reconciler.last_failure = f"not recovered: this version of atomr refuses its stored spec ({one_line(refused)})"
+        reconciler.failing = True
         log.error("deployment_not_recovered", deployment=reconciler.name, error=str(refused),
                   stopping=len(reconciler.replicas))
     return None

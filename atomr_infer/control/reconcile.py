@@ -66,6 +66,9 @@ class DeploymentReconciler:
         self.failure_kind = ""  # "recurring" | "transient", of the last failure
         self.next_start_at = 0.0
         self.last_failure = ""
+        # A replica failed since one last started (or the spec last changed): the manager is retrying.
+        # last_failure stays afterwards, as history; an old one is no reason to say "failing".
+        self.failing = False
         self._launcher, self._clock = launcher, clock
         self._cfg = config or ReconcileConfig()
         self._next_index = next_index
@@ -78,6 +81,7 @@ class DeploymentReconciler:
             self.retry()  # a changed spec may start where the old one could not
         if spec is not None and self.spec is None:  # re-created while removed: not the old one's failure
             self.last_failure = self.failure_kind = ""
+            self.failing = False
         self.spec, self.generation, self.runtime_key = spec, generation, runtime_key
 
     def retry(self) -> None:
@@ -85,6 +89,7 @@ class DeploymentReconciler:
         if self.gave_up:
             self._log.info("deployment_retry", last_failure=self.last_failure)
         self.failures, self.recurring_failures, self.next_start_at = 0, 0, 0.0
+        self.failing = False
 
     def drain_live(self) -> None:
         """Drain every live replica now, a starting one too: adopted by a restarted manager, it
@@ -197,6 +202,7 @@ class DeploymentReconciler:
                     self._set_state(r, ReplicaState.READY, now)
                     r.last_health_at = now
                     self.failures = self.recurring_failures = 0
+                    self.failing = False
                 elif poll.done:
                     self._fail(r, f"failed to start: {poll.reason}", now, poll.recurring)
             elif r.state == ReplicaState.READY and now - r.last_health_at >= self._cfg.health_period_s:
@@ -286,7 +292,7 @@ class DeploymentReconciler:
         self.failures += 1
         delay = min(self._cfg.backoff_max_s, self._cfg.backoff_base_s * 2 ** (self.failures - 1))
         self.next_start_at = now + delay
-        self.last_failure = reason
+        self.last_failure, self.failing = reason, True
         self.failure_kind = "recurring" if recurring else "transient"
         if recurring:
             self.recurring_failures += 1
@@ -345,6 +351,7 @@ class DeploymentReconciler:
             replicas=replicas,
             last_failure=self.last_failure or None,
             failure_kind=self.failure_kind or None,
+            failing=self.failing,
             failed=self.gave_up,
             start_failures=self.recurring_failures,
             next_start_in_s=self._next_start_in(),

@@ -245,3 +245,25 @@ def test_transient_failures_keep_backing_off_without_giving_up():
     clock.advance(120.0)
     converge(clock, launcher, rec)
     assert ids(rec) and rec.failures == 0
+
+
+def test_a_failure_since_mended_is_history_not_failing():
+    """A replica that died and was replaced left its failure for good: an hour later a scale-up
+    said "failing", in red, with "the manager keeps retrying"."""
+    from atomr_infer.control.managed import runtime_key
+    from atomr_infer.status import DeploymentState
+
+    clock, launcher, rec = setup(replicas=1)
+    converge(clock, launcher, rec)
+    launcher.started[0].health = Poll.failed("ActorDiedError: the actor died")
+    clock.advance(1.0)
+    rec.update()
+    assert rec.status().failing and rec.status().state is DeploymentState.FAILING  # replacing it
+    converge(clock, launcher, rec)
+    clock.advance(3600)
+    bigger = spec(replicas=2)
+    rec.set_desired(bigger, 2, runtime_key(bigger, 0))
+    rec.update()
+    status = rec.status()
+    assert status.last_failure == "r0 ActorDiedError: the actor died"  # kept, as history
+    assert not status.failing and status.state is DeploymentState.ROLLING
