@@ -20,9 +20,22 @@ import typer
 
 from atomr_infer.cli import common
 from atomr_infer.cli.app import EXIT_INTERRUPTED, EXIT_OK, app, err, fail, usage_error
-from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica, one_line
+from atomr_infer.errors import AtomrError, DeploymentNotFound, EngineStartFailed, NoReadyReplica, one_line
 
 HELP = "/clear forgets the conversation, /bye or Ctrl-D leaves; Ctrl-C stops an answer."
+
+
+def _check_target(control: Any, name: str) -> None:
+    """``DeploymentNotFound`` unless ``name`` names what the HTTP API would route (a deployment,
+    one of its ``served_model_name`` aliases, ``<deployment>:<adapter>`` or an adapter's bare
+    name); ``EngineStartFailed`` saying why when its deployment gave up starting replicas."""
+    table = control.routing_table()  # None while a restarted manager recovers
+    deployment = table.resolve(name)[0] if table is not None and table.knows(name) else None
+    status = control.status(deployment.name if deployment is not None else name)
+    if status is None:
+        raise DeploymentNotFound(name, [s.name for s in control.list()])
+    if status.failed:
+        raise EngineStartFailed(f"deployment {status.name!r} failed and starts no replica: {status.last_failure}")
 
 
 @app.command("chat")
@@ -42,15 +55,15 @@ def chat_command(
 
     if ignore_eos and max_tokens is None:  # no end of sequence: it would run to the end of the context
         usage_error("--ignore-eos needs --max-tokens (without it the answer runs to the end of the context)")
-    if prompt is None and not sys.stdin.isatty():
-        prompt = sys.stdin.read().strip()
+    if prompt is not None and not prompt.strip():
+        usage_error("the prompt is empty: give a question, or none to converse")
+    if prompt is None and (sys.stdin is None or not sys.stdin.isatty()):
+        prompt = sys.stdin.read().strip() if sys.stdin is not None else ""
         if not prompt:
             usage_error("no prompt: give one as an argument, on stdin, or run in a terminal to converse")
     try:
         control = common.control_plane(address, start=False)
-        if control.status(name) is None:  # say so before asking anything
-            known = [s.name for s in control.list()]
-            raise DeploymentNotFound(name, known)
+        _check_target(control, name)  # say so before asking anything
         client = Client(manager=control.handle)
     except AtomrError as exc:
         fail(exc)

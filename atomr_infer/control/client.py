@@ -18,6 +18,7 @@ from atomr_infer.control.manager import DeploymentManager
 from atomr_infer.control.placement import on_head_node
 from atomr_infer.control.plan import ApplyResult, PlanResult
 from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica, one_line, unwrap
+from atomr_infer.routing.table import RoutingTable
 from atomr_infer.spec import Deployment
 from atomr_infer.status import DeploymentStatus, ReplicaState
 
@@ -107,6 +108,10 @@ class ControlPlane:
 
     def list(self) -> list[DeploymentStatus]:
         return call(self.handle.list.remote(), self._timeout_s)
+
+    def routing_table(self) -> RoutingTable | None:
+        """The table routers route by (None while a restarted manager recovers)."""
+        return call(self.handle.routing_table.remote(), self._timeout_s)
 
     def reset_prefix_cache(self, name: str, reset_running_requests: bool = False) -> dict[str, str]:
         """Reset the prefix (KV) cache of every ready replica of ``name``, as vLLM's operator
