@@ -206,7 +206,10 @@ class DeploymentReconciler:
                 elif poll.done:
                     self._fail(r, f"failed to start: {poll.reason}", now, poll.recurring)
             elif r.state == ReplicaState.READY and now - r.last_health_at >= self._cfg.health_period_s:
-                poll = r.handle.poll_health(self._wanted_adapters())
+                # A replica still on an older spec (mid-roll) keeps its adapters: the new spec's may
+                # need what its engine lacks (LoRA on, a higher rank, another base model).
+                current = r.runtime_key == self.runtime_key
+                poll = r.handle.poll_health(self._wanted_adapters() if current else None)
                 if poll.done:
                     r.last_health_at = now
                     if not poll.ok:
@@ -327,6 +330,7 @@ class DeploymentReconciler:
 
     def status(self) -> DeploymentStatus:
         spec = self.spec
+        wanted_names = self._wanted_adapters() or {}  # one an apply removed is not listed while it unloads
         replicas = tuple(
             ReplicaStatus(
                 replica_id=r.replica_id,
@@ -336,7 +340,7 @@ class DeploymentReconciler:
                 reason=r.reason or None,
                 in_flight=r.handle.in_flight(),
                 started_at=r.started_at,
-                adapters=dict(r.handle.adapters()),
+                adapters={n: state for n, state in r.handle.adapters().items() if n in wanted_names},
                 **{k: tuple(v) if k == "gpu_ids" else v for k, v in r.handle.placement().items()},
             )
             for r in sorted(self.replicas, key=lambda r: int(r.replica_id.lstrip("r") or 0))

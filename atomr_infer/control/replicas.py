@@ -119,7 +119,9 @@ def adapter_routes(handle: ReplicaHandle, wanted: Mapping[str, str] | None = Non
     wanted = wanted or {}
     states, asked = handle.adapters(), handle.adapters_asked() or {}
     # Reloading from a new source: vLLM serves the old weights until the new ones are in.
-    loaded = frozenset(name for name, state in states.items() if state in ADAPTER_ROUTED)
+    # Only the spec's: one an apply removed is not routed while the replica unloads it, nor on a
+    # replica still on an older spec (mid-roll).
+    loaded = frozenset(name for name, state in states.items() if state in ADAPTER_ROUTED and name in wanted)
     failed = {n: why for n, source in wanted.items()
               if (why := adapter_failure(states.get(n, ""))) is not None and asked.get(n) == source}
     return loaded, frozenset(n for n in wanted if n not in loaded and n not in failed), tuple(sorted(failed.items()))

@@ -197,7 +197,7 @@ class VllmReplica:
         self._check()
         if self._life.state is ReplicaState.UNHEALTHY:
             raise EngineError(f"{self!r} is unhealthy: {self._life.error}")
-        if adapters is not None and self._life.state is ReplicaState.READY:
+        if adapters is not None and self._deployment.lora is not None and self._life.state is ReplicaState.READY:
             self._adapters.sync(adapters)
         in_flight, waiting, _ = self._load()
         return dataclasses.replace(self._life.report(in_flight, waiting), adapters=dict(self._adapters.states))

@@ -539,3 +539,51 @@ def test_a_reloading_adapter_is_listed_and_adapter_failed_crosses_ray():
     error = pickle.loads(pickle.dumps(AdapterFailed("d", "x", "OSError: gone")))
     assert str(error) == str(AdapterFailed("d", "x", "OSError: gone"))
 
+
+
+def test_mid_roll_the_old_replicas_keep_their_adapters_and_the_new_specs_wait_for_the_new_replicas():
+    """Turning LoRA on rolls the replicas; the old ones, without LoRA in their engine, were asked to
+    load the new adapters, failed them all, and a request for one got a 404 for the whole roll."""
+    from atomr_infer.control.managed import ManagedDeployment
+    from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
+
+    from .fakes import FakeClock, FakeLauncher
+
+    clock, launcher = FakeClock(), FakeLauncher()
+    reconciler = DeploymentReconciler("tuned", launcher, clock, ReconcileConfig(health_period_s=1.0))
+    managed = ManagedDeployment.create(Deployment.model_validate(BASE), reconciler)
+    for _ in range(3):
+        reconciler.update()
+        launcher.make_ready()
+        clock.advance(1.0)
+    old = launcher.started[0]
+    asked = []
+    checked = old.poll_health
+    old.poll_health = lambda adapters=None: asked.append(adapters) or checked(adapters)
+    managed.update(spec(adapters={"french": "/srv/french"}), forced_restart=False)
+    for _ in range(3):  # the replacement is still starting; the old replica's health is checked meanwhile
+        reconciler.update()
+        clock.advance(1.0)
+    assert len(asked) >= 2 and set(map(repr, asked)) == {"None"}
+    [(replica_id, (loaded, pending, failed))] = reconciler._routes()
+    assert (replica_id, loaded, pending, failed) == ("r0", frozenset(), frozenset({"french"}), ())  # waits
+
+
+def test_an_adapter_an_apply_removed_is_neither_listed_nor_routed_while_it_unloads():
+    from atomr_infer.control.managed import ManagedDeployment
+    from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
+
+    from .fakes import FakeClock, FakeLauncher
+
+    clock, launcher = FakeClock(), FakeLauncher()
+    reconciler = DeploymentReconciler("tuned", launcher, clock, ReconcileConfig(health_period_s=1.0))
+    managed = ManagedDeployment.create(spec(adapters={"french": "/srv/fr", "pirate": "/srv/p"}), reconciler)
+    for _ in range(3):
+        reconciler.update()
+        launcher.make_ready()
+        clock.advance(1.0)
+    assert reconciler.status().replicas[0].adapters == {"french": "loaded", "pirate": "loaded"}
+    managed.update(spec(adapters={"french": "/srv/fr"}), forced_restart=False)  # in place, before a health check
+    assert reconciler.status().replicas[0].adapters == {"french": "loaded"}
+    [(_, (loaded, _pending, _failed))] = reconciler._routes()
+    assert loaded == frozenset({"french"})
