@@ -230,3 +230,34 @@ def test_a_request_for_an_adapter_every_replica_failed_to_load_is_404_at_once_sa
     assert "'ghost' of deployment 'tuned' failed to load on every ready replica" in message, message
     assert "no-such-lora" in message, message
     assert text(chat(tuned, f"{NAME}:robot")).startswith("BEEP BOOP")  # the rest is served
+
+
+def test_a_stream_running_with_an_adapter_an_apply_removes_ends_whole_and_the_replicas_stay_ready(
+    tuned, tuned_spec, adapters, bundled_model_dir, manager, ray_cluster, tmp_path
+):
+    """The replica freed the engine's copy under the running request, and the worker loaded it
+    again from disk inside the next step: with its directory gone, the step failed, and with it
+    every open request of the replica, the base model's too."""
+    import shutil
+
+    doomed = tmp_path / "doomed"
+    shutil.copytree(adapter_dir(bundled_model_dir, "pirate"), doomed)
+    ray_cluster.get(manager.apply.remote(tuned_spec({"robot": adapters["robot"], "doomed": str(doomed)})))
+    wait_loaded(manager, ray_cluster, {"robot", "doomed"}, 30)
+    body = {"model": f"{NAME}:doomed", "messages": ASK, "max_tokens": 1500, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{tuned}/v1/chat/completions", json=body, timeout=300) as answer:
+        events = answer.iter_lines()
+        assert answer.status_code == 200 and next(events).startswith("data: ")  # running
+        ray_cluster.get(manager.apply.remote(tuned_spec({"robot": adapters["robot"]})))
+        shutil.rmtree(doomed)  # a normal clean-up, once the spec no longer names it
+        time.sleep(5)  # two health checks: both replicas heard of it and unloaded it
+        status = ray_cluster.get(manager.status.remote(NAME))
+        assert sum(r.in_flight for r in status.replicas) >= 1, status  # it still ran, after the unload
+        rest = [line for line in events if line.startswith("data: ")]
+    usage = json.loads(rest[-2][6:]).get("usage") or {}  # without it: an error event (the engine failed)
+    assert rest[-1] == "data: [DONE]" and usage.get("completion_tokens") == 1500, rest[-3:]
+    assert chat(tuned, f"{NAME}:doomed").status_code == 404
+    assert text(chat(tuned, NAME))
+    status = ray_cluster.get(manager.status.remote(NAME))
+    assert [r.state for r in status.replicas] == ["ready", "ready"], status

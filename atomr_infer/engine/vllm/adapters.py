@@ -2,11 +2,10 @@
 
 vLLM's ``OpenAIServingModels`` names an adapter for requests (a request whose ``model`` is its
 name runs with it) and, on load, has the engine load it (``EngineClient.add_lora``: the step
-loop runs it between two steps). Unloading forgets the name and frees the engine's copy."""
+loop runs it between two steps). Unloading forgets the name (the engine's caches evict its copy)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from atomr_infer.errors import EngineError
@@ -35,12 +34,13 @@ async def load(models: Any, name: str, path: str) -> None:
         models.lora_requests[name] = msgspec.structs.replace(stored, load_inplace=False)
 
 
-async def unload(models: Any, name: str, remove: Callable[[int], Awaitable[Any]]) -> None:
-    """Stop serving ``name`` and free the engine's copy (``remove(lora_int_id)``)."""
+async def unload(models: Any, name: str) -> None:
+    """Stop serving ``name``: new requests for it are refused. The engine's copy stays until its
+    LRU caches (``max_loras``, ``max_cpu_loras``) evict it, as on ``vllm serve``: requests still
+    running with it carry its ``LoRARequest``, and freeing it under them made the worker load it
+    again from disk inside the next step (an engine failure, failing every open request, once
+    its directory was gone)."""
     from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
 
-    known = models.lora_requests.get(name)
-    if known is None:
-        return
-    await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
-    await remove(known.lora_int_id)
+    if name in models.lora_requests:
+        await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))

@@ -207,7 +207,7 @@ class VllmBackend:
 
     async def unload_adapter(self, name: str) -> None:
         app = self._app or await self._openai_app()
-        await adapters.unload(app.models, name, lambda lora_id: self.engine_call(lambda e: e.remove_lora(lora_id)))
+        await adapters.unload(app.models, name)
 
     async def engine_call(self, fn: Callable[[Engine], Any]) -> Any:
         """``fn(engine)`` run by the step loop between two steps (the engine is its thread's)."""
