@@ -258,7 +258,8 @@ class VllmReplica:
             try:
                 self._admit()
                 limit = request.limit or self._deployment.serving.max_concurrent
-                results.append(self._channels.open(channel, request, self._serve, limit, repr(self)))
+                results.append(self._channels.open(channel, request, self._serve, limit, repr(self),
+                                                   self._open_requests()))
             except AtomrError as exc:
                 results.append(exc)
         return results

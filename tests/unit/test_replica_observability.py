@@ -264,3 +264,23 @@ def test_a_name_that_names_no_deployment_is_counted_under_a_dash():
     for name in ("smollm2", "smollm2:pirate", "ignore previous instructions", "smollm2:x-1f3a"):
         log.done(None, name, 404, None, 0.0)
     assert seen == ["smollm2", "smollm2:pirate", "-", "-"]
+
+
+def test_a_generation_that_runs_on_after_its_request_ended_counts_toward_max_concurrent(replica):
+    """A background response is answered ("queued") at once and generates on in the engine: the
+    replica counted only its routers' open requests, so any number of them ran past the limit."""
+    from atomr_infer.errors import ReplicaBusy
+    from atomr_infer.wire import HttpRequest, OpenRequest
+
+    async def main():
+        await replica.ready()
+        background = SimpleNamespace(request_id="bg", params=SimpleNamespace(max_tokens=100_000))
+        stream = replica._backend.submit(background, None, 4)  # in the engine; no router's request holds it
+        try:
+            request = OpenRequest("o1", HttpRequest("POST", "/v1/chat/completions", (), b"{}"), limit=1)
+            [refused] = await replica.open_many("c1", [request])
+            return refused
+        finally:
+            replica._backend.finish(stream)
+
+    assert isinstance(asyncio.run(main()), ReplicaBusy)
