@@ -195,6 +195,18 @@ class AdapterFailed(AdapterNotFound):
                 f"{self.why} (hint: `atomr status {self.deployment}`; an apply with a corrected source loads it)")
 
 
+class ResponseNotFound(RoutingError):
+    """A stored response whose replica is gone, and no replica is up to say so: 404 at once (as
+    vLLM's own, for an id it does not hold), not a wait for a replica (a cold start)."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(response_id)
+        self.response_id = response_id
+
+    def __str__(self) -> str:
+        return f"Response with id '{self.response_id}' not found."
+
+
 class NoReadyReplica(RoutingError):
     retryable = True
 

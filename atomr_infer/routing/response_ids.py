@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from atomr_infer.errors import ResponseNotFound
 from atomr_infer.wire import HttpRequest
 
 if TYPE_CHECKING:
@@ -58,11 +59,15 @@ def holding(
     blip passes, and no other replica holds the response); else, where it is gone (or excluded
     for good: it died), every usable replica, any of which gives vLLM's own answer for a
     response it does not hold (404 "not found"), as ``vllm serve`` does for an id it never made
-    or has forgotten."""
+    or has forgotten. ``ResponseNotFound`` where it is gone and no replica is usable: waiting for
+    one (a cold start, for a deployment scaled to zero) would only end in that 404."""
     where = home(response_id)
     if where is None or where.deployment != deployment:
         return usable
     held = [r for r in usable if r.replica_id == where.replica_id]
     gone = excluded or {}
     again = [r for r in listed if r.replica_id == where.replica_id and gone.get(r.actor_name, None) is not None]
+    alive = any(r.replica_id == where.replica_id and gone.get(r.actor_name, 0) is not None for r in listed)
+    if not (held or again or usable or alive):
+        raise ResponseNotFound(response_id)
     return held or again or usable

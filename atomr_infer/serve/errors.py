@@ -30,6 +30,7 @@ from atomr_infer.errors import (
     NoReadyReplica,
     ReplicaUnavailable,
     RequestTooLarge,
+    ResponseNotFound,
     RoutingError,
 )
 from atomr_infer.serve.api_keys import ApiKeyError
@@ -96,6 +97,8 @@ def http_error(exc: BaseException) -> HttpError:
         return HttpError(400, exc.message, "invalid_request_error", exc.field, "invalid_value")
     if isinstance(exc, DeploymentNotFound):
         return HttpError(404, str(exc), "invalid_request_error", "model", "model_not_found")
+    if isinstance(exc, ResponseNotFound):
+        return HttpError(404, str(exc), "invalid_request_error", "response_id", "response_not_found")
     if isinstance(exc, CapacityExhausted):
         return HttpError(
             429, str(exc), "rate_limit_error", None, "capacity_exhausted", _retry_after(exc.retry_after_s)

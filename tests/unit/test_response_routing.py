@@ -62,6 +62,37 @@ def test_a_response_whose_replica_is_gone_is_asked_of_any_replica_which_says_not
     assert {a["replica"] for a in answers} == {"r0", "r1"}
 
 
+def test_a_response_whose_replica_is_gone_with_no_replica_up_is_404_at_once_not_a_cold_start():
+    """Scaled to zero, a poll of an old id (or a turn after it) waited for a replica and reported
+    demand, so the autoscaler started one (a GPU) only to answer 404."""
+    import pytest
+
+    from atomr_infer.errors import ResponseNotFound
+    from atomr_infer.serve.errors import http_error
+
+    listed = [route(EchoReplica("r1"))]
+    with pytest.raises(ResponseNotFound):  # r7 is not listed: gone
+        response_ids.holding([], "d", response_ids.mint("d", "r7"), listed, {})
+    with pytest.raises(ResponseNotFound):  # r1 died (excluded for good)
+        response_ids.holding([], "d", response_ids.mint("d", "r1"), listed, {"atomr:d:r1": None})
+    demand = []
+    table = RoutingTable(1, {"d": DeploymentRoute("d", 64, "queue", (), cold_start_timeout_s=300.0)})
+
+    async def source(version):
+        return table if version != table.version else None
+
+    async def main():
+        router = Router(source, refresh_s=0.0, demand=lambda *args: demand.append(args))
+        facts, request = responses_request(previous_response_id=response_ids.mint("d", "r7"))
+        with pytest.raises(ResponseNotFound) as info:
+            await asyncio.wait_for(answer(router.stream(facts, request)), 5)
+        return info.value
+
+    error = http_error(asyncio.run(main()))
+    assert (error.status, error.param) == (404, "response_id") and "not found" in error.message
+    assert demand == []
+
+
 def test_a_response_whose_replica_is_briefly_unreachable_is_asked_of_it_again():
     """It went to another replica, which answered 404 "not found" (an agent lost its chain); one
     that died is asked of any replica, as one gone from the table."""
