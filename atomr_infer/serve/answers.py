@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -92,19 +93,30 @@ class SSEResponse(StreamingResponse):
                 await aclose()
 
 
+_NUMBER = re.compile(rb"\s*(\d+)")
+
+
 async def relay(items: AsyncIterator[bytes], kind: RequestKind = RequestKind.OTHER) -> AsyncIterator[bytes]:
     """The replica's SSE bytes as they come; a failure mid-stream ends it with an error event
-    in the stream's own shape (a Messages or Responses event, else OpenAI's ``data:`` error)."""
+    in the stream's own shape (a Messages or Responses event, else OpenAI's ``data:`` error). A
+    Responses error event is numbered after the last event relayed, as vLLM numbers its own: the
+    openai client's resuming stream compares every event's ``sequence_number`` (None: TypeError)."""
+    responses = kind in (RequestKind.RESPONSES, RequestKind.STORED)
+    sequence = -1
     try:
         async for chunk in items:
+            if responses and (at := chunk.rfind(b'"sequence_number":')) >= 0:
+                found = _NUMBER.match(chunk, at + len(b'"sequence_number":'))
+                sequence = int(found.group(1)) if found else sequence
             yield chunk
     except Exception as exc:  # noqa: BLE001 - the status line is gone; tell the client in-band
         err = http_error(exc)
         log.warning("stream_failed", status=err.status, error=repr(exc), exc_info=unexpected(exc))
         if kind is RequestKind.MESSAGES:
             yield b"event: error\ndata: " + json.dumps(err.anthropic_body()).encode() + b"\n\n"
-        elif kind in (RequestKind.RESPONSES, RequestKind.STORED):
-            event = {"type": "error", "code": err.code, "message": err.message, "param": err.param}
+        elif responses:
+            event = {"type": "error", "code": err.code, "message": err.message, "param": err.param,
+                     "sequence_number": sequence + 1}
             yield b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
         else:
             yield err.sse()

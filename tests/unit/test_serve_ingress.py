@@ -189,3 +189,31 @@ def test_what_runs_no_engine_step_is_charged_no_tokens():
     asyncio.run(main(False))
     assert charged == [900, None]
     assert not RequestKind.STORED.runs_engine and not RequestKind.of_path("/v1/completions/render").runs_engine
+
+
+def test_a_responses_error_event_is_numbered_after_the_last_so_the_openai_client_reads_it():
+    """Without a sequence_number, the openai client's resuming stream (starting_after) compared
+    None with an int: a TypeError, and the user never saw the error."""
+    import httpx
+    import openai
+
+    created = {"type": "response.created", "sequence_number": 4, "response": {
+        "id": "resp_d.r0.x", "object": "response", "created_at": 0, "model": "d", "output": [],
+        "status": "in_progress", "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}}
+
+    async def items():
+        yield f"event: response.created\ndata: {json.dumps(created)}\n\n".encode()
+        raise EngineError("replica atomr:d:r0 died mid-request")
+
+    async def main():
+        return b"".join([e async for e in _relay(items(), RequestKind.STORED)])
+
+    body = asyncio.run(main())
+    assert json.loads(body.split(b"data: ")[-1])["sequence_number"] == 5
+    transport = httpx.MockTransport(
+        lambda request: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body))
+    client = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="k", http_client=httpx.Client(transport=transport))
+    with client.responses.stream(response_id="resp_d.r0.x", starting_after=3) as stream:
+        events = [event for event in stream]
+    assert [e.type for e in events] == ["response.created", "error"]
+    assert "died mid-request" in events[-1].message
