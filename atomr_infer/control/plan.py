@@ -134,3 +134,17 @@ def check_names(spec: Deployment, others: list[Deployment]) -> None:
                 raise SpecError([SpecProblem(spec.name, "name" if base == spec.name else _ALIASES,
                                              f"{base!r}: deployment {other.name!r} has the alias {alias!r}, which "
                                              "would take the name of an adapter of this one")])
+    # An adapter's bare name routes to it only where no deployment or alias has the name (they
+    # route first, as vLLM refuses an adapter named like a served model): a client of `vllm serve
+    # --lora-modules sql=…` sending model 'sql' would get another model, without a word.
+    for adapter in spec.lora.adapters if spec.lora else ():
+        if adapter in owners:
+            raise SpecError([SpecProblem(spec.name, f"lora.adapters.{adapter}", f"{adapter!r} already names "
+                                         f"deployment {owners[adapter]!r}, which a request for it would reach: "
+                                         "name the adapter otherwise")])
+    for other in others:
+        for adapter in other.lora.adapters if other.lora else ():
+            for given_by, name in spec.model_names:
+                if name == adapter:
+                    raise SpecError([SpecProblem(spec.name, given_by, f"{name!r} names an adapter of deployment "
+                                                 f"{other.name!r}, whose requests it would take")])

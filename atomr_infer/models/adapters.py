@@ -82,9 +82,14 @@ def adapter_problems(
         except (OSError, ValueError) as exc:
             problems.append((field, f"{source!r} has no readable {ADAPTER_CONFIG} ({type(exc).__name__})"))
             continue
-        rank = config.get("r")
-        if isinstance(rank, int) and rank > limit:
-            problems.append((field, f"rank {rank} is over lora.max_lora_rank {limit}"))
+        # As vLLM checks it (PEFTHelper.validate_legal): the highest rank of any module, and no bias.
+        pattern = config.get("rank_pattern") if isinstance(config.get("rank_pattern"), dict) else {}
+        ranks = [r for r in (config.get("r"), *pattern.values()) if isinstance(r, int)]
+        if ranks and max(ranks) > limit:
+            problems.append((field, f"rank {max(ranks)} is over lora.max_lora_rank {limit}"))
+        elif config.get("bias", "none") != "none" or config.get("lora_bias"):
+            problems.append((field, f"{source!r} trains biases (bias: {config.get('bias')!r}), which vLLM does not "
+                                    "serve"))
         elif base is not None and (mismatch := module_mismatch(path, base)) is not None:
             problems.append((field, f"{source!r} {mismatch}"))
     return problems

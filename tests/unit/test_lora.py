@@ -62,6 +62,33 @@ def test_a_local_adapter_is_checked_against_the_rank_vllm_allocates(tmp_path):
     }  # one not on this node is the replicas' to find
 
 
+def test_the_apply_time_check_refuses_what_vllm_refuses_at_load(tmp_path):
+    """A rank_pattern above the limit, or trained biases, passed apply, then failed to load on every
+    replica (naming vLLM's flag, not the spec's field)."""
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.peft_helper import PEFTHelper
+
+    peft = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    configs = {"patterned": {**peft, "rank_pattern": {"q_proj": 64}}, "biased": {**peft, "bias": "all"},
+               "fine": {**peft, "rank_pattern": {"q_proj": 16}}}
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps(config))
+    lora = spec(adapters={name: str(tmp_path / name) for name in configs}).lora
+    problems = dict(adapter_problems(lora.adapters, lora.max_lora_rank))
+    assert problems == {
+        "lora.adapters.patterned": "rank 64 is over lora.max_lora_rank 16",
+        "lora.adapters.biased": f"{str(tmp_path / 'biased')!r} trains biases (bias: 'all'), which vLLM does not serve",
+    }
+    for name, config in configs.items():  # vLLM's own check, at load, agrees
+        try:
+            PEFTHelper.from_dict(config).validate_legal(LoRAConfig(max_lora_rank=16))
+            refused = False
+        except ValueError:
+            refused = True
+        assert refused == (f"lora.adapters.{name}" in problems), name
+
+
 def safetensors_file(path: Path, shapes: dict[str, list[int]]) -> None:
     """A safetensors file's header, which is all the apply-time check reads."""
     header = json.dumps({name: {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]}
@@ -587,3 +614,22 @@ def test_an_adapter_an_apply_removed_is_neither_listed_nor_routed_while_it_unloa
     assert reconciler.status().replicas[0].adapters == {"french": "loaded"}
     [(_, (loaded, _pending, _failed))] = reconciler._routes()
     assert loaded == frozenset({"french"})
+
+
+def test_an_adapter_named_like_a_deployment_or_an_alias_is_refused_whichever_comes_first():
+    """A deployment or alias routes before an adapter's bare name: model 'sql' reached deployment
+    'sql', not the adapter 'sql' (vllm serve refuses an adapter named like a served model)."""
+    from atomr_infer.control.plan import check_names
+    from atomr_infer.errors import SpecError
+
+    sql = Deployment.model_validate({"name": "sql", "model": "org/m", "device": "cpu"})
+    tuned = spec(adapters={"sql": "/srv/sql"})
+    with pytest.raises(SpecError, match=r"lora.adapters.sql: 'sql' already names deployment 'sql'"):
+        check_names(tuned, [sql])
+    with pytest.raises(SpecError, match=r"name: 'sql' names an adapter of deployment 'tuned'"):
+        check_names(sql, [tuned])
+    aliased = Deployment.model_validate({**BASE, "serving": {"openai": {"served_model_name": ["chat"]}},
+                                         "lora": {"adapters": {"chat": "/srv/chat"}}})
+    with pytest.raises(SpecError, match=r"lora.adapters.chat: 'chat' already names deployment 'tuned'"):
+        check_names(aliased, [])
+    check_names(spec(adapters={"pirate": "/srv/p"}), [sql])  # other names: accepted
