@@ -200,7 +200,9 @@ class DeploymentReconciler:
                     self._drain(r, now)
                 elif poll.done and poll.ok:
                     self._set_state(r, ReplicaState.READY, now)
-                    r.last_health_at = now
+                    # Its first health check at the next pass: its adapter states (it loaded them
+                    # before it said ready) come with it, and requests for them route to it.
+                    r.last_health_at = now - self._cfg.health_period_s
                     self.failures = self.recurring_failures = 0
                     self.failing = False
                 elif poll.done:

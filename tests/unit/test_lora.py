@@ -633,3 +633,23 @@ def test_an_adapter_named_like_a_deployment_or_an_alias_is_refused_whichever_com
     with pytest.raises(SpecError, match=r"lora.adapters.chat: 'chat' already names deployment 'tuned'"):
         check_names(aliased, [])
     check_names(spec(adapters={"pirate": "/srv/p"}), [sql])  # other names: accepted
+
+
+def test_a_replica_just_ready_is_routed_its_adapters_at_the_next_pass():
+    """It loaded them before it said ready, but they were reported by its first health check only,
+    a health period later: a one-replica deployment had no replica for them for ~2 s per start."""
+    from atomr_infer.control.managed import ManagedDeployment
+    from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
+
+    from .fakes import FakeClock, FakeLauncher
+
+    clock, launcher = FakeClock(), FakeLauncher()
+    reconciler = DeploymentReconciler("tuned", launcher, clock, ReconcileConfig(health_period_s=2.0))
+    ManagedDeployment.create(spec(adapters={"french": "/srv/fr"}), reconciler)
+    reconciler.update()
+    launcher.make_ready()
+    reconciler.update()  # ready
+    clock.advance(0.1)
+    reconciler.update()  # the next pass, well within a health period
+    [(_, (loaded, _pending, _failed))] = reconciler._routes()
+    assert loaded == frozenset({"french"})
