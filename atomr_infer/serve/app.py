@@ -52,7 +52,7 @@ from atomr_infer.serve.answers import (
     response_not_found,
 )
 from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile, may_use_as_asked
-from atomr_infer.serve.body import MAX_BODY_BYTES, parse_json, read_body
+from atomr_infer.serve.body import MAX_BODY_BYTES, as_utf8, parse_json, read_body
 from atomr_infer.serve.cors import Cors
 from atomr_infer.serve.errors import ManagerUnreachable
 from atomr_infer.serve.listener import HttpListener, direct_posts, listen
@@ -206,6 +206,7 @@ class OpenAIIngress:
             key = self._authenticate(request)
             raw = await read_body(request.stream(), request.headers.get("content-length"), self._max_body_bytes)
             facts, data = await read_facts(raw, request)
+            raw = raw if data is None else as_utf8(raw)
             model = self._canonical(facts.deployment)
             if facts.kind is not RequestKind.STORED or not self._by_any_name(key, model):
                 self._authorize(key, model, facts.deployment)

@@ -41,12 +41,16 @@ def _no_constants(name: str) -> Any:
 
 
 def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """Strict JSON from UTF-8 bytes: no NaN/Infinity, at most ``max_depth`` levels of nesting."""
+    """Strict JSON: no NaN/Infinity, at most ``max_depth`` levels of nesting. In UTF-8 (with or
+    without a byte-order mark), UTF-16 or UTF-32, told apart as ``json.loads`` of bytes does, as
+    vLLM's routes read a body (a file saved by a Windows tool starts with a BOM)."""
+    encoding = json.detect_encoding(raw)
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode(encoding)
     except UnicodeDecodeError as exc:
         raise InvalidRequest(
-            "body", f"the request body is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})"
+            "body", f"the request body is not valid {encoding.removesuffix('-sig').upper()} "
+            f"(byte 0x{raw[exc.start]:02x} at offset {exc.start})"
         ) from None
     try:
         data = json.loads(text, parse_constant=_no_constants)
@@ -58,6 +62,13 @@ def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     if depth > max_depth:
         raise InvalidRequest("body", f"the request body nests deeper than {max_depth} levels")
     return data
+
+
+def as_utf8(raw: bytes) -> bytes:
+    """A JSON body that ``parse_json`` read as UTF-16, UTF-32 or UTF-8 with a byte-order mark, as
+    plain UTF-8, the same text: what the ingress adds to a body (a request id) is UTF-8."""
+    encoding = json.detect_encoding(raw)
+    return raw if encoding == "utf-8" else raw.decode(encoding).encode()
 
 
 def json_depth(data: Any, stop_at: int) -> int:

@@ -78,8 +78,11 @@ class Router:
 def ingress(keys_yaml: str | None = None, requests_per_minute: int | None = None,
             tokens_per_minute: int | None = None) -> tuple[Any, Limiter, Any]:
     """(the ingress, its limiter, the ASGI app) for one deployment ``smollm2``."""
-    cls = OpenAIIngress.func_or_class
-    ingress = cls.__new__(cls)  # no Ray Serve replica: its fields set here
+    class Ingress(OpenAIIngress.func_or_class):  # type: ignore[misc, name-defined]
+        def __del__(self) -> None:  # Serve's is a coroutine, awaited by a Serve replica: there is none
+            pass
+
+    ingress = Ingress.__new__(Ingress)  # no Ray Serve replica: its fields set here
     ingress._max_body_bytes = MAX_BODY_BYTES
     ring = parse_key_file(keys_yaml) if keys_yaml else None
     ingress._keys = type("Keys", (), {"ring": lambda self: ring, "stop": lambda self: None})() if ring else None
@@ -95,10 +98,13 @@ def ingress(keys_yaml: str | None = None, requests_per_minute: int | None = None
 
 async def post(app: Any, path: str, body: dict[str, Any], key: str | None = None) -> tuple[int, dict[str, str], bytes]:
     """One POST through the ASGI app: (status, headers, body)."""
+    return await post_raw(app, path, json.dumps(body).encode(), key)
+
+
+async def post_raw(app: Any, path: str, raw: bytes, key: str | None = None) -> tuple[int, dict[str, str], bytes]:
     headers = [(b"content-type", b"application/json")]
     if key is not None:
         headers.append((b"authorization", f"Bearer {key}".encode()))
-    raw = json.dumps(body).encode()
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}

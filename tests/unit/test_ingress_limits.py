@@ -12,9 +12,6 @@ from atomr_infer.serve import rate_limit
 from atomr_infer.serve.rate_limit import Buckets, IngressLimits
 from tests.unit.ingress_app import USAGE, Limiter, ingress, post
 
-# The ingress is made without Ray Serve (ingress_app.py): its wrapper's async __del__ is never awaited.
-pytestmark = pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")
-
 ALICE = "sk-alice-0123456789"
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
 
 import pytest
@@ -70,3 +71,27 @@ def test_ordinary_bodies_parse():
     assert parse_json(json.dumps(body).encode()) == body
     assert json_depth(body, MAX_JSON_DEPTH) == 5
     assert json_depth(1, MAX_JSON_DEPTH) == 0
+
+
+@pytest.mark.parametrize("raw", [
+    b'\xef\xbb\xbf{"model": "m", "prompt": "caf\xc3\xa9"}',  # UTF-8 with a byte-order mark
+    '{"model": "m", "prompt": "café"}'.encode("utf-16"),
+    '{"model": "m", "prompt": "café"}'.encode("utf-32-le"),
+])
+def test_a_body_in_any_json_encoding_is_read_as_vllms_routes_read_it(raw):
+    """vLLM's routes (json.loads of the bytes) read these; the ingress answered 400 "not valid UTF-8"."""
+    assert parse_json(raw) == json.loads(raw) == {"model": "m", "prompt": "café"}
+
+
+def test_a_body_in_utf16_reaches_the_replica_as_utf8_so_what_the_ingress_adds_fits_it():
+    """The router writes a Responses request's id into its body: into UTF-16 bytes, corrupt."""
+    from tests.unit.ingress_app import ingress, post_raw
+
+    ingress_, _limiter, app = ingress()
+    body = '{"model": "smollm2", "input": "café"}'.encode("utf-16")
+    status, _headers, _answer = asyncio.run(post_raw(app, "/v1/responses", body))
+    [(facts, http)] = ingress_._router.seen
+    assert status == 200 and json.loads(http.body.decode("utf-8"))["input"] == "café"
+    from atomr_infer.routing.response_ids import with_request_id  # as the router names the response
+
+    assert json.loads(with_request_id(http, "resp_smollm2.r0.x").body)["request_id"] == "resp_smollm2.r0.x"
