@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from atomr_infer.errors import AtomrError, NoCluster
+from atomr_infer.errors import AtomrError, NoCluster, SettingError
 from atomr_infer.log import get_logger
 
 log = get_logger(__name__)
@@ -52,7 +52,7 @@ def local_address() -> str:
     """Where atomr's local head listens (or would): ``127.0.0.1:$ATOMR_RAY_PORT``."""
     port = os.environ.get("ATOMR_RAY_PORT") or "6379"
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise AtomrError(f"ATOMR_RAY_PORT is {port!r}: set it to a port number (1-65535), or unset it for 6379")
+        raise SettingError(f"ATOMR_RAY_PORT is {port!r}: set it to a port number (1-65535), or unset it for 6379")
     return f"127.0.0.1:{port}"
 
 

@@ -116,6 +116,10 @@ class DeviceUnavailable(AtomrError):
         return msg + (f" (hint: {self.hint})" if self.hint else "")
 
 
+class SettingError(AtomrError):
+    """An environment setting atomr reads is not valid (the CLI exits 2: invalid input)."""
+
+
 class NoCluster(AtomrError):
     """No Ray cluster runs where one was looked for: nothing listens there. Distinct from a
     cluster that answers but cannot be joined (a timeout, a missing auth token), which ``atomr

@@ -14,7 +14,7 @@ from typing import NoReturn
 import typer
 from rich.console import Console
 
-from atomr_infer.errors import BudgetExceeded, SpecError
+from atomr_infer.errors import BudgetExceeded, SettingError, SpecError
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_BUDGET, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -42,6 +42,9 @@ def fail(exc: BaseException) -> NoReturn:
     if isinstance(exc, SpecError):
         for problem in exc.problems:
             err.print(f"[red]error:[/] {_escape(str(problem))}", markup=True, emoji=False)
+        raise typer.Exit(EXIT_INVALID)
+    if isinstance(exc, SettingError):
+        err.print(f"[red]error:[/] {_escape(str(exc))}", markup=True, emoji=False)
         raise typer.Exit(EXIT_INVALID)
     if isinstance(exc, KeyboardInterrupt):
         err.print("interrupted")

@@ -27,6 +27,7 @@ if not os.environ.get("ATOMR_LOG_LEVEL"):
 
     configure_logging("WARNING", force=True)
 
+MAX_BODY_MB = 65_536.0  # --max-body-mb's bound (64 GiB): `inf` passed typer's min and failed after Ray started
 ADDRESS_HELP = "Ray cluster address, host:port (default: RAY_ADDRESS, else the local head atomr starts)."
 
 

@@ -48,7 +48,8 @@ def up_command(
         None, "--api-keys", help="With --serve: YAML file of API keys every /v1/* request then needs."
     ),
     max_body_mb: float | None = typer.Option(
-        None, "--max-body-mb", min=0.001, help="With --serve: larger request bodies get 413 (default 16)."
+        None, "--max-body-mb", min=0.001, max=common.MAX_BODY_MB,
+        help="With --serve: larger request bodies get 413 (default 16)."
     ),
     allowed_origins: str | None = common.cors_list_option("--allowed-origins", "With --serve: "),
     allowed_methods: str | None = common.cors_list_option("--allowed-methods", "With --serve: "),

@@ -31,7 +31,8 @@ def serve_command(
         None, "--api-keys", help="YAML file of API keys: every /v1/* request then needs one (re-read when it changes)."
     ),
     max_body_mb: float | None = typer.Option(
-        None, "--max-body-mb", min=0.001, help="Larger request bodies get 413 before they are routed (default 16)."
+        None, "--max-body-mb", min=0.001, max=common.MAX_BODY_MB,
+        help="Larger request bodies get 413 before they are routed (default 16)."
     ),
     allowed_origins: str | None = common.cors_list_option("--allowed-origins"),
     allowed_methods: str | None = common.cors_list_option("--allowed-methods"),

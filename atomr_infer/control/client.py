@@ -126,19 +126,20 @@ class ControlPlane:
         ready = [r for r in status.replicas if r.state == ReplicaState.READY]
         if not ready:
             raise NoReadyReplica(name)
-        calls = {
-            r.replica_id: ray.get_actor(r.actor_name, namespace=NAMESPACE).reset_prefix_cache.remote(
-                reset_running_requests
-            )
-            for r in ready
-        }
+        calls: dict[str, Any] = {}
         outcome = {}
+        for r in ready:  # a replica gone since the status (its name no longer found) is its line too
+            try:
+                actor = ray.get_actor(r.actor_name, namespace=NAMESPACE)
+                calls[r.replica_id] = actor.reset_prefix_cache.remote(reset_running_requests)
+            except Exception as exc:  # noqa: BLE001
+                outcome[r.replica_id] = f"failed: {one_line(unwrap(exc))}"
         for replica_id, ref in calls.items():
             try:
                 outcome[replica_id] = "reset" if ray.get(ref, timeout=self._timeout_s) else "busy"
             except Exception as exc:  # noqa: BLE001 - one replica's failure is its line, not the call's
                 outcome[replica_id] = f"failed: {one_line(unwrap(exc))}"
-        return outcome
+        return {r.replica_id: outcome[r.replica_id] for r in ready}
 
     def wait_ready(self, name: str, timeout_s: float = 600.0) -> DeploymentStatus | None:
         """The status once ``name`` has converged or failed (``status.failed``: nothing more

@@ -35,7 +35,7 @@ def test_a_bad_ray_port_setting_is_one_line_naming_it(args, tmp_path) -> None:
                                                                           "ATOMR_STATE_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "atomr_infer.cli.main", *args], capture_output=True, text=True,
                           timeout=120, env=env)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr  # invalid input (docs/cli.md)
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: ATOMR_RAY_PORT is 'abc': set it to a port number (1-65535), or unset it for 6379")
     assert (tmp_path / "ray-started-by-atomr").exists()  # nothing was stopped
@@ -72,3 +72,38 @@ def test_validate_and_an_offline_dry_run_refuse_what_apply_would(args, tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "max_num_batched_tokenz: not a vLLM EngineArgs field (did you mean 'max_num_batched_tokens'?)" in proc.stderr
     assert "'deepseek-r1' is not a vLLM reasoning_parser (did you mean 'deepseek_r1'?)" in proc.stderr
+
+
+def test_reset_cache_reports_a_replica_gone_since_the_status_on_its_line(monkeypatch) -> None:
+    """Its actor looked up outside the per-replica handling: a traceback, and no line for the others."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from atomr_infer.control.client import ControlPlane
+    from atomr_infer.status import DeploymentStatus, ReplicaState, ReplicaStatus
+
+    replicas = tuple(ReplicaStatus(f"r{i}", f"atomr:d:r{i}", ReplicaState.READY, 1) for i in range(2))
+    plane = ControlPlane(handle=None)
+    monkeypatch.setattr(plane, "status", lambda name: DeploymentStatus("d", "m", 1, 1, 2, 2, replicas))
+
+    def get_actor(name, namespace=None):
+        if name == "atomr:d:r0":
+            raise ValueError(f"Failed to look up actor with name '{name}'.")
+        return SimpleNamespace(reset_prefix_cache=SimpleNamespace(remote=lambda running: "ref"))
+
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: True)
+    assert plane.reset_prefix_cache("d") == {"r0": "failed: Failed to look up actor with name 'atomr:d:r0'.",
+                                             "r1": "reset"}
+
+
+@pytest.mark.parametrize("args", [["serve"], ["up", "--no-gemma", "--serve"]])
+def test_an_infinite_body_limit_is_refused_before_anything_starts(args) -> None:
+    """``inf`` passed the option's minimum, then failed converting to bytes after Ray had started."""
+    from typer.testing import CliRunner
+
+    from atomr_infer.cli.main import app
+
+    result = CliRunner().invoke(app, [*args, "--max-body-mb", "inf"])
+    assert result.exit_code == 2 and "--max-body-mb" in result.output, result.output
