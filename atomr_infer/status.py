@@ -136,4 +136,5 @@ class DeploymentStatus:
         """Plain JSON-ready data (``atomr status --json`` adds the replicas' live stats)."""
         data = dataclasses.asdict(self)
         data["status"] = str(self.state)
+        data["failed_adapters"] = self.failed_adapters
         return data

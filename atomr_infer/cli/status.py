@@ -81,6 +81,8 @@ def status_command(
             out.print(Text("\n" + render.scaling_line(s), style="dim"), soft_wrap=True)
         if s.last_failure and (s.failing or s.failed or s.recovering):  # not a failure long since mended
             out.print(Text("\n" + render.failure_line(s), style="red"), soft_wrap=True)
+        for adapter, why in s.failed_adapters.items():  # the deployment is ready; this adapter is not
+            out.print(Text(f"\n{s.name}: adapter {adapter!r} failed to load: {why}", style="red"), soft_wrap=True)
     if dashboard:
         out.print(Text(f"\ndashboard: {dashboard}", style="dim"), soft_wrap=True)
 

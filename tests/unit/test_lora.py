@@ -653,3 +653,26 @@ def test_a_replica_just_ready_is_routed_its_adapters_at_the_next_pass():
     reconciler.update()  # the next pass, well within a health period
     [(_, (loaded, _pending, _failed))] = reconciler._routes()
     assert loaded == frozenset({"french"})
+
+
+def test_atomr_status_says_an_adapter_failed_though_the_deployment_is_ready(monkeypatch):
+    """It showed a green 'ready', the failure only in the adapters line; --json had no field for it."""
+    from typer.testing import CliRunner
+
+    from atomr_infer.cli import common
+    from atomr_infer.cli import status as status_cli
+    from atomr_infer.cli.main import app
+    from atomr_infer.status import DeploymentStatus, ReplicaState, ReplicaStatus
+
+    replica = ReplicaStatus("r0", "atomr:tuned:r0", ReplicaState.READY, 1,
+                            adapters={"bad": "failed: LoRA rank 64 is greater than max_lora_rank 16.",
+                                      "pirate": "loaded"})
+    status = DeploymentStatus("tuned", "m", 1, 1, 1, 1, (replica,))
+    monkeypatch.setattr(status_cli, "_statuses", lambda address, name: [status])
+    for name, value in (("replica_stats", {}), ("dashboard_url", None), ("node_ips", {}), ("waiting_reasons", {})):
+        monkeypatch.setattr(common, name, lambda *args, value=value, **kwargs: value)
+    shown = CliRunner().invoke(app, ["status"])
+    assert shown.exit_code == 0 and "tuned: adapter 'bad' failed to load: LoRA rank 64" in shown.output, shown.output
+    as_json = CliRunner().invoke(app, ["status", "--json"])
+    [data] = json.loads(as_json.output)
+    assert data["failed_adapters"] == {"bad": "LoRA rank 64 is greater than max_lora_rank 16."}
