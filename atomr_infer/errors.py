@@ -164,11 +164,16 @@ class RoutingError(AtomrError):
 
 
 class DeploymentNotFound(RoutingError):
-    def __init__(self, name: str, known: list[str] | tuple[str, ...] = ()) -> None:
-        super().__init__(name, list(known))
-        self.name, self.known = name, list(known)
+    """``known``: the deployments to name in the message; None names none (said to a caller
+    without an API key, who may not learn them)."""
+
+    def __init__(self, name: str, known: list[str] | tuple[str, ...] | None = ()) -> None:
+        super().__init__(name, None if known is None else list(known))
+        self.name, self.known = name, None if known is None else list(known)
 
     def __str__(self) -> str:
+        if self.known is None:
+            return f"no deployment named {self.name!r}"
         known = ", ".join(self.known) if self.known else "none"
         return f"no deployment named {self.name!r} (deployments: {known})"
 

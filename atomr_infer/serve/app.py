@@ -216,7 +216,7 @@ class OpenAIIngress:
             if token_budgets:
                 refuse_uncounted(data, facts)
         except AtomrError as exc:
-            return self._logged(error_response(exc, path), key, model, started)
+            return self._refused(exc, path, key, model, started)
         name = key.name if key is not None else None
         # A token budget is charged the usage the response reports: ask a stream for it, and
         # take it out again if the client did not ask.
@@ -231,7 +231,7 @@ class OpenAIIngress:
             head = await anext(items)  # after routing and vLLM's validation: its status is known
         except Exception as exc:  # noqa: BLE001 - routing and replica errors become the API's errors
             await items.aclose()
-            return self._logged(error_response(exc, path), key, model, started)
+            return self._refused(exc, path, key, model, started)
         except BaseException:
             await items.aclose()
             raise
@@ -249,11 +249,18 @@ class OpenAIIngress:
             async with contextlib.aclosing(items):  # a cancelled task closes it: abort in the engine
                 body = b"".join([chunk async for chunk in items])
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
-            return self._logged(error_response(exc, path), key, model, started)
+            return self._refused(exc, path, key, model, started)
         tokens = body_tokens(body, out_headers) if runs else None
         self._limits.charge(token_budgets, tokens)
         self._access.done(name, model, head.status, tokens, started)
         return Response(body, status_code=head.status, headers=out_headers)
+
+    def _refused(self, exc: BaseException, path: str, key: ApiKey | None, model: str, started: float) -> Response:
+        """``exc`` as the API's error, logged. An unknown name does not list the deployments to a
+        caller without a key where the API has keys (tokenizing is open to them)."""
+        if type(exc) is DeploymentNotFound and self._keys is not None and key is None:
+            exc = DeploymentNotFound(exc.name, None)
+        return self._logged(error_response(exc, path), key, model, started)
 
     def _logged(self, response: Response, key: ApiKey | None, model: str, started: float) -> Response:
         self._access.done(key.name if key is not None else None, model, response.status_code, None, started)

@@ -100,3 +100,17 @@ def test_a_lost_limiter_actor_is_looked_up_again(monkeypatch: pytest.MonkeyPatch
     headers, token_budgets = asyncio.run(limits.admit("alice", (3, 100), None, (None, None)))
     assert headers["x-ratelimit-remaining-requests"] == "2" and [b.unit for b in token_budgets] == ["tokens"]
     assert limits._limiter is fresh
+
+
+def test_an_unknown_name_lists_the_deployments_only_to_a_caller_with_a_key() -> None:
+    """/tokenize is open without a key: its 404 listed every deployment, those no key may see too."""
+    _ingress, _limiter, app = ingress(keys())
+
+    async def main():
+        anonymous = await post(app, "/tokenize", {"model": "nobody", "prompt": "hi"})
+        keyed = await post(app, "/v1/chat/completions", {**CHAT, "model": "nobody"}, ALICE)
+        return anonymous, keyed
+
+    (status, _, body), (keyed_status, _, keyed_body) = asyncio.run(main())
+    assert status == 404 and json.loads(body)["error"]["message"] == "no deployment named 'nobody'"
+    assert keyed_status == 404 and "(deployments: smollm2)" in json.loads(keyed_body)["error"]["message"]
