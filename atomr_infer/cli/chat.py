@@ -20,7 +20,14 @@ import typer
 
 from atomr_infer.cli import common
 from atomr_infer.cli.app import EXIT_INTERRUPTED, EXIT_OK, app, err, fail, usage_error
-from atomr_infer.errors import AtomrError, DeploymentNotFound, EngineStartFailed, NoReadyReplica, one_line
+from atomr_infer.errors import (
+    AtomrError,
+    DeploymentNotFound,
+    EngineStartFailed,
+    InvalidRequest,
+    NoReadyReplica,
+    one_line,
+)
 
 HELP = "/clear forgets the conversation, /bye or Ctrl-D leaves; Ctrl-C stops an answer."
 
@@ -36,6 +43,11 @@ def _check_target(control: Any, name: str) -> None:
         raise DeploymentNotFound(name, [s.name for s in control.list()])
     if status.failed:
         raise EngineStartFailed(f"deployment {status.name!r} failed and starts no replica: {status.last_failure}")
+    routes = next((r.routes for r in status.replicas if r.routes), ())  # as its replicas' vLLM serves them
+    if routes and "POST /v1/chat/completions" not in routes:
+        served = sorted({route.split(" ", 1)[1] for route in routes if route.startswith("POST /v1/")})
+        raise InvalidRequest("model", f"deployment {status.name!r} does not chat (its model serves "
+                             f"{', '.join(served) or 'no /v1 route'}, e.g. as an embedding model)")
 
 
 @app.command("chat")

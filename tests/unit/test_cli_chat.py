@@ -60,3 +60,24 @@ def test_chat_refuses_an_unknown_name_and_an_empty_prompt_in_one_line(chat) -> N
     assert unknown.exit_code == 1 and "no deployment named 'nobody'" in unknown.output, unknown.output
     empty = chat("tuned", "  ")
     assert empty.exit_code == 2 and "the prompt is empty" in empty.output, empty.output
+
+
+def test_chat_with_a_model_that_does_not_chat_says_so_at_once(chat, monkeypatch) -> None:
+    """An embedding model: it printed vLLM's 404 body, 'HTTP 404: {"detail":"Not Found"}'."""
+    import dataclasses
+
+    from atomr_infer.cli import common as cli_common
+
+    control = cli_common.control_plane()
+    pooling = ("POST /v1/embeddings", "POST /pooling", "POST /tokenize")
+
+    class Embedder(type(control)):
+        def status(self, name):
+            status = super().status(name)
+            return dataclasses.replace(status, replicas=tuple(
+                dataclasses.replace(r, routes=pooling) for r in status.replicas))
+
+    monkeypatch.setattr(cli_common, "control_plane", lambda *args, **kwargs: Embedder())
+    result = chat("tuned", "hi")
+    assert result.exit_code == 1 and "deployment 'tuned' does not chat" in result.output, result.output
+    assert "/v1/embeddings" in result.output
