@@ -28,6 +28,7 @@ from atomr_infer.control.budget import (
 )
 from atomr_infer.control.cluster_view import ray_cluster_view
 from atomr_infer.control.managed import ManagedDeployment, budgeted, removal_record
+from atomr_infer.control.placement import node_has_room
 from atomr_infer.control.plan import ApplyResult, Plan, PlanResult, check_names, plan_apply, plan_remove
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
 from atomr_infer.control.recovery import Recovery
@@ -183,19 +184,20 @@ class DeploymentManager:
                  replicas_to=decision.to_replicas, reason=decision.reason)
         self._metrics.scaled(name, decision.direction)
 
-    def _scale_cap(
-        self, spec: Deployment, current: int, wanted: int, cluster: ClusterView | None = None
-    ) -> tuple[int, str | None]:
+    def _scale_cap(self, spec: Deployment, current: int, wanted: int,
+                   cluster: ClusterView | None = None) -> tuple[int, str | None]:
         """How far the budget lets ``spec`` scale from ``current`` towards ``wanted``, and why not further."""
         cluster = cluster or self._cluster_view()
         sizes = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
         return scale_cap(spec, self._others(spec.name), cluster, current, wanted, sizes)
 
     def _room_for_one_more(self, managed: ManagedDeployment) -> bool:
-        """Room in the budget for a roll's surge replica (none on one GPU: the roll is stop-first)."""
-        want = managed.reconciler.want
-        cap, _why = self._scale_cap(managed.spec, want, want + 1)
-        return cap > want
+        """Room for a roll's surge replica (else the roll is stop-first): in the budget, and on GPUs
+        on a node now (the budget counts the old replicas at the new spec's GPUs: 2 → 1 on a full
+        cluster started one no node could take, and the old replicas waited for it for good)."""
+        want, cluster = managed.reconciler.want, self._cluster_view()
+        cap, _why = self._scale_cap(managed.spec, want, want + 1, cluster)
+        return cap > want and (not uses_gpus(managed.spec, cluster) or node_has_room({"GPU": managed.spec.gpus}))
 
     def _others(self, name: str, alongside: list[Deployment] | None = None) -> list[Deployment]:
         """The other deployments as the budget counts them: at their current replica targets,

@@ -47,6 +47,12 @@ def free_resources_by_node() -> dict[str, dict[str, float]]:
         return {}
 
 
+def node_has_room(need: Mapping[str, float]) -> bool:
+    """Whether a node has ``need`` free now; True when Ray cannot say."""
+    free = free_resources_by_node()
+    return not free or pick_node("spread", free, need, []) is not None
+
+
 def node_hint(placement: str, need: Mapping[str, float], peer_nodes: Sequence[str]) -> str | None:
     return pick_node(placement, free_resources_by_node(), need, peer_nodes)
 

@@ -226,6 +226,29 @@ def test_a_roll_on_a_cluster_with_no_gpu_to_spare_stops_the_old_replica_first() 
     assert h.live() == ["atomr:demo:r1"]
 
 
+def test_a_roll_to_fewer_gpus_on_a_full_cluster_goes_stop_first(monkeypatch) -> None:
+    """2 replicas x 2 GPUs on 4, then gpus: 1. The budget counted the old replicas at 1 GPU each
+    and let a third start, which no node could take: the old replicas waited for it for good."""
+    from atomr_infer.control import placement
+
+    h = Harness()  # four GPUs
+    h.call("apply", spec(gpus=2, replicas=2))
+    h.converge()
+    free = {"n0": {"GPU": 0.0, "CPU": 4.0}, "n1": {"GPU": 0.0, "CPU": 4.0}}  # as Ray says: every GPU held
+    monkeypatch.setattr(placement, "free_resources_by_node", lambda: free)
+    h.call("apply", spec(gpus=1, replicas=2))
+    for _ in range(12):
+        h.manager.reconcile_once()
+        assert len(h.live()) <= 2  # no replica beyond the two the GPUs hold
+        h.launcher.make_ready()
+        for handle in h.launcher.started:
+            if handle.draining:
+                handle.drained = Poll.success()
+        h.clock.advance(1.0)
+    assert h.call("status", "demo").converged and len(h.live()) == 2
+    assert h.live() == ["atomr:demo:r2", "atomr:demo:r3"]
+
+
 def test_a_roll_with_a_gpu_to_spare_starts_the_new_replica_first() -> None:
     h = Harness()  # four GPUs
     h.call("apply", spec())
