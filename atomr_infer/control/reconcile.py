@@ -268,8 +268,11 @@ class DeploymentReconciler:
     def _start(self, spec: Deployment, now: float) -> bool:
         replica_id = f"r{self._next_index}"
         self._next_index += 1
-        # Where the deployment's replicas are, so that a new one spreads or packs next to them.
-        nodes = [r.handle.placement().get("node_id") for r in self.replicas if r.live]
+        # Where the deployment's replicas are, so that a new one spreads or packs next to them:
+        # those of the current spec (mid-roll, the old ones are about to go; counted, a roll
+        # put every new replica beside them on the node with the most free GPUs).
+        nodes = [r.handle.placement().get("node_id") for r in self.replicas
+                 if r.live and r.runtime_key == self.runtime_key]
         try:
             handle = self._launcher.start(spec, replica_id, [n for n in nodes if n])
         except Exception as exc:  # noqa: BLE001 - a failed start is a replica failure, not a crash

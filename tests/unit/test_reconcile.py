@@ -267,3 +267,17 @@ def test_a_failure_since_mended_is_history_not_failing():
     status = rec.status()
     assert status.last_failure == "r0 ActorDiedError: the actor died"  # kept, as history
     assert not status.failing and status.state is DeploymentState.ROLLING
+
+
+def test_a_rolls_new_replicas_spread_among_themselves_not_beside_the_old_ones():
+    """The old replicas, about to go, were counted as peers: a roll put every new replica on the
+    node with the most free GPUs, beside them, and left the other node empty."""
+    from atomr_infer.control.managed import runtime_key
+
+    clock, launcher, rec = setup(replicas=1)
+    converge(clock, launcher, rec)
+    launcher.started[0].facts = {"node_id": "A"}
+    other = spec(replicas=1, model="org/other")
+    rec.set_desired(other, 2, runtime_key(other, 0))
+    rec.update()
+    assert len(launcher.started) == 2 and launcher.peer_nodes == []
