@@ -69,6 +69,7 @@ class DeploymentReconciler:
         # A replica failed since one last started (or the spec last changed): the manager is retrying.
         # last_failure stays afterwards, as history; an old one is no reason to say "failing".
         self.failing = False
+        self._failed_at = -1.0  # the clock of the last failure
         self._launcher, self._clock = launcher, clock
         self._cfg = config or ReconcileConfig()
         self._next_index = next_index
@@ -297,9 +298,11 @@ class DeploymentReconciler:
         self._note_failure(f"{r.replica_id} {reason}", now, recurring)
 
     def _note_failure(self, reason: str, now: float, recurring: bool = False) -> None:
-        self.failures += 1
-        delay = min(self._cfg.backoff_max_s, self._cfg.backoff_base_s * 2 ** (self.failures - 1))
-        self.next_start_at = now + delay
+        if now != self._failed_at:  # replicas failing in one pass (their node lost) are one backoff step
+            self.failures += 1
+            delay = min(self._cfg.backoff_max_s, self._cfg.backoff_base_s * 2 ** (self.failures - 1))
+            self.next_start_at = now + delay
+        self._failed_at = now
         self.last_failure, self.failing = reason, True
         self.failure_kind = "recurring" if recurring else "transient"
         if recurring:

@@ -281,3 +281,18 @@ def test_a_rolls_new_replicas_spread_among_themselves_not_beside_the_old_ones():
     rec.set_desired(other, 2, runtime_key(other, 0))
     rec.update()
     assert len(launcher.started) == 2 and launcher.peer_nodes == []
+
+
+def test_replicas_lost_together_are_one_backoff_step():
+    """A node with 8 replicas lost: each failure doubled the backoff, and the first replacement
+    started 60 s later (2^7 s, capped)."""
+    clock, launcher, rec = setup(replicas=8)
+    converge(clock, launcher, rec)
+    for handle in launcher.started:
+        handle.health = Poll.failed("ActorDiedError: the actor died (its node was lost)")
+    clock.advance(1.0)
+    rec.update()
+    assert rec.failures == 1 and rec.next_start_at - clock() == 1.0
+    clock.advance(1.0)
+    rec.update()
+    assert len(launcher.started) == 9  # probing again after one base backoff
