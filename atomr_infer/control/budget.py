@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from atomr_infer.engine.cpu import size_kv_cache
+from atomr_infer.engine.cpu import cpu_reservation, size_kv_cache
 from atomr_infer.errors import CPU_DEMO_HINT, BudgetExceeded, DeviceUnavailable
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
@@ -49,6 +49,9 @@ class ClusterView:
     gpu_memory_bytes: int | None = None  # per GPU; None = unknown (memory check skipped)
     prices_usd: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_GPU_PRICES_USD))
     cpu_memory_available_bytes: int | None = None  # None = unknown (CPU memory check skipped)
+    # The most GPUs and CPUs one alive node has: a replica's are one actor's, on one node (None = unknown).
+    largest_node_gpus: float | None = None
+    largest_node_cpus: float | None = None
 
     def price_per_gpu_hour(self) -> float:
         key = self.accelerator_type or "default"
@@ -125,6 +128,20 @@ def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: Cluste
             f"this deployment needs {need:g} (gpus {spec.gpus} x replicas {spec.replicas}{_autoscaled(spec)}), others "
             f"hold {others_need:g}; lower {_lower(spec)} or gpus, remove a deployment, or add GPU nodes",
         )
+
+    # One replica's GPUs (a CPU replica's reserved CPUs) are one actor's: Ray takes them from one
+    # node, so a replica larger than every node is never placed, whatever the cluster's total.
+    if uses_gpus(spec, cluster):
+        one, largest, unit, knob = float(spec.gpus), cluster.largest_node_gpus, "GPUs", "gpus"
+    else:
+        one, largest, unit, knob = float(cpu_reservation(spec)), cluster.largest_node_cpus, "CPUs", "cpu_threads"
+    if largest is not None and one > largest:
+        check = unit.lower()
+        detail = f"a replica's {one:g} {unit} must be on one node; the largest has {largest:g}"
+        checks.append(Check(check, False, detail))
+        if raise_on_fail:
+            raise BudgetExceeded(spec.name, check, one, largest, f"{unit} on one node",
+                                 f"lower {knob}, or add a node with {one:g} {unit}")
 
     # Memory fit, per GPU, when both the model size and the GPU memory are known.
     if uses_gpus(spec, cluster) and cluster.gpu_memory_bytes and weights_bytes:

@@ -18,6 +18,7 @@ def ray_cluster_view() -> ClusterView:
     import ray
 
     resources = ray.cluster_resources()
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     accel = next((k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")), None)
     mem = GPU_MEMORY_GIB.get(accel or "")
     return ClusterView(
@@ -26,4 +27,6 @@ def ray_cluster_view() -> ClusterView:
         gpu_memory_bytes=mem * (1 << 30) if mem else None,
         prices_usd=prices_from_env(),
         cpu_memory_available_bytes=psutil.virtual_memory().available,
+        largest_node_gpus=max((float(n.get("GPU", 0)) for n in nodes), default=None),
+        largest_node_cpus=max((float(n.get("CPU", 0)) for n in nodes), default=None),
     )

@@ -95,6 +95,22 @@ def test_gpu_check_counts_every_deployment():
     assert "others hold 2" in err.hint
 
 
+def test_a_replica_larger_than_every_node_is_refused_whatever_the_total():
+    """gpus: 2 on two 1-GPU nodes (2 in all) passed, and the replica was never placed: Ray takes
+    one actor's GPUs from one node. So did cpu_threads above every node's CPUs."""
+    two_small = ClusterView(total_gpus=2, largest_node_gpus=1, largest_node_cpus=2)
+    with pytest.raises(BudgetExceeded, match="needs 2 GPUs on one node, 1 GPUs on one node available") as info:
+        check_budget(spec(device="cuda", gpus=2), [], two_small)
+    assert "lower gpus, or add a node with 2 GPUs" in info.value.hint
+    verdict = check_budget(spec(device="cuda", gpus=2), [], two_small, raise_on_fail=False)
+    assert not verdict.ok and "must be on one node; the largest has 1" in str(verdict.checks)
+    assert check_budget(spec(device="cuda", gpus=1, replicas=2), [], two_small).ok
+    with pytest.raises(BudgetExceeded, match="cpus budget: needs 8 CPUs on one node"):
+        check_budget(spec(device="cpu", runtime_config={"cpu_threads": 8}), [], two_small)
+    assert check_budget(spec(device="cpu", runtime_config={"cpu_threads": 2}), [], two_small).ok
+    assert check_budget(spec(device="cuda", gpus=8), [], ClusterView(total_gpus=8)).ok  # nodes unknown: not checked
+
+
 def test_cpu_and_auto_on_gpu_less_cluster_need_no_gpus():
     cluster = ClusterView(total_gpus=0)
     assert check_budget(spec(device="cpu", replicas=3), [], cluster).ok
