@@ -28,7 +28,7 @@ from atomr_infer.control.budget import (
 )
 from atomr_infer.control.cluster_view import ray_cluster_view
 from atomr_infer.control.managed import ManagedDeployment, budgeted, removal_record
-from atomr_infer.control.placement import node_has_room
+from atomr_infer.control.placement import GpuChoice, node_has_room
 from atomr_infer.control.plan import ApplyResult, Plan, PlanResult, check_names, plan_apply, plan_remove
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
 from atomr_infer.control.recovery import Recovery
@@ -49,16 +49,12 @@ RECOVERY_WAIT_S = 30.0
 class DeploymentManager:
     """The control plane. Create through ``atomr_infer.manager()``; every method is idempotent."""
 
-    def __init__(
-        self,
-        launcher: ReplicaLauncher | None = None,
-        store: StateStore | None = None,
-        cluster: ClusterView | None = None,
-        reconcile_config: ReconcileConfig | None = None,
-        clock: Any = time.time,
-    ) -> None:
+    def __init__(self, launcher: ReplicaLauncher | None = None, store: StateStore | None = None,
+                 cluster: ClusterView | None = None, reconcile_config: ReconcileConfig | None = None,
+                 clock: Any = time.time) -> None:
         heavy_imports.watch("manager")  # it must load neither torch nor vLLM (heavy_imports.py)
         self._cluster_override = cluster
+        self._gpu_choice = GpuChoice(self._cluster_view)
         self._launcher = launcher or self._ray_launcher()
         self._store = store or StateStore()
         self._clock = clock
@@ -86,7 +82,7 @@ class DeploymentManager:
     def _ray_launcher(self) -> ReplicaLauncher:
         from atomr_infer.control.ray_replicas import RayReplicaLauncher
 
-        return RayReplicaLauncher(lambda spec: uses_gpus(spec, self._cluster_view()))
+        return RayReplicaLauncher(self._gpu_choice)
 
     def _cluster_view(self) -> ClusterView:
         return self._cluster_override if self._cluster_override is not None else ray_cluster_view()
@@ -161,6 +157,7 @@ class DeploymentManager:
                 log.error("reconcile_failed", deployment=name, error=repr(exc))
         for name in [n for n, r in self._removing.items() if r.finished_removing]:
             del self._removing[name]
+            self._gpu_choice.forget(name)
             routes_changed = True
         routes_changed |= self._recovery.settled()  # its adopted replicas answered: the table lists them (or not)
         reap = getattr(self._launcher, "reaper", None)

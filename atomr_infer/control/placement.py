@@ -12,10 +12,12 @@ placement-group bundle's) resources, which Ray always takes from a single node.
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from atomr_infer.control.budget import ClusterView, uses_gpus
 from atomr_infer.log import get_logger
+from atomr_infer.spec import Deployment
 
 log = get_logger(__name__)
 
@@ -45,6 +47,29 @@ def free_resources_by_node() -> dict[str, dict[str, float]]:
     except Exception as exc:  # noqa: BLE001 - no hint then: Ray places the replica itself
         log.warning("node_resources_unknown", error=repr(exc))
         return {}
+
+
+class GpuChoice:
+    """Whether a deployment's new replica reserves GPUs. ``device: auto`` asks for them when the
+    cluster has GPUs; once its replicas ran on GPUs it keeps asking (pending until a GPU node is
+    back): with the last GPU node lost for a while, a replacement became a CPU replica, which on
+    a node with vLLM's CUDA build failed to start three times, and the deployment gave up."""
+
+    def __init__(self, cluster: Callable[[], ClusterView]) -> None:
+        self._cluster = cluster
+        self._on_gpus: set[str] = set()
+
+    def __call__(self, spec: Deployment) -> bool:
+        if spec.device == "auto" and spec.name in self._on_gpus:
+            return True
+        on_gpus = uses_gpus(spec, self._cluster())
+        if on_gpus:
+            self._on_gpus.add(spec.name)
+        return on_gpus
+
+    def forget(self, name: str) -> None:
+        """``name`` was removed: a deployment made again under it decides afresh."""
+        self._on_gpus.discard(name)
 
 
 def node_has_room(need: Mapping[str, float]) -> bool:

@@ -182,3 +182,18 @@ def test_cpu_offload_is_per_gpu():
     d = spec(device="cuda", gpus=2, runtime_config={"gpu_memory_utilization": 0.5, "cpu_offload_gb": 4})
     verdict = check_budget(d, [], cluster, weights_bytes=20 * GiB, kv_bytes_per_token=0)
     assert verdict.ok and "6.0 of 7.0 GiB per GPU" in str(verdict)
+
+
+def test_an_auto_deployment_that_ran_on_gpus_keeps_asking_for_them_when_its_gpu_node_is_lost():
+    """Its replacement, with the last GPU node gone for a while, was made a CPU replica: on a node
+    with vLLM's CUDA build it failed to start three times, and the deployment gave up for good."""
+    from atomr_infer.control.placement import GpuChoice
+
+    cluster = [ClusterView(total_gpus=1)]
+    choice = GpuChoice(lambda: cluster[0])
+    auto, cpu = spec(device="auto"), spec(name="c", device="cpu")
+    assert choice(auto) and not choice(cpu)
+    cluster[0] = ClusterView(total_gpus=0)  # the GPU node lost
+    assert choice(auto)  # a replacement waits for a GPU rather than running on the CPU
+    choice.forget("d")  # removed: made again, it decides afresh
+    assert not choice(auto)
