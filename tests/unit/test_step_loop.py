@@ -250,3 +250,40 @@ def test_the_loop_reads_the_engine_after_every_step_in_its_own_thread():
     loop.stop()
     assert len(rec.batches) == engine.steps == 3
     assert all(e is engine and name == "test-after-step" for e, name in seen)
+
+
+def test_an_aborted_parallel_sampling_request_leaves_nothing_in_vllms_output_processor():
+    """n > 1 aborted (its client left): vLLM's own LLMEngine.add_request/abort_request and output
+    processor, over a core that takes everything. Aborted by its external id alone, the parent
+    request stayed in the output processor for good, with the choices that had finished."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    aborted: list[str] = []
+    engine = object.__new__(LLMEngine)  # its methods, with no executor or core process behind them
+    engine.output_processor = OutputProcessor(None, log_stats=False)
+    engine.engine_core = SimpleNamespace(add_request=lambda request: None, abort_requests=aborted.extend,
+                                         dp_engines_running=lambda: False)
+    engine.dp_group = None
+    engine.input_processor = SimpleNamespace(apply_watermarking=lambda p, w: None, resolve_watermarking=lambda p: False,
+                                             assign_request_id=InputProcessor.assign_request_id)
+    engine.step = lambda: []
+    engine.has_unfinished_requests = lambda: False
+    rec = Recorder()
+    loop = rec.loop(engine)
+    loop.start()
+    for i in range(20):
+        params = SamplingParams(n=2, max_tokens=16, output_kind=RequestOutputKind.FINAL_ONLY)
+        request = EngineCoreRequest(f"cmpl-{i}", [1, 2, 3], None, params, None, time.time(), None, None, None)
+        loop.submit(request.request_id, request, params)
+        loop.abort([request.request_id])
+    wait_until(lambda: len(aborted) == 40)  # both choices of each, in the core
+    processor = engine.output_processor
+    assert (processor.parent_requests, processor.request_states, processor.external_req_ids) == ({}, {}, {})
+    loop.stop()
+    assert rec.rejected == [] and rec.errors == []
