@@ -284,3 +284,23 @@ def test_a_generation_that_runs_on_after_its_request_ended_counts_toward_max_con
             replica._backend.finish(stream)
 
     assert isinstance(asyncio.run(main()), ReplicaBusy)
+
+
+def test_a_request_submitted_after_the_engine_was_found_wedged_fails_at_once(replica):
+    """Streams open then were failed; one vLLM's serving layer was still preparing (a chat template
+    rendering) registered afterwards and waited for output for good."""
+    from atomr_infer.errors import EngineError
+
+    async def main():
+        await replica.ready()
+        replica._backend.fail_open(EngineError("atomr:unitdep:r7 is wedged"))
+        assert replica._backend.dead_error() is not None  # vLLM's serving layer now refuses up front
+        late = SimpleNamespace(request_id="late", params=SimpleNamespace(max_tokens=4))
+        stream = replica._backend.submit(late, None, 4)
+        try:
+            with pytest.raises(EngineError, match="wedged"):
+                await asyncio.wait_for(anext(aiter(stream)), 5)
+        finally:
+            replica._backend.finish(stream)
+
+    asyncio.run(main())

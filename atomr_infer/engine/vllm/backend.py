@@ -238,5 +238,7 @@ class VllmBackend:
         self._streams.close(stream)
 
     def dead_error(self) -> BaseException | None:
-        error = self._loop.error
+        """Why the engine takes no request (vLLM's serving layer then refuses it up front): it
+        failed, was found wedged, or shut down."""
+        error = self._loop.error or self._streams.failed
         return None if error is None else EngineError(f"{self._ctx.name} is unhealthy: {error!r}")

@@ -22,6 +22,9 @@ class OpenStreams:
     def __init__(self, loop: StepLoop, stats: StatsCollector, metrics: ReplicaMetrics, log: Any) -> None:
         self._loop, self._stats, self._metrics, self._log = loop, stats, metrics, log
         self._streams: dict[str, RequestStream] = {}
+        # Why no stream can run any more (the engine failed, was found wedged, or shut down): a
+        # request vLLM's serving layer was still preparing then would wait for output for good.
+        self.failed: BaseException | None = None
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -39,6 +42,9 @@ class OpenStreams:
         if request_id in self._streams:
             raise InvalidRequest("request_id", f"{request_id!r} is already in flight on this replica")
         stream = RequestStream(request_id, prompt_tokens, logged_id)
+        if self.failed is not None:  # nothing would ever step it: its consumer raises at once
+            stream.fail(self.failed)
+            return stream
         self._streams[request_id] = stream  # registered before it can produce output
         self._stats.started()
         self._metrics.request_started()
@@ -88,6 +94,8 @@ class OpenStreams:
             self._log.debug("request_failed", request_id=stream.logged_id, error=str(error))
 
     def fail_all(self, error: BaseException) -> None:
+        """Fail every open stream, and every one opened from now on, with ``error``."""
+        self.failed = self.failed or error
         for stream in list(self._streams.values()):
             if not stream.finished:
                 stream.fail(error)
