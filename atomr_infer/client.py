@@ -34,24 +34,24 @@ import contextlib
 import difflib
 import importlib
 import json
+import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import CancelledError as FutureCancelled
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from atomr_infer.errors import AtomrError, EngineError, InvalidRequest, RequestError, RouterClosed, RoutingError
+from atomr_infer.errors import AtomrError, EngineError, InvalidRequest, RequestError, RouterClosed
+from atomr_infer.routing.manager_link import ManagerLink
 from atomr_infer.routing.router import Router
-from atomr_infer.routing.table import RoutingTable
 from atomr_infer.serving_process import freeze_heap, tuning_wanted
 from atomr_infer.wire import HttpHead, HttpRequest, RoutingFacts
 
 _JSON = (("content-type", "application/json"),)
 # How long the manager may take to answer for the routing table (it answers in milliseconds):
 # a hung or unreachable manager fails the request, or leaves it routed by the cached table.
-TABLE_FETCH_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,11 @@ class _Endpoint:
 
     def model(self, which: str) -> Any:
         module, _, cls = getattr(self, which).partition(":")
+        if module not in sys.modules:
+            # First imported on a thread of its own: vLLM keeps an import error (no torchcodec) in
+            # a module global, whose traceback holds the importing frames, the Client among them.
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(importlib.import_module, module).result()
         model = getattr(importlib.import_module(module), cls)
         _freeze_vllm_heap()
         return model
@@ -152,7 +157,8 @@ class Client:
         from atomr_infer.control.client import manager_handle as get_manager
 
         # Joins a running cluster and manager: a client of no deployment starts neither.
-        self._manager = manager if manager is not None else get_manager(address, start=False)
+        handle = manager if manager is not None else get_manager(address, start=False)
+        self._link = ManagerLink(handle, wait_for_replica_s)
         self._wait_s = wait_for_replica_s
         # one per event loop (asyncio objects are loop-bound), keyed by the loop itself (an id
         # is reused once a loop is freed); routers of closed loops are dropped.
@@ -162,12 +168,6 @@ class Client:
         self._closed = False
         self._lock = threading.Lock()
 
-    async def _fetch(self, since_version: int) -> RoutingTable | None:
-        try:
-            return await asyncio.wait_for(self._manager.routing_table.remote(since_version), TABLE_FETCH_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise RoutingError(f"the atomr manager did not answer within {TABLE_FETCH_TIMEOUT_S:g}s") from None
-
     def _router(self) -> Router:
         if self._closed:
             raise RouterClosed("the Client was closed")
@@ -175,8 +175,8 @@ class Client:
         for loop in [loop for loop in list(self._routers) if loop.is_closed()]:  # (other threads add theirs)
             self._routers.pop(loop, None)
         if (router := self._routers.get(key)) is None:
-            router = self._routers[key] = Router(self._fetch, wait_for_replica_s=self._wait_s,
-                                                 demand=self._manager.report_demand.remote)
+            router = self._routers[key] = Router(self._link.table, wait_for_replica_s=self._wait_s,
+                                                 demand=self._link.demand)
         return router
 
     # -- async -------------------------------------------------------------------------------

@@ -138,9 +138,9 @@ class Router:
         return channel
 
     async def aclose(self) -> None:
-        """Close every channel of this router and wait for their tasks to end (before the
-        event loop that runs them is closed)."""
+        """Close every channel of this router and wait for their tasks (before their event loop closes)."""
         self._closed = True
+        self._released.set()  # a request waiting for a replica: it ends now (RouterClosed)
         channels = [*self._channels.values(), *self._retired]
         tasks = [task for channel in channels for task in channel.close()]
         if self._background is not None and self._background.cancel():  # a table fetch under way
@@ -290,6 +290,8 @@ class Router:
                         return dep, choice, adapter, self._picker.take_work(choice.actor_name)
                     if dep.on_capacity_exhausted == "reject":
                         raise CapacityExhausted(name, dep.max_concurrent)
+                if self._closed:
+                    raise RouterClosed("the router was closed")
                 now = time.monotonic()
                 if waiting_for is None:
                     waiting_for = dep.name

@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from atomr_infer.cluster import MANAGER_NAME, NAMESPACE
 from atomr_infer.log import get_logger
+from atomr_infer.routing.manager_link import lookup_manager
 from atomr_infer.routing.table import RoutingTable
 from atomr_infer.serve.errors import ManagerUnreachable
 from atomr_infer.task_context import outside_request
@@ -32,7 +32,7 @@ class TableCache:
         poll_timeout_s: float = POLL_TIMEOUT_S,
         first_load_timeout_s: float = FIRST_LOAD_TIMEOUT_S,
     ) -> None:
-        self._lookup = lookup or _lookup_manager
+        self._lookup = lookup or lookup_manager
         self._handle: Any = None
         self._looking: asyncio.Future[Any] | None = None  # the lookup under way
         self._poll_timeout_s, self._first_load_timeout_s = poll_timeout_s, first_load_timeout_s
@@ -138,8 +138,3 @@ class TableCache:
             if newer is not None:
                 self._take(newer)
 
-
-def _lookup_manager() -> Any:
-    import ray
-
-    return ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)

@@ -19,10 +19,11 @@ from .fakes import JSON, FakeManager, FakeReplica, route
 
 
 def test_a_client_whose_manager_never_answers_fails_in_bounded_time(monkeypatch):
-    import atomr_infer.client as client_module
     from atomr_infer.client import Client
+    from atomr_infer.routing import manager_link
 
-    monkeypatch.setattr(client_module, "TABLE_FETCH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(manager_link, "TABLE_FETCH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(manager_link, "RECOVERY_POLL_S", 0.0)
 
     async def main():
         client = Client(manager=FakeManager(lambda version: asyncio.Event().wait()), wait_for_replica_s=0.1)
