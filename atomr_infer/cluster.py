@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -129,6 +130,7 @@ def connect(address: str | None = None, start: bool = True) -> None:
     import ray
 
     if ray.is_initialized():
+        _check_same_cluster(address)
         return
     use_local_auth_token()
     target = target_address(address)
@@ -140,6 +142,33 @@ def connect(address: str | None = None, start: bool = True) -> None:
     if not start:
         raise NoCluster("no Ray cluster is running (hint: `atomr up`, or set RAY_ADDRESS)")
     _init_within(start_local_head(), CONNECT_TIMEOUT_S)
+
+
+def _check_same_cluster(address: str | None) -> None:
+    """``address`` given to a process already in Ray: the cluster it is in, or ``AtomrError``.
+    It was ignored: a notebook that had run ``ray.init()`` made its deployments in that throwaway
+    cluster, which ``atomr status`` never sees."""
+    import ray
+
+    if not address or address == "auto" or address.startswith("ray://"):
+        return
+    current = ray.get_runtime_context().gcs_address
+    host, _, port = address.rpartition(":")
+    current_host, _, current_port = current.rpartition(":")
+    try:
+        resolved = socket.gethostbyname(host.strip("[]"))
+    except OSError:
+        resolved = host
+    if port != current_port or not (current_host in (host, resolved) or (_here(resolved) and _here(current_host))):
+        raise AtomrError(f"this process is already connected to Ray at {current}, not {address} (hint: "
+                         "ray.shutdown() first, or leave out the address to use the cluster it is in)")
+
+
+def _here(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (loopback, or one of its interfaces')."""
+    import psutil
+
+    return host.startswith("127.") or host in {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
 
 
 CONNECT_TIMEOUT_S = 25.0  # plus the command's own start: every command gives up within 30 s

@@ -107,3 +107,27 @@ def test_an_infinite_body_limit_is_refused_before_anything_starts(args) -> None:
 
     result = CliRunner().invoke(app, [*args, "--max-body-mb", "inf"])
     assert result.exit_code == 2 and "--max-body-mb" in result.output, result.output
+
+
+def test_an_address_other_than_the_cluster_this_process_is_in_is_refused(monkeypatch) -> None:
+    """It was ignored: a notebook that had run ray.init() made its deployments in that cluster."""
+    import socket
+    from types import SimpleNamespace
+
+    import ray
+
+    from atomr_infer.cluster import connect
+    from atomr_infer.errors import AtomrError
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="10.0.0.5:6379"))
+    with pytest.raises(AtomrError, match="already connected to Ray at 10.0.0.5:6379, not 10.9.9.9:6379"):
+        connect("10.9.9.9:6379")
+    connect(None)
+    connect("auto")
+    connect("10.0.0.5:6379")
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="127.0.0.1:6379"))
+    for same in ("127.0.0.1:6379", "localhost:6379", f"{socket.gethostname()}:6379"):  # this machine, its head
+        connect(same)
+    with pytest.raises(AtomrError, match="not 127.0.0.1:6380"):
+        connect("127.0.0.1:6380")
