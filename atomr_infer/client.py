@@ -43,6 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from atomr_infer.client_loops import cancel_all, close_router_soon, close_stream, stop_soon
 from atomr_infer.errors import AtomrError, EngineError, InvalidRequest, RequestError, RouterClosed
 from atomr_infer.routing.manager_link import ManagerLink
 from atomr_infer.routing.router import Router
@@ -177,6 +178,8 @@ class Client:
         if (router := self._routers.get(key)) is None:
             router = self._routers[key] = Router(self._link.table, wait_for_replica_s=self._wait_s,
                                                  demand=self._link.demand)
+            if key is not self._loop:  # a caller's loop: its channels close once the Client is dropped
+                weakref.finalize(self, close_router_soon, key, router)
         return router
 
     # -- async -------------------------------------------------------------------------------
@@ -274,7 +277,7 @@ class Client:
                 self._loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(target=self._loop.run_forever, name="atomr-client", daemon=True)
                 self._thread.start()
-                weakref.finalize(self, _stop_soon, self._loop)  # dropped without close(): its thread ends
+                weakref.finalize(self, stop_soon, self._loop)  # dropped without close(): its thread ends
             return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def _call(self, coro: Any) -> Any:
@@ -321,7 +324,7 @@ class Client:
             # wait is cancelled first, as a generator still running cannot be closed): closing
             # the async generator makes the router cancel the replica's, which aborts the request.
             if not self._closed and self._loop is not None:  # closed: close() cancelled it
-                closing = asyncio.run_coroutine_threadsafe(_close(agen, step), self._loop)
+                closing = asyncio.run_coroutine_threadsafe(close_stream(agen, step), self._loop)
                 if threading.current_thread() is not self._thread:  # never wait on the loop from itself (GC)
                     closing.result(timeout=10)
 
@@ -342,7 +345,7 @@ class Client:
         for other, router in list(self._routers.items()):  # the async API's, on the callers' loops
             if other is not loop and not other.is_closed():
                 self._routers.pop(other, None)
-                other.call_soon_threadsafe(lambda r=router, lp=other: lp.create_task(r.aclose()))
+                close_router_soon(other, router)
         if loop is None:
             return
 
@@ -350,7 +353,7 @@ class Client:
             router = self._routers.pop(loop, None)
             if router is not None:
                 await router.aclose()
-            await _cancel_all()
+            await cancel_all()
 
         asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout=10)
         loop.call_soon_threadsafe(loop.stop)
@@ -371,30 +374,3 @@ class Client:
         await self.aclose()
         self.close()
 
-
-async def _close(agen: AsyncIterator[Any], step: list[asyncio.Task[Any] | None]) -> None:
-    waiting = step[0]  # read on the loop: a step submitted just before the interrupt has started
-    if waiting is not None and not waiting.done():
-        waiting.cancel()
-        with contextlib.suppress(BaseException):  # its cancellation, or the chunk it had just got
-            await waiting
-    await agen.aclose()  # type: ignore[attr-defined]
-
-
-async def _cancel_all() -> None:
-    """Cancel every other task of the running loop (a Client's private one) and wait for them."""
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _stop_soon(loop: asyncio.AbstractEventLoop) -> None:
-    """Cancel what runs on ``loop``, then stop it (its thread ends); called from any thread."""
-
-    async def stop() -> None:
-        await _cancel_all()
-        loop.stop()
-
-    if loop.is_running():
-        asyncio.run_coroutine_threadsafe(stop(), loop)

@@ -113,3 +113,26 @@ print("collected", ref() is None, [t.name for t in threading.enumerate() if t.na
 """
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "collected True []" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_an_async_client_dropped_on_a_loop_that_runs_on_closes_its_channels():
+    """A notebook re-running `client = Client(); await client.achat(...)` left each dropped
+    Client's channel tasks (and the replicas' leases) running for good."""
+    import gc
+
+    async def main():
+        client = Client(manager=FakeManager(SlowSource(ChatReplica(), delay_s=0.0)))
+        assert (await client.achat("d", MESSAGES)).choices[0].message.content == "hi"
+        assert channel_tasks()
+        del client
+        gc.collect()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not channel_tasks():
+                return []
+        return channel_tasks()
+
+    def channel_tasks() -> list[str]:
+        return [repr(t.get_coro()) for t in asyncio.all_tasks() if "ReplicaChannel" in repr(t.get_coro())]
+
+    assert asyncio.run(main()) == []
