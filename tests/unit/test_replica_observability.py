@@ -304,3 +304,34 @@ def test_a_request_submitted_after_the_engine_was_found_wedged_fails_at_once(rep
             replica._backend.finish(stream)
 
     asyncio.run(main())
+
+
+def test_vllms_queue_limits_refuse_what_would_exceed_them(replica):
+    """max_num_queued_reqs and max_num_queued_tokens (extra_engine_args) were accepted and did
+    nothing: the engine client inherited vLLM's no-op check_admission (vllm serve answers 503)."""
+    from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError
+
+    from atomr_infer.engine.vllm.engine_client import StepLoopEngineClient
+
+    client = object.__new__(StepLoopEngineClient)  # the check alone: it reads the config and the gate
+    client._gate = replica._backend
+    limits = SimpleNamespace(max_num_queued_reqs=2, max_num_queued_tokens=None)
+    client.vllm_config = SimpleNamespace(scheduler_config=limits)
+
+    async def main():
+        await replica.ready()
+        running = SimpleNamespace(request_id="long", params=SimpleNamespace(max_tokens=100_000))
+        stream = replica._backend.submit(running, None, 7)
+        try:
+            assert replica._backend.queue()[0] == 1  # one sequence unfinished
+            client.check_admission(1)  # 1 + 1 <= 2
+            with pytest.raises(QueueOverflowError):
+                client.check_admission(2)  # an n=2 request takes two: 1 + 2 > 2
+            limits.max_num_queued_reqs, limits.max_num_queued_tokens = None, 7
+            client._gate = SimpleNamespace(queue=lambda: (1, 7))  # its 7 prompt tokens not prefilled yet
+            with pytest.raises(MaxQueuedTokensError):
+                client.check_admission(1)
+        finally:
+            replica._backend.finish(stream)
+
+    asyncio.run(main())

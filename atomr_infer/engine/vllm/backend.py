@@ -237,6 +237,10 @@ class VllmBackend:
         self._prefill_watch.forget(stream.request_id)
         self._streams.close(stream)
 
+    def queue(self) -> tuple[int, int]:
+        unfinished = engine_unfinished(self._engine)
+        return (len(self._streams) if unfinished is None else unfinished), self._streams.prefilling_tokens()
+
     def dead_error(self) -> BaseException | None:
         """Why the engine takes no request (vLLM's serving layer then refuses it up front): it
         failed, was found wedged, or shut down."""

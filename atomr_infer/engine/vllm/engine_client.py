@@ -4,7 +4,7 @@ in the replica while one thread still owns and steps the engine.
 vLLM's serving layer (chat, completions, embeddings, tokenize; ``vllm serve`` uses the same
 classes over ``AsyncLLM``) reads ``model_config``, ``vllm_config``, ``renderer`` and
 ``input_processor`` at start, and per request calls ``generate`` / ``encode``, reads
-``errored`` / ``dead_error`` and ``check_admission``. That is all it needs of an engine
+``errored`` / ``dead_error`` and ``check_admission`` (vLLM's queue limits). That is all it needs of an engine
 (counted in vLLM 0.32); the rest of the protocol answers "not supported".
 
 Each request is processed into an ``EngineCoreRequest`` here, on the actor's event loop, as
@@ -44,6 +44,9 @@ class RequestGate(Protocol):
 
     def dead_error(self) -> BaseException | None: ...
 
+    def queue(self) -> tuple[int, int]:
+        """(sequences unfinished in the engine, prompt tokens of the requests with no output yet)."""
+
     async def engine_call(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(engine)`` run by the step loop between two steps."""
 
@@ -80,6 +83,23 @@ class StepLoopEngineClient(EngineClient):
 
     async def get_supported_tasks(self) -> tuple[Any, ...]:
         return self._supported_tasks
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        """vLLM's queue limits, as ``AsyncLLM`` checks them (vLLM's serving layer answers 503):
+        ``max_num_queued_reqs`` over the sequences unfinished (``n`` > 1 counts ``n``), and
+        ``max_num_queued_tokens`` over the prompts not prefilled yet. Inherited, they were no-ops."""
+        from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError
+
+        scheduler = self.vllm_config.scheduler_config
+        max_requests = getattr(scheduler, "max_num_queued_reqs", None)
+        max_tokens = getattr(scheduler, "max_num_queued_tokens", None)
+        if max_requests is None and max_tokens is None:
+            return
+        sequences, prompt_tokens = self._gate.queue()
+        if max_requests is not None and sequences + n > max_requests:
+            raise QueueOverflowError()
+        if max_tokens is not None and prompt_tokens >= max_tokens:
+            raise MaxQueuedTokensError()
 
     # -- requests ----------------------------------------------------------------------------
 

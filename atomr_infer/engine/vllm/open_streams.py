@@ -29,6 +29,10 @@ class OpenStreams:
     def __len__(self) -> int:
         return len(self._streams)
 
+    def prefilling_tokens(self) -> int:
+        """Prompt tokens of the open requests without their first token yet."""
+        return sum(s.prompt_tokens for s in self._streams.values() if s.first_token_at is None)
+
     @property
     def waiting(self) -> int:
         """Open requests without their first token yet."""
