@@ -335,3 +335,17 @@ def test_vllms_queue_limits_refuse_what_would_exceed_them(replica):
             replica._backend.finish(stream)
 
     asyncio.run(main())
+
+
+def test_prompt_logprobs_under_kv_sharing_fast_prefill_are_refused_as_vllm_refuses_them():
+    """AsyncLLM refuses them (they come out wrong); the replica's engine client answered them."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from atomr_infer.engine.vllm.engine_client import StepLoopEngineClient
+
+    client = object.__new__(StepLoopEngineClient)
+    client._gate = SimpleNamespace(dead_error=lambda: None)
+    client.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(kv_sharing_fast_prefill=True))
+    with pytest.raises(VLLMValidationError, match="incorrect logprobs for prompt tokens"):
+        asyncio.run(client._process("r", "hi", SamplingParams(prompt_logprobs=1)))

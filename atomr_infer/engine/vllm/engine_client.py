@@ -107,6 +107,11 @@ class StepLoopEngineClient(EngineClient):
         """``EngineCoreRequest`` and prompt text, as ``AsyncLLM.add_request`` makes them."""
         if self.errored:
             raise self.dead_error
+        if self.vllm_config.cache_config.kv_sharing_fast_prefill and getattr(params, "prompt_logprobs", None):
+            from vllm.exceptions import VLLMValidationError  # refused as AsyncLLM.add_request refuses it
+
+            raise VLLMValidationError("--kv-sharing-fast-prefill produces incorrect logprobs for prompt tokens, "
+                                      "please disable it when the requests need prompt logprobs")
         if isinstance(prompt, EngineCoreRequest):
             return prompt, kw.get("prompt_text")
         options = dict(
