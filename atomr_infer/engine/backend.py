@@ -113,6 +113,10 @@ class EngineBackend(Protocol):
     def open_requests(self) -> tuple[int, int]:
         """Requests open in the engine, and of those, how many have no output yet."""
 
+    def background_requests(self) -> int:
+        """Work running on after its request ended (background responses), which takes a place
+        in ``serving.max_concurrent`` as its request did."""
+
     def fail_open(self, error: BaseException) -> None:
         """Fail every open request with ``error`` (the replica found the engine wedged)."""
 

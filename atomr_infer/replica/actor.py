@@ -259,7 +259,7 @@ class VllmReplica:
                 self._admit()
                 limit = request.limit or self._deployment.serving.max_concurrent
                 results.append(self._channels.open(channel, request, self._serve, limit, repr(self),
-                                                   self._open_requests()))
+                                                   self._backend.background_requests()))
             except AtomrError as exc:
                 results.append(exc)
         return results

@@ -186,12 +186,12 @@ class ChannelHub:
         return channel
 
     def open(self, channel: Channel, request: OpenRequest, serve: Serve, limit: int, replica: str,
-             in_engine: int = 0) -> int:
+             background: int = 0) -> int:
         """Start ``request`` on ``channel`` unless ``limit`` requests that run engine steps are
-        open here, over every channel, or ``in_engine`` run in the engine (``ReplicaBusy``;
-        tokenizing is not held to it); the requests open here now. The engine's count holds
-        background responses, which run on after their request (answered ``queued``) ended."""
-        if request.runs_engine and max(self.open_requests, in_engine) >= limit:
+        open here, over every channel, counting the ``background`` responses that run on after
+        their request (answered ``queued``) ended (``ReplicaBusy``; tokenizing is not held to
+        it); the requests open here now."""
+        if request.runs_engine and self.open_requests + background >= limit:
             raise ReplicaBusy(replica, limit)
         channel.start(request, serve)
         return self.open_requests

@@ -266,24 +266,34 @@ def test_a_name_that_names_no_deployment_is_counted_under_a_dash():
     assert seen == ["smollm2", "smollm2:pirate", "-", "-"]
 
 
-def test_a_generation_that_runs_on_after_its_request_ended_counts_toward_max_concurrent(replica):
-    """A background response is answered ("queued") at once and generates on in the engine: the
-    replica counted only its routers' open requests, so any number of them ran past the limit."""
+def test_a_background_response_counts_toward_max_concurrent_and_one_requests_inputs_do_not(replica):
+    """A background response is answered ("queued") at once and generates on: the replica counted
+    only its routers' open requests, so any number of them ran past the limit. The several engine
+    requests of one HTTP request (an embedding of 64 inputs, several prompts) are one place."""
     from atomr_infer.errors import ReplicaBusy
     from atomr_infer.wire import HttpRequest, OpenRequest
 
+    def request(request_id: str) -> OpenRequest:
+        return OpenRequest(request_id, HttpRequest("POST", "/v1/chat/completions", (), b"{}"), limit=4)
+
     async def main():
         await replica.ready()
-        background = SimpleNamespace(request_id="bg", params=SimpleNamespace(max_tokens=100_000))
-        stream = replica._backend.submit(background, None, 4)  # in the engine; no router's request holds it
+        inputs = [replica._backend.submit(SimpleNamespace(request_id=f"input-{i}",
+                                                          params=SimpleNamespace(max_tokens=100_000)), None, 4)
+                  for i in range(4)]  # one request's four engine requests: no router's request holds them here
         try:
-            request = OpenRequest("o1", HttpRequest("POST", "/v1/chat/completions", (), b"{}"), limit=1)
-            [refused] = await replica.open_many("c1", [request])
-            return refused
+            [admitted] = await replica.open_many("c1", [request("o1")])
+            replica._backend._app = SimpleNamespace(background=3)  # three background responses generating
+            [refused] = await replica.open_many("c1", [request("o2")])
+            return admitted, refused
         finally:
-            replica._backend.finish(stream)
+            replica._backend._app = None
+            replica._channels.cancel("c1", ["o1", "o2"])
+            for stream in inputs:
+                replica._backend.finish(stream)
 
-    assert isinstance(asyncio.run(main()), ReplicaBusy)
+    admitted, refused = asyncio.run(main())
+    assert admitted == 1 and isinstance(refused, ReplicaBusy)
 
 
 def test_a_request_submitted_after_the_engine_was_found_wedged_fails_at_once(replica):

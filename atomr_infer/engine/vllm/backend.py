@@ -194,6 +194,9 @@ class VllmBackend:
         return EngineStats(kv_cache_usage=kv_usage, waiting=waiting, steps=self._loop.steps,
                            unfinished=engine_unfinished(self._engine))
 
+    def background_requests(self) -> int:
+        return self._app.background if self._app is not None else 0
+
     def open_requests(self) -> tuple[int, int]:
         return len(self._streams), self._streams.waiting
 

@@ -66,6 +66,12 @@ class OpenAIApp:
             f"{method} {route.path}" for route in app.routes for method in getattr(route, "methods", None) or ()
         ))
         self._direct = DirectRoutes(app, HttpHead)
+        self._responses = getattr(app.state, "openai_serving_responses", None)
+
+    @property
+    def background(self) -> int:
+        """Background responses generating (answered ``queued``; their requests have ended)."""
+        return len(getattr(self._responses, "background_tasks", None) or ())
 
     @classmethod
     async def build(cls, client: Any, deployment: Deployment, model_path: str) -> OpenAIApp:
