@@ -144,11 +144,12 @@ class DeploymentManager:
             except Exception as exc:  # noqa: BLE001 - a failed look at the load never stops the loop
                 log.error("autoscale_failed", deployment=name, error=repr(exc))
         for name, managed in self._desired.items():
-            if managed.reconciler.rolling:
+            rec = managed.reconciler  # once a roll: mid-roll, the replicas it drains still hold their GPUs
+            if rec.rolling and rec.surge_checked_for != rec.runtime_key:
                 try:
-                    managed.reconciler.surge_allowed = self._room_for_one_more(managed)
+                    rec.surge_allowed, rec.surge_checked_for = self._room_for_one_more(managed), rec.runtime_key
                 except Exception as exc:  # noqa: BLE001 - without an answer the roll surges as before
-                    managed.reconciler.surge_allowed = True
+                    rec.surge_allowed = True
                     log.error("surge_check_failed", deployment=name, error=repr(exc))
         for name, rec in [(n, d.reconciler) for n, d in self._desired.items()] + list(self._removing.items()):
             try:

@@ -423,3 +423,26 @@ def test_status_says_when_every_replica_has_the_specs_adapters_loaded_or_failed(
     first.states = {"pirate": "failed: OSError: no such file"}
     status = h.call("status", "demo")
     assert status.adapters_settled and status.failed_adapters == {"pirate": "OSError: no such file"}
+
+
+def test_a_roll_with_one_gpu_to_spare_keeps_surging_while_the_old_replicas_drain(monkeypatch) -> None:
+    """The room for a surge was read again every pass: once the first new replica took the spare
+    GPU (and the old one it replaced still held its own, draining), the roll turned stop-first and
+    stopped the last old replica at once: one replica served until the next one started."""
+    from atomr_infer.control import placement
+
+    h = Harness()
+    h.call("apply", spec(replicas=2))
+    h.converge()
+    free = {"n0": {"GPU": 1.0, "CPU": 4.0}}  # one GPU to spare
+    monkeypatch.setattr(placement, "free_resources_by_node", lambda: free)
+    h.call("apply", spec(replicas=2, model="org/other"))
+    h.manager.reconcile_once()
+    assert h.live() == ["atomr:demo:r0", "atomr:demo:r1", "atomr:demo:r2"]  # the surge replica
+    free["n0"]["GPU"] = 0.0  # it took the spare GPU
+    h.launcher.make_ready()
+    h.manager.reconcile_once()  # r2 ready: r0 drains, still holding its GPU
+    h.manager.reconcile_once()
+    old = {handle.actor_name: handle for handle in h.launcher.started}
+    assert old["atomr:demo:r0"].draining and not old["atomr:demo:r1"].draining  # r1 serves on
+    assert "atomr:demo:r3" in old  # the next new replica waits for r0's GPU instead
