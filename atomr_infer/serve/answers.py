@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from atomr_infer.errors import AtomrError, InvalidRequest
+from atomr_infer.errors import AtomrError, InvalidRequest, ResponseNotFound
 from atomr_infer.log import get_logger
 from atomr_infer.serve.errors import http_error
 from atomr_infer.serve.routes import served_paths
@@ -34,6 +34,8 @@ def unexpected(exc: BaseException) -> BaseException | None:
 
 
 def error_response(exc: BaseException, path: str = "") -> JSONResponse:
+    if isinstance(exc, ResponseNotFound):  # vLLM's own body for it
+        return response_not_found(exc.response_id)
     err = http_error(exc)
     if err.status >= 500:
         log.warning("request_failed", status=err.status, error=repr(exc), exc_info=unexpected(exc))

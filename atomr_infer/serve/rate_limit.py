@@ -206,6 +206,10 @@ class IngressLimits:
         except Exception as exc:  # noqa: BLE001 - a Ray error: the actor is gone (killed, its node lost)
             # Looked up again (get_if_exists makes a new one), once: the handle held a dead actor for good.
             log.warning("rate_limiter_lost", error=f"{type(exc).__name__}: {exc}"[:300])
+            if isinstance(exc, AttributeError):  # one an older atomr made (no take_all): replaced
+                import ray
+
+                ray.kill(self._limiter)
             self._limiter = limiter_handle()
             headers = await admit(self._limiter, budgets)
         return headers, [b for b in budgets if b.unit == "tokens"]
