@@ -146,7 +146,7 @@ def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: Cluste
     # Memory fit, per GPU, when both the model size and the GPU memory are known.
     if uses_gpus(spec, cluster) and cluster.gpu_memory_bytes and weights_bytes:
         cfg = spec.runtime_config
-        util = cfg.gpu_memory_utilization if cfg.gpu_memory_utilization is not None else 0.9
+        util = cfg.gpu_memory_utilization if cfg.gpu_memory_utilization is not None else 0.92  # vLLM 0.32's
         offload = (cfg.cpu_offload_gb or 0) * GiB
         kv = (kv_bytes_per_token or 0) * (max_model_len or cfg.max_model_len or 0)
         per_gpu_need = max(0.0, weights_bytes / spec.gpus - offload) + kv / spec.gpus  # (offload is per GPU)
@@ -228,12 +228,35 @@ def size_estimates(spec: Deployment, on_cpu: bool) -> tuple[int | None, int | No
         max_len = spec.runtime_config.max_model_len or (model_max_len(config) if config else None)
         if on_cpu and config is not None:
             kv = kv_bytes_per_token(spec, config)
+        elif config is not None:
+            kv = gpu_kv_bytes_per_token(spec, config, max_len)
         if weights is not None and spec.lora is not None and config is not None:
             weights += lora_bytes(spec, config, on_cpu)  # the adapters' slots, beside the weights
         return weights, kv, max_len
     except Exception as exc:  # noqa: BLE001 - unknown size skips the memory check
         log.warning("size_estimate_failed", model=spec.model, error=repr(exc))
         return None, None, None
+
+
+def gpu_kv_bytes_per_token(spec: Deployment, config: dict[str, Any], max_len: int | None) -> int | None:
+    """KV-cache bytes a token of one ``max_len`` sequence takes on GPUs, as vLLM 0.32 allocates
+    them (models/estimate.py): in the KV dtype, 1 byte for ``kv_cache_dtype: fp8*``, else the
+    run dtype (a float32 checkpoint runs in 16 bits on a GPU); a sliding-window layer holds its
+    window and a step's batch (``max_num_batched_tokens``). None where the config lacks the shapes."""
+    from atomr_infer.engine.cpu import DTYPE_BYTES
+    from atomr_infer.models.estimate import BATCHED_TOKENS, config_dtype_bytes, kv_cache_bytes_per_token
+
+    extra, dtype = spec.runtime_config.extra_engine_args, spec.runtime_config.dtype
+    if str(extra.get("kv_cache_dtype", "auto")).startswith("fp8"):
+        dtype_bytes = 1
+    else:
+        dtype_bytes = DTYPE_BYTES[dtype] if dtype in DTYPE_BYTES else min(config_dtype_bytes(config), 2)
+    batched = extra.get("max_num_batched_tokens")
+    batched = batched if isinstance(batched, int) else BATCHED_TOKENS
+    try:
+        return kv_cache_bytes_per_token(config, dtype_bytes, max_len, batched)
+    except ValueError:
+        return None
 
 
 def lora_bytes(spec: Deployment, config: dict[str, Any], on_cpu: bool) -> int:

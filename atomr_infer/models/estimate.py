@@ -106,24 +106,59 @@ def safetensors_bytes(path: str | os.PathLike[str]) -> int:
     return (bits + 7) // 8
 
 
-def kv_cache_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
-    """KV-cache bytes one token takes across all layers:
-    ``2 (K and V) x num_hidden_layers x num_key_value_heads x head_dim x dtype_bytes``.
+# A step's batch a sliding-window layer also holds: vLLM's largest default max_num_batched_tokens.
+BATCHED_TOKENS = 16_384
+_FULL = {"full_attention", "attention", "global", "global_attention"}
+_SLIDING = {"sliding_attention", "sliding_window", "local", "local_attention", "chunked_attention"}
 
-    Sliding-window layers are counted as full attention, so this is an upper bound for models
-    that mix the two.
-    """
+
+def kv_cache_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2, max_len: int | None = None,
+                             batched_tokens: int = BATCHED_TOKENS) -> int:
+    """KV-cache bytes one token takes across the layers that keep KV, as vLLM allocates them:
+    ``2 (K and V) x num_key_value_heads x head_dim x dtype_bytes`` per attention layer; one latent
+    of ``kv_lora_rank + qk_rope_head_dim`` per layer for MLA (DeepSeek); none for Mamba layers nor
+    layers that share an earlier layer's KV (``num_kv_shared_layers``). With ``max_len``, averaged
+    over one sequence of that length, where a sliding-window layer holds at most its window (and
+    a step's batch) of it: counted full, Gemma 3 on an L4 was refused at 25 GiB where vLLM takes 8."""
     text = _text_config(config)
     layers = _first(text, "num_hidden_layers", "n_layer", "num_layers")
     heads = _first(text, "num_attention_heads", "n_head")
     kv_heads = _first(text, "num_key_value_heads", "num_kv_heads") or heads
     head_dim = _head_dim(text, heads)
-    if not layers or not kv_heads or not head_dim:
+    latent = _first(text, "kv_lora_rank")
+    if latent:  # MLA: the compressed latent and the rotary key, one entry (no separate V)
+        per_layer = (latent + (_first(text, "qk_rope_head_dim") or 0)) * dtype_bytes
+    elif layers and kv_heads and head_dim:
+        per_layer = 2 * int(kv_heads) * int(head_dim) * dtype_bytes
+    else:
         raise ValueError(
             "config lacks the fields for a KV-cache estimate: "
             f"num_hidden_layers={layers}, num_key_value_heads={kv_heads}, head_dim={head_dim}"
         )
-    return 2 * int(layers) * int(kv_heads) * int(head_dim) * dtype_bytes
+    kinds = _layer_kinds(text, int(layers or 0))
+    window = _first(text, "sliding_window")
+    held = min(window + batched_tokens, max_len) if window and max_len else max_len
+    tokens = {"full": max_len or 1, "sliding": held or max_len or 1, "none": 0}
+    total = sum(per_layer * tokens[kind] for kind in kinds)
+    return math.ceil(total / (max_len or 1))
+
+
+def _layer_kinds(text: dict[str, Any], layers: int) -> list[str]:
+    """Each layer's KV: ``full``, ``sliding`` (a window) or ``none`` (Mamba, linear attention,
+    shared with an earlier layer), from ``layer_types`` / ``layers_block_type``, Gemma's
+    ``sliding_window_pattern``, or a ``sliding_window`` for every layer (Mistral, Phi-3)."""
+    types = text.get("layer_types") or text.get("layers_block_type")
+    pattern = text.get("sliding_window_pattern")
+    if isinstance(types, list) and types:
+        kinds = ["full" if t in _FULL else "sliding" if t in _SLIDING else "none" for t in types]
+    elif isinstance(pattern, int) and pattern > 1:  # every pattern-th layer is global
+        kinds = ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(layers)]
+    elif text.get("sliding_window") and text.get("use_sliding_window", True) is not False:
+        kinds = ["sliding"] * layers
+    else:
+        kinds = ["full"] * layers
+    shared = _first(text, "num_kv_shared_layers") or 0
+    return kinds[: len(kinds) - shared] + ["none"] * min(shared, len(kinds))
 
 
 def lora_slot_bytes(config: dict[str, Any], rank: int, dtype_bytes: int = 2) -> int:

@@ -55,6 +55,40 @@ def test_kv_cache_reads_text_config_of_multimodal_configs() -> None:
     assert kv_cache_bytes_per_token(gemma_like) == 2 * 34 * 4 * 256 * 2
 
 
+# Gemma 3 4B's text config, as its config.json has it (5 of every 6 layers local, 1,024 tokens).
+GEMMA3_TEXT = {"hidden_size": 2560, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+               "num_hidden_layers": 34, "sliding_window": 1024, "sliding_window_pattern": 6,
+               "max_position_embeddings": 131072}
+
+
+def test_a_sliding_window_layer_holds_its_window_and_a_steps_batch_of_a_sequence() -> None:
+    """Counted as full attention, Gemma 3 4B at its 131,072 tokens came to 17 GiB of KV cache a
+    sequence (refused on an L4); vLLM's sliding-window layers hold the window and a batch."""
+    per_layer = 2 * 4 * 256 * 2
+    full_layers = [i for i in range(34) if (i + 1) % 6 == 0]  # 5 global layers
+    sequence = per_layer * (len(full_layers) * 131072 + (34 - len(full_layers)) * (1024 + 2048))
+    per_token = kv_cache_bytes_per_token({"text_config": GEMMA3_TEXT}, 2, max_len=131072, batched_tokens=2048)
+    assert per_token * 131072 == pytest.approx(sequence, abs=131072)
+    assert per_token * 131072 < 0.3 * kv_cache_bytes_per_token({"text_config": GEMMA3_TEXT}) * 131072
+    by_types = {**GEMMA3_TEXT, "sliding_window_pattern": None,
+                "layer_types": ["full_attention" if i in full_layers else "sliding_attention" for i in range(34)]}
+    assert kv_cache_bytes_per_token(by_types, 2, max_len=131072, batched_tokens=2048) == per_token
+    # a sequence within the window: every layer holds all of it
+    assert kv_cache_bytes_per_token(GEMMA3_TEXT, 2, max_len=512) == 34 * per_layer
+
+
+def test_mla_hybrid_shared_and_disabled_windows_are_counted_as_vllm_allocates_them() -> None:
+    deepseek = {"num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+                "kv_lora_rank": 512, "qk_rope_head_dim": 64, "hidden_size": 2048}
+    assert kv_cache_bytes_per_token(deepseek) == 27 * (512 + 64) * 2  # one latent a layer, no separate V
+    hybrid = {**SMOLLM2, "num_hidden_layers": 4, "layers_block_type": ["mamba", "attention", "mamba", "mamba"]}
+    assert kv_cache_bytes_per_token(hybrid) == 1 * 2 * 3 * 64 * 2  # only its attention layer holds KV
+    shared = {**SMOLLM2, "num_kv_shared_layers": 10}  # the last 10 reuse earlier layers' KV
+    assert kv_cache_bytes_per_token(shared) == 20 * 2 * 3 * 64 * 2
+    qwen = {**SMOLLM2, "sliding_window": 32768, "use_sliding_window": False}  # configured, not used
+    assert kv_cache_bytes_per_token(qwen, 2, max_len=131072) == kv_cache_bytes_per_token(SMOLLM2)
+
+
 def test_kv_cache_names_missing_fields() -> None:
     with pytest.raises(ValueError, match="num_hidden_layers"):
         kv_cache_bytes_per_token({"hidden_size": 64})

@@ -197,3 +197,25 @@ def test_an_auto_deployment_that_ran_on_gpus_keeps_asking_for_them_when_its_gpu_
     assert choice(auto)  # a replacement waits for a GPU rather than running on the CPU
     choice.forget("d")  # removed: made again, it decides afresh
     assert not choice(auto)
+
+
+def test_gemma_3_on_an_l4_fits_as_vllm_allocates_its_kv_cache_and_fp8_kv_halves_it(tmp_path):
+    """Every layer counted as full attention, 2 bytes a value: Gemma 3 4B at its default context
+    on an L4 was refused at 25 GiB (vLLM takes ~11); kv_cache_dtype fp8 changed nothing."""
+    import json
+    import struct
+
+    from atomr_infer.control.budget import size_estimates
+    from tests.unit.test_estimate import GEMMA3_TEXT
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "torch_dtype": "bfloat16",
+                                                      "text_config": GEMMA3_TEXT}))
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [4_300_000_000], "data_offsets": [0, 0]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)  # 8.6 GB of weights
+    l4 = ClusterView(total_gpus=1, accelerator_type="L4", gpu_memory_bytes=23034 << 20)
+    gemma = spec(model=str(tmp_path), device="cuda")
+    weights, kv, max_len = size_estimates(gemma, on_cpu=False)
+    assert (weights, max_len) == (8_600_000_000, 131072)
+    assert check_budget(gemma, [], l4, weights_bytes=weights, kv_bytes_per_token=kv, max_model_len=max_len).ok
+    fp8 = spec(model=str(tmp_path), device="cuda", runtime_config={"extra_engine_args": {"kv_cache_dtype": "fp8"}})
+    assert size_estimates(fp8, on_cpu=False)[1] * 2 == pytest.approx(kv, abs=2)
