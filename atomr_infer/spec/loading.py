@@ -66,7 +66,10 @@ def load_deployments(*sources: Source) -> list[Deployment]:
 
 
 def _documents(src: Source, problems: list[SpecProblem]) -> Iterable[tuple[str, Any]]:
-    if isinstance(src, (Mapping, Deployment)):
+    if isinstance(src, Mapping):
+        yield "<dict>", anchored(src, Path.cwd())
+        return
+    if isinstance(src, Deployment):
         yield "<dict>", src
         return
     path = Path(src)
@@ -108,7 +111,38 @@ def _file_documents(path: Path, problems: list[SpecProblem]) -> Iterable[tuple[s
         problems.append(SpecProblem(str(path), "", "file is empty: expected a deployment (name, model, ...)"))
         return
     for i, doc in docs:  # numbered as they are in the file, empty ones too
-        yield (f"{path}#{i + 1}" if len(docs) > 1 else str(path)), doc
+        yield (f"{path}#{i + 1}" if len(docs) > 1 else str(path)), anchored(doc, path.resolve().parent)
+
+
+_RELATIVE = ("./", "../", "~")
+
+
+def anchored(doc: Any, base: Path) -> Any:
+    """``doc`` with its local paths written ``./…``, ``../…`` or ``~…`` made absolute, from
+    ``base`` (the spec file's directory, or the caller's working directory for a dict): the
+    manager and the replicas resolve paths in their own working directories (the raylet's), so
+    ``model: ./models/tiny`` named a directory the replica did not have. The model, the hub
+    cache, a chat template and LoRA adapters."""
+    if not isinstance(doc, Mapping):
+        return doc
+
+    def absolute(value: Any) -> Any:
+        if not isinstance(value, str) or not value.startswith(_RELATIVE):
+            return value
+        return str(Path(value).expanduser() if value.startswith("~") else (base / value).resolve())
+
+    out = dict(doc)
+    if "model" in out:
+        out["model"] = absolute(out["model"])
+    if isinstance(runtime := out.get("runtime_config"), Mapping) and "hf_cache_dir" in runtime:
+        out["runtime_config"] = {**runtime, "hf_cache_dir": absolute(runtime["hf_cache_dir"])}
+    serving = out.get("serving")
+    if isinstance(serving, Mapping) and isinstance(openai := serving.get("openai"), Mapping) \
+            and "chat_template" in openai:
+        out["serving"] = {**serving, "openai": {**openai, "chat_template": absolute(openai["chat_template"])}}
+    if isinstance(lora := out.get("lora"), Mapping) and isinstance(adapters := lora.get("adapters"), Mapping):
+        out["lora"] = {**lora, "adapters": {name: absolute(source) for name, source in adapters.items()}}
+    return out
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

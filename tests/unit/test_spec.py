@@ -741,3 +741,27 @@ def test_on_cpu_tensor_parallel_size_need_not_equal_gpus() -> None:
 
     dep = parse_deployment(spec(device="cpu", **{"runtime_config.tensor_parallel_size": 2}))
     assert dep.gpus == 1 and engine_args(dep, "/m", "cpu", native_bf16=True)["tensor_parallel_size"] == 2
+
+
+def test_local_paths_written_relative_are_made_absolute_from_the_spec_file(tmp_path: Path, monkeypatch) -> None:
+    """The manager and the replicas resolve paths in their own working directory (the raylet's):
+    `model: ./models/tiny` named a directory the replica did not have, after apply said fits."""
+    project = tmp_path / "project"
+    (project / "deployments").mkdir(parents=True)
+    spec_file = write(project / "deployments" / "tiny.yaml", """
+name: tiny
+model: ../models/tiny
+runtime_config: {hf_cache_dir: ./cache}
+serving: {openai: {chat_template: ./chatml.jinja}}
+lora: {adapters: {pirate: ../adapters/pirate, robot: org/robot-lora}}
+""")
+    monkeypatch.chdir(tmp_path)  # not the spec file's directory
+    [dep] = load_deployments(spec_file)
+    assert dep.model == str(project / "models" / "tiny")
+    assert dep.runtime_config.hf_cache_dir == str(project / "deployments" / "cache")
+    assert dep.serving.openai.chat_template == str(project / "deployments" / "chatml.jinja")
+    assert dep.lora.adapters == {"pirate": str(project / "adapters" / "pirate"), "robot": "org/robot-lora"}
+    [from_dict] = load_deployments({"name": "d", "model": "./models/tiny"})  # from Python: the caller's directory
+    assert from_dict.model == str(tmp_path / "models" / "tiny")
+    [hub] = load_deployments({"name": "h", "model": "org/model"})  # a repo id stays one
+    assert hub.model == "org/model"
