@@ -161,6 +161,31 @@ def _layer_kinds(text: dict[str, Any], layers: int) -> list[str]:
     return kinds[: len(kinds) - shared] + ["none"] * min(shared, len(kinds))
 
 
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_sequence_length", "max_seq_length", "seq_len")
+
+
+def context_limit(model_dir: Path) -> tuple[int, str] | None:
+    """The longest context vLLM derives for the model in ``model_dir`` and the key it comes from:
+    the smallest of the config's length keys and the tokenizer's ``model_max_length``, as vLLM
+    0.32 takes it. None where it is not known here, or where RoPE scaling multiplies it (vLLM's
+    rules for that differ by type: left to vLLM)."""
+    try:
+        text = _text_config(_read_json(model_dir / "config.json"))
+    except (OSError, ValueError):
+        return None
+    if any(isinstance(rope := text.get(k), dict) and rope.get("factor") for k in ("rope_scaling", "rope_parameters")):
+        return None
+    found = [(value, key) for key in _LENGTH_KEYS if isinstance(value := text.get(key), int) and value > 0]
+    try:
+        tokenizer = _read_json(model_dir / "tokenizer_config.json").get("model_max_length")
+    except (OSError, ValueError):
+        tokenizer = None
+    if isinstance(tokenizer, int) and tokenizer > 0:
+        found.append((tokenizer, "model_max_length in tokenizer_config.json"))
+    return min(found) if found else None
+
+
 def lora_slot_bytes(config: dict[str, Any], rank: int, dtype_bytes: int = 2) -> int:
     """Bytes one LoRA slot of ``rank`` takes: vLLM allocates A (in x rank) and B (rank x out) for
     every attention and MLP projection of every layer (q, k, v, o, gate, up, down), whatever the

@@ -136,3 +136,42 @@ def test_a_cpu_replica_refuses_a_vllm_built_for_gpus() -> None:
     check_cpu_build(deployment(), "cpu")
     with pytest.raises(DeviceUnavailable, match="vLLM here is its cuda build.*hint: install vLLM's CPU build"):
         check_cpu_build(deployment(), "cuda")
+
+
+def test_max_model_len_above_the_models_context_is_refused_at_apply(tmp_path, monkeypatch) -> None:
+    """vLLM refuses it only at engine start: three full model loads, then the deployment failed."""
+    import json
+
+    from atomr_infer.engine.vllm.spec_check import check_spec
+    from atomr_infer.errors import SpecError
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "num_hidden_layers": 2,
+                                                      "rope_parameters": {"rope_type": "default"}}))  # no factor
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}))
+    spec = {"name": "d", "model": str(tmp_path), "device": "cpu"}
+    with pytest.raises(SpecError, match=r"runtime_config.max_model_len: 8192 is above the model's context length, "
+                                        r"4096 \(model_max_length in tokenizer_config.json\)"):
+        check_spec(parse_deployment({**spec, "runtime_config": {"max_model_len": 8192}}))
+    check_spec(parse_deployment({**spec, "runtime_config": {"max_model_len": 4096}}))
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # as vLLM: allowed when told
+    check_spec(parse_deployment({**spec, "runtime_config": {"max_model_len": 8192}}))
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192,
+                                                      "rope_scaling": {"rope_type": "linear", "factor": 4.0}}))
+    check_spec(parse_deployment({**spec, "runtime_config": {"max_model_len": 16384}}))  # scaled: vLLM's to judge
+
+
+def test_a_chat_template_that_is_not_there_is_refused_before_the_engine_loads(tmp_path) -> None:
+    from atomr_infer.engine.vllm.engine_args import check_server_options
+    from atomr_infer.errors import SpecError
+
+    def spec(template):
+        return parse_deployment({"name": "d", "model": "bundled:smollm2-135m-instruct",
+                                 "serving": {"openai": {"chat_template": template}}})
+
+    with pytest.raises(SpecError, match=r"serving.openai.chat_template: '/nowhere/chatml.jinja' on this node: .*"
+                                        r"path-like, but doesn't exist"):
+        check_server_options(spec("/nowhere/chatml.jinja"))
+    (tmp_path / "chatml.jinja").write_text("{{ messages }}")
+    check_server_options(spec(str(tmp_path / "chatml.jinja")))
+    check_server_options(spec("{% for m in messages %}{{ m.content }}{% endfor %}"))  # inline

@@ -167,9 +167,18 @@ def check_extra_engine_args(deployment: Deployment, known: set[str]) -> None:
 
 
 def check_server_options(deployment: Deployment) -> None:
-    """Refuse parser names vLLM does not have (else the replicas would fail to start); imports
-    vLLM's registries (spec_check.py reads them from the source instead)."""
+    """Refuse a chat template vLLM cannot find and parser names vLLM does not have (else the
+    replica would fail after loading its engine); imports vLLM (spec_check.py reads the parsers'
+    names from its source instead)."""
     o = deployment.serving.openai
+    if o.chat_template is not None:  # vLLM checks it only once its engine is up: found before loading
+        from vllm.renderers.chat_utils import validate_chat_template
+
+        try:
+            validate_chat_template(o.chat_template)
+        except Exception as exc:  # noqa: BLE001 - vLLM's VLLMValidationError, FileNotFoundError, ...
+            raise SpecError([SpecProblem(deployment.name, "serving.openai.chat_template",
+                                         f"{o.chat_template!r} on this node: {exc}")]) from None
     if o.tool_call_parser is None and o.reasoning_parser is None:
         return
     from vllm.reasoning import ReasoningParserManager

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.machinery
+import os
 import sys
 from pathlib import Path
 
@@ -89,5 +90,23 @@ def check_spec(deployment: Deployment) -> None:
         lora, cache = deployment.lora, deployment.runtime_config.hf_cache_dir
         found = adapter_problems(lora.adapters, lora.max_lora_rank, cache, local_model_dir(deployment.model, cache))
         problems += [SpecProblem(deployment.name, field, problem) for field, problem in found]
+    problems += _context_problems(deployment)
     if problems:
         raise SpecError(problems)
+
+
+def _context_problems(deployment: Deployment) -> list[SpecProblem]:
+    """``max_model_len`` above the model's context, where its config is here: vLLM refuses it
+    only at engine start (three full model loads, then the deployment fails) unless told to
+    allow it (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``)."""
+    from atomr_infer.models.estimate import context_limit, local_model_dir
+
+    cfg = deployment.runtime_config
+    if not cfg.max_model_len or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").lower() in ("1", "true"):
+        return []
+    directory = local_model_dir(deployment.model, cfg.hf_cache_dir)
+    limit = context_limit(directory) if directory is not None else None
+    if limit is None or cfg.max_model_len <= limit[0]:
+        return []
+    return [SpecProblem(deployment.name, "runtime_config.max_model_len", f"{cfg.max_model_len} is above the model's "
+                        f"context length, {limit[0]} ({limit[1]}): lower it (vLLM would refuse it at engine start)")]
