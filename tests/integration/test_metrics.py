@@ -80,15 +80,15 @@ def replica_id(smollm2, manager) -> str:
 def test_request_metrics_match_what_the_client_received(smollm2, smollm2_replica, manager, replica_id):
     tags = {"deployment": smollm2, "replica": replica_id}
     gen, ttft = "ray_atomr_generation_tokens_total", "ray_atomr_time_to_first_token_seconds_count"
-    # vLLM's own count of the tokens it generated, from the same replica.
+    # vLLM's own count of the tokens it generated, from the same replica (aborted requests' too,
+    # which atomr's counts leave out: only its growth is compared).
     vllm_gen, vllm_tags = "ray_vllm_generation_tokens_total", {"ReplicaId": f"{smollm2}-{replica_id}"}
 
     # Baseline only once the export has caught up with what the replica has counted so far.
     stats = ray.get(smollm2_replica.stats.remote())
     before = poll(
         lambda s: total(s, gen, **tags) == stats.tokens_generated
-        and total(s, "ray_atomr_requests_started_total", **tags) == stats.requests_started
-        and total(s, vllm_gen, **vllm_tags) == stats.tokens_generated,
+        and total(s, "ray_atomr_requests_started_total", **tags) == stats.requests_started,
         "the export catching up with earlier requests",
     )
 
@@ -115,7 +115,7 @@ def test_request_metrics_match_what_the_client_received(smollm2, smollm2_replica
         return total(after, name, **tags, **labels) - total(before, name, **tags, **labels)
 
     assert delta(gen) == generated
-    assert total(after, vllm_gen, **vllm_tags) - total(before, vllm_gen, **vllm_tags) == generated
+    assert total(after, vllm_gen, **vllm_tags) - total(before, vllm_gen, **vllm_tags) >= generated
     assert delta("ray_atomr_prompt_tokens_total") == prompt_tokens
     assert delta("ray_atomr_requests_started_total") == n
     assert delta("ray_atomr_requests_finished_total") == n

@@ -35,8 +35,9 @@ def test_the_gauges_read_what_vllms_own_prometheus_gauges_report(vllm_config) ->
     from vllm.v1.metrics.stats import SchedulerStats
 
     gauges = SchedulerGauges()
-    assert gauges.read() == (None, None)  # no step yet: the replica counts requests with no token instead
+    assert gauges.read() == (None, None)  # no engine (an emulated one): the replica counts requests with no token
     manager = StatLoggerManager(vllm_config, custom_stat_loggers=[gauges.factory()], enable_default_loggers=False)
+    assert gauges.read() == (0.0, 0)  # an engine just built, before its first step: empty, as vLLM's gauges say
     manager.record(SchedulerStats(num_running_reqs=4, num_waiting_reqs=2, num_skipped_waiting_reqs=1,
                                   kv_cache_usage=0.25), None)
     vllm_says = {m.name: m.value for m in get_metrics_snapshot() if m.name.startswith("vllm:num_requests_waiting")

@@ -42,7 +42,7 @@ class SchedulerGauges:
 
         class _Logger(StatLoggerBase):
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
+                gauges.kv_cache_usage, gauges.waiting = 0.0, 0  # an engine just built holds nothing
 
             def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                        engine_idx: int = 0) -> None:
