@@ -26,7 +26,7 @@ log = get_logger(__name__)
 class SchedulerGauges:
     """The last engine step's KV-cache use (0-1) and waiting requests, as vLLM's
     ``vllm:kv_cache_usage_perc`` and ``vllm:num_requests_waiting`` report them. ``factory`` is the
-    stat-logger factory to hand vLLM; ``read`` is (None, None) until an engine step recorded."""
+    stat-logger factory to hand vLLM; ``read`` is (None, None) until an engine is built with it."""
 
     def __init__(self) -> None:
         self.kv_cache_usage: float | None = None
