@@ -51,8 +51,6 @@ from atomr_infer.serving_process import freeze_heap, tuning_wanted
 from atomr_infer.wire import HttpHead, HttpRequest, RoutingFacts
 
 _JSON = (("content-type", "application/json"),)
-# How long the manager may take to answer for the routing table (it answers in milliseconds):
-# a hung or unreachable manager fails the request, or leaves it routed by the cached table.
 
 
 @dataclass(frozen=True)
@@ -164,6 +162,7 @@ class Client:
         # one per event loop (asyncio objects are loop-bound), keyed by the loop itself (an id
         # is reused once a loop is freed); routers of closed loops are dropped.
         self._routers: dict[asyncio.AbstractEventLoop, Router] = {}
+        self._closers: dict[asyncio.AbstractEventLoop, weakref.finalize] = {}  # close_router_soon, at GC
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -174,13 +173,20 @@ class Client:
             raise RouterClosed("the Client was closed")
         key = asyncio.get_running_loop()
         for loop in [loop for loop in list(self._routers) if loop.is_closed()]:  # (other threads add theirs)
-            self._routers.pop(loop, None)
+            self._drop_router(loop)
         if (router := self._routers.get(key)) is None:
             router = self._routers[key] = Router(self._link.table, wait_for_replica_s=self._wait_s,
                                                  demand=self._link.demand)
             if key is not self._loop:  # a caller's loop: its channels close once the Client is dropped
-                weakref.finalize(self, close_router_soon, key, router)
+                self._closers[key] = weakref.finalize(self, close_router_soon, key, router)
         return router
+
+    def _drop_router(self, loop: asyncio.AbstractEventLoop) -> Router | None:
+        """Forget ``loop``'s router, and its closing at GC (which would hold the loop and router)."""
+        closer = self._closers.pop(loop, None)
+        if closer is not None:
+            closer.detach()
+        return self._routers.pop(loop, None)
 
     # -- async -------------------------------------------------------------------------------
 
@@ -330,7 +336,7 @@ class Client:
 
     async def aclose(self) -> None:
         """Close the router of the running event loop (its channels to the replicas)."""
-        router = self._routers.pop(asyncio.get_running_loop(), None)
+        router = self._drop_router(asyncio.get_running_loop())
         if router is not None:
             await router.aclose()
 
@@ -344,7 +350,7 @@ class Client:
             loop, thread, self._loop = self._loop, self._thread, None
         for other, router in list(self._routers.items()):  # the async API's, on the callers' loops
             if other is not loop and not other.is_closed():
-                self._routers.pop(other, None)
+                self._drop_router(other)
                 close_router_soon(other, router)
         if loop is None:
             return

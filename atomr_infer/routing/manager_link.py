@@ -18,6 +18,8 @@ from typing import Any
 from atomr_infer.errors import RoutingError, one_line
 from atomr_infer.routing.table import RoutingTable
 
+# How long the manager may take to answer for the routing table (it answers in milliseconds):
+# a hung or unreachable manager fails the request, or leaves it routed by the cached table.
 TABLE_FETCH_TIMEOUT_S = 5.0
 RECOVERY_POLL_S = 1.0  # how long one ask waits while a restarted manager recovers
 

@@ -114,6 +114,7 @@ def test_one_router_per_live_event_loop():
     for _ in range(3):
         assert asyncio.run(client.achat("d", MESSAGES)).choices[0].message.content == "hi"
     assert len(client._routers) == 1  # the last loop's: the others were closed, and dropped
+    assert len(client._closers) == 1  # with what closes them at GC, which held each loop and router
 
 
 def test_inputs_an_openai_user_passes():
