@@ -196,6 +196,16 @@ class ChannelHub:
         channel.start(request, serve)
         return self.open_requests
 
+    def close_all(self) -> None:
+        """Close every channel: their routers see the replica close it (as when it dies), so
+        what can move or be retried goes to another replica, instead of ending with this
+        replica's error (its engine failed or wedged)."""
+        now = time.monotonic()
+        for channel_id, channel in self._channels.items():
+            channel.close()
+            self._ended[channel_id] = now
+        self._channels.clear()
+
     def expire(self, lease_s: float = LEASE_S) -> list[str]:
         """Close the channels whose router has not been heard from for ``lease_s``; their ids."""
         now = time.monotonic()

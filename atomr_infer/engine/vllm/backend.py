@@ -109,10 +109,13 @@ class VllmBackend:
         if not self._started.is_set():
             self._start_error = exc
             self._started.set()
-        else:
-            error = EngineError(f"engine failed on {self._ctx.name}: {type(exc).__name__}: {exc}")
-            self._handoff.call(self._streams.fail_all, error)
+            self._handoff.call(self._on_failure, exc)
+            return
+        # The replica hears first: it closes its channels before the streams fail, so routers
+        # move or retry those requests rather than read this engine's error (replica/actor.py).
         self._handoff.call(self._on_failure, exc)
+        error = EngineError(f"engine failed on {self._ctx.name}: {type(exc).__name__}: {exc}")
+        self._handoff.call(self._streams.fail_all, error)
 
     def _on_rejected(self, request_id: str, exc: BaseException) -> None:
         error: BaseException = InvalidRequest("prompt", str(exc)) if isinstance(exc, ValueError) else exc
