@@ -26,7 +26,7 @@ from vllm.v1.engine import EngineCoreRequest
 
 from atomr_infer.engine.vllm.inline_tokenize import tokenize_short_prompts_inline
 from atomr_infer.engine.vllm.prefill_watch import PREFILLED
-from atomr_infer.engine.vllm.resume import RESUME, TOKENS, as_whole, extend_request
+from atomr_infer.engine.vllm.resume import RESUME, TOKENS, CharBoundary, as_whole, extend_request
 from atomr_infer.engine.vllm.stream import RequestStream
 
 
@@ -60,6 +60,8 @@ class StepLoopEngineClient(EngineClient):
         self.input_processor = engine.input_processor
         self._supported_tasks = tuple(engine.get_supported_tasks())
         self._gate = gate
+        tokenizer = getattr(self.renderer, "tokenizer", None)
+        self._chars = CharBoundary(tokenizer) if tokenizer is not None else None  # for resumable streams
 
     # -- state -------------------------------------------------------------------------------
 
@@ -146,13 +148,15 @@ class StepLoopEngineClient(EngineClient):
                 async for output in stream:
                     yield output
             else:
-                first = True
+                first, unsaid = True, []  # unsaid: ids ending inside a character, not told yet
                 async for output in stream:
                     new = list(output.outputs[0].token_ids) if sink is not None and output.outputs else None
                     yield as_whole(output, resume, first) if resume else output
                     first = False
                     if new:  # the serving layer put this output's bytes and asks for the next
-                        sink(new)
+                        told, unsaid = self._chars.split(unsaid, new) if self._chars else (new, [])
+                        if told:
+                            sink(told)
         finally:  # also on cancellation and GeneratorExit: abort in the engine if still running
             self._gate.finish(stream)
 

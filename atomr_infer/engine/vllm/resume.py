@@ -4,7 +4,10 @@
 ``TOKENS`` (set per request by the backend, for requests that ask) is told the token ids of
 each output once vLLM's serving layer has put that output's bytes, when it asks for the next:
 never ahead of the text the router has, so a stream resumed after them repeats and skips
-nothing.
+nothing. Ids that end inside a character (an emoji's bytes, several tokens of a byte-level
+vocabulary) have no text yet: they are told with the ids that complete it (``CharBoundary``),
+since a prompt that ends inside a character makes vLLM's incremental detokenizer of the
+continuation start over from the prompt's beginning (the client would get its prompt again).
 
 The router re-sends the original request with the token ids already generated (``resume``).
 vLLM's serving layer renders and tokenizes the request as it did the first time; the engine
@@ -52,3 +55,36 @@ def as_whole(output: Any, resume: list[int], first: bool) -> Any:
     if first and resume and completions:
         completions[0].token_ids = [*resume, *completions[0].token_ids]
     return output
+
+
+class CharBoundary:
+    """Where the text of a run of token ids ends with a whole character, for one tokenizer."""
+
+    MAX_HELD = 4  # a character is at most 4 bytes of UTF-8, each id one byte or more
+    _WINDOW = 8  # ids decoded to look at the end of the text (enough context for any character)
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._partial: dict[int, bool] = {}  # id -> decoded alone, it holds part of a character
+
+    def _maybe_partial(self, token_id: int) -> bool:
+        partial = self._partial.get(token_id)
+        if partial is None:  # once per id seen: most outputs cost a dict lookup, not a decode
+            partial = self._partial[token_id] = "\ufffd" in self._tokenizer.decode([token_id])
+        return partial
+
+    def held(self, ids: list[int]) -> int:
+        """How many of ``ids``' last ids end inside a character (0 to ``MAX_HELD``)."""
+        held = 0
+        while held < min(len(ids), self.MAX_HELD) and self._maybe_partial(ids[-1 - held]):
+            end = len(ids) - held
+            if not self._tokenizer.decode(ids[max(0, end - self._WINDOW) : end]).endswith("\ufffd"):
+                break
+            held += 1
+        return held
+
+    def split(self, unsaid: list[int], new: list[int]) -> tuple[list[int], list[int]]:
+        """The ids to tell after ``unsaid`` (held before) and ``new``, and those to hold still."""
+        ids = [*unsaid, *new]
+        held = self.held(ids)
+        return (ids[:-held], ids[-held:]) if held else (ids, [])
