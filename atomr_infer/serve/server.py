@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import os
 import socket
@@ -209,7 +210,7 @@ def run_server(
     if cors is not None:
         limits["cors"] = cors
     app = OpenAIIngress.options(
-        num_replicas=num_replicas, ray_actor_options={"num_cpus": 0, "resources": _this_node()}
+        num_replicas=num_replicas, ray_actor_options={"num_cpus": 0, "resources": _this_node()}, **_surge(serve)
     ).bind(replica_wait_s=replica_wait_s, api_keys_path=api_keys_path, listen_on=(host, port), **limits)
     try:
         serve._run(app, name=APP_NAME, route_prefix=None, _blocking=blocking)
@@ -223,6 +224,14 @@ def run_server(
     _record(server)
     log.info("openai_api_running", url=server.base_url)
     return server
+
+
+def _surge(serve: Any) -> dict[str, int]:
+    """Serve's option that starts an update's new ingress replicas before it stops the old ones
+    (Ray 2.60 and later). Every deploy restarts them, and Serve's default stops first: with one
+    replica, nothing would listen on the port until its replacement bound it (connections refused
+    for seconds; no retrying proxy is in front). Both bind it meanwhile (``SO_REUSEPORT``)."""
+    return {"max_surge_percent": 100} if "max_surge_percent" in inspect.signature(serve.deployment).parameters else {}
 
 
 def running_server() -> Server | None:
