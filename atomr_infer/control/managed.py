@@ -170,14 +170,18 @@ def kv_source(reported: dict[str, Any] | None) -> tuple[str, str | None, int] | 
 def adopt_replicas(
     record: DeploymentRecord, reconciler: DeploymentReconciler, launcher: ReplicaLauncher, now: Callable[[], float],
 ) -> None:
-    """The record's replicas still alive, re-adopted by name into ``reconciler``. Replicas named
-    past its ``next_index`` were started after the last save (a pass saves at its end): what they
-    run is not known, so they are stopped, and their names skipped."""
-    index = record.next_index
-    while (stray := launcher.adopt(reconciler.name, f"r{index}")) is not None:
-        log.warning("replica_not_recorded_stopped", deployment=reconciler.name, replica=f"r{index}")
-        stray.stop()
-        reconciler.skip_index(index := index + 1)
+    """The record's replicas still alive, re-adopted by name into ``reconciler``. Any other live
+    replica of the deployment is stopped: one named past its ``next_index`` was started after the
+    last save (a pass saves at its end; what it runs is not known), and its name is skipped; one
+    below it was being stopped when the manager went (stopping asks it to shut down; the kill that
+    follows was the old manager's to do)."""
+    for replica_id in sorted(set(launcher.replica_ids(reconciler.name)) - set(record.replicas)):
+        stray = launcher.adopt(reconciler.name, replica_id)
+        if stray is not None:
+            log.warning("replica_not_recorded_stopped", deployment=reconciler.name, replica=replica_id)
+            stray.stop()
+        if replica_id[1:].isdigit():
+            reconciler.skip_index(int(replica_id[1:]) + 1)
     for replica_id, info in sorted(record.replicas.items()):
         handle = launcher.adopt(reconciler.name, replica_id)
         if handle is not None:

@@ -206,6 +206,11 @@ class RayReplicaLauncher:
         log.info("replica_actor_created", deployment=deployment.name, replica=replica_id, actor=name, node=node)
         return RayReplicaHandle(actor, name, self.reaper, node=node)
 
+    def replica_ids(self, deployment: str) -> list[str]:
+        prefix = actor_name(deployment, "")
+        named = ray.util.list_named_actors(all_namespaces=True)
+        return [a["name"][len(prefix):] for a in named if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)]
+
     def adopt(self, deployment: str, replica_id: str) -> RayReplicaHandle | None:
         name = actor_name(deployment, replica_id)
         try:

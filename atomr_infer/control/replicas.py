@@ -86,6 +86,9 @@ class ReplicaLauncher(Protocol):
         """Re-attach to a live replica of the deployment named ``deployment`` by its name (after
         a manager restart); None if gone."""
 
+    def replica_ids(self, deployment: str) -> list[str]:
+        """The ids of every live replica of the deployment named ``deployment`` (one listing)."""
+
 
 @dataclass
 class ReplicaRecord:

@@ -122,6 +122,10 @@ class FakeLauncher:
         self.alive[h.actor_name] = h
         return h
 
+    def replica_ids(self, deployment):
+        prefix = f"atomr:{deployment}:"
+        return [name[len(prefix):] for name, h in self.alive.items() if name.startswith(prefix) and not h.stopped]
+
     def adopt(self, deployment, replica_id):
         h = self.alive.get(f"atomr:{deployment}:{replica_id}")
         if h is None or h.stopped:  # as Ray's get_actor: a stopped actor's name is free

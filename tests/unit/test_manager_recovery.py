@@ -140,6 +140,43 @@ def test_a_replica_started_after_the_last_save_is_stopped_not_orphaned() -> None
     assert [r.actor_name for r in second.call("status", "demo").replicas] == ["atomr:demo:r0", "atomr:demo:r2"]
 
 
+def test_strays_past_a_gap_in_their_names_are_stopped_too() -> None:
+    """Saves failing, r1 started, failed and was replaced by r2 (its name kept free): a restarted
+    manager that looked from the saved next index up to the first missing name left r2 running."""
+    from atomr_infer.control.store import MemoryStore
+
+    store = MemoryStore()
+    first = Harness(store=store)
+    first.call("apply", spec())
+    first.converge()
+    first.launcher.start(spec(), "r2")  # as a replica started after the last save, past a gone r1
+    stray = first.launcher.started[-1]
+    second = Harness(store=store, launcher=first.launcher)
+    second.converge()
+    assert stray.stopped
+    assert [r.actor_name for r in second.call("status", "demo").replicas] == ["atomr:demo:r0"]
+    second.call("apply", spec(replicas=2))
+    second.converge()
+    assert [r.actor_name for r in second.call("status", "demo").replicas] == ["atomr:demo:r0", "atomr:demo:r3"]
+
+
+def test_a_replica_being_stopped_when_the_manager_went_is_stopped_by_the_next() -> None:
+    """Stopping asks a replica to shut down; its kill is the manager's to do after. A manager gone
+    in between left one that no record names (it was dropped as stopped) and nothing killed."""
+    first = Harness()
+    first.call("apply", spec(replicas=2))
+    first.converge()
+    first.call("apply", spec(replicas=1))
+    first.converge()
+    gone = next(h for h in first.launcher.started if h.stopped)
+    gone.stopped = False  # its shutdown never finished, and no kill came: still alive, still named
+    assert gone.actor_name not in {r.actor_name for r in first.call("status", "demo").replicas}
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.converge()
+    assert gone.stopped
+    assert len(second.call("status", "demo").replicas) == 1
+
+
 def test_a_replica_told_to_drain_before_the_save_drains_on_after_adoption() -> None:
     """Told to drain by a manager that died before saving so: adopted, it answered ready() and
     was counted ready for good while routers, told by it that it drains, left it alone."""
