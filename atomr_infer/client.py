@@ -8,7 +8,8 @@
 
 Keyword arguments are the fields of the OpenAI request (``temperature``, ``tools``,
 ``response_format``, vLLM's ``top_k``, ``ignore_eos``, …; and ``timeout``, seconds for the whole
-answer of a call that does not stream, as openai's), checked by name here: a misspelt
+answer of a call that does not stream, and for each piece of a stream, as openai's), checked by
+name here: a misspelt
 field raises ``TypeError`` in the caller, before anything is routed. Values are checked once,
 by vLLM in the replica, which answers with vLLM's own response types (``ChatCompletionResponse``,
 ``ChatCompletionStreamResponse``, ``CompletionResponse``, ``EmbeddingResponse``), the same
@@ -43,7 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from atomr_infer.client_loops import cancel_all, close_router_soon, close_stream, stop_soon
+from atomr_infer.client_loops import cancel_all, close_router_soon, close_stream, each_within, stop_soon
 from atomr_infer.errors import AtomrError, EngineError, InvalidRequest, RequestError, RouterClosed
 from atomr_infer.routing.manager_link import ManagerLink
 from atomr_infer.routing.router import Router
@@ -216,9 +217,12 @@ class Client:
     async def _stream(
         self, endpoint: _Endpoint, name: str, fields: dict[str, Any], typed: bool = True
     ) -> AsyncIterator[Any]:
+        fields = dict(fields)
+        timeout = fields.pop("timeout", None)  # seconds to wait for each piece, as openai's read timeout
         facts, request = _request(endpoint, name, {**fields, "stream": True}, check=typed)
         chunk_model = endpoint.model("chunk") if typed else None
-        async with contextlib.aclosing(self._router().stream(facts, request)) as items:
+        async with contextlib.aclosing(self._router().stream(facts, request)) as routed:
+            items = routed if timeout is None else each_within(routed, timeout, f"{endpoint.path}: {name!r}")
             head: HttpHead = await anext(items)
             if head.status != 200:
                 raise _error(head.status, b"".join([piece async for piece in items]))

@@ -43,3 +43,20 @@ def close_router_soon(loop: asyncio.AbstractEventLoop, router: Any) -> None:
     the replicas' leases, running for good."""
     if not loop.is_closed():
         loop.call_soon_threadsafe(lambda: loop.create_task(router.aclose()))
+
+
+async def each_within(items: AsyncIterator[Any], timeout: float, what: str) -> AsyncIterator[Any]:
+    """``items``, each within ``timeout`` seconds of the last (a stream's ``timeout``, as openai's
+    read timeout): ``TimeoutError`` otherwise, which cancels the wait (the request is aborted)."""
+    while True:
+        scope = asyncio.timeout(timeout)
+        try:
+            async with scope:
+                item = await anext(items)  # type: ignore[call-overload]
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            if not scope.expired():  # the request's own TimeoutError, not this limit
+                raise
+            raise TimeoutError(f"{what}: nothing came within timeout={timeout:g}s") from None
+        yield item

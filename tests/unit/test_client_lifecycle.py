@@ -155,6 +155,41 @@ def test_a_timeout_ends_the_call_and_aborts_its_request():
     client.close()
 
 
+class StreamReplica(ChatReplica):
+    """Streams two chunks a little apart, then ``[DONE]``; or hangs after its first (``hang``)."""
+
+    async def _serve(self, request, put, tokens, resume=None, prefilled=None):
+        self.bodies.append(json.loads(request.body))
+        put(HttpHead(200, (("content-type", "text/event-stream"),)))
+        chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "d",
+                 "choices": [{"index": 0, "delta": {"content": "hi"}}]}
+        for _ in range(2):
+            put(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await asyncio.sleep(0.1)
+            if self.hang:
+                await asyncio.Event().wait()
+        put(b"data: [DONE]\n\n")
+
+
+def test_a_stream_timeout_bounds_the_wait_for_each_piece_and_aborts_its_request():
+    """openai's ``timeout=`` on a stream (its read timeout): it was refused as an unknown field."""
+    client = client_of(StreamReplica())
+    assert [c.choices[0].delta.content for c in client.stream_chat("d", MESSAGES, timeout=5)] == ["hi", "hi"]
+    client.close()
+    replica = StreamReplica(hang=True)
+    client = client_of(replica)
+    got = []
+    with pytest.raises(TimeoutError, match="nothing came within timeout=0.5s"):
+        for chunk in client.stream_chat("d", MESSAGES, timeout=0.5):
+            got.append(chunk)
+    assert len(got) == 1  # the stream had begun: the limit is per piece, not for the whole
+    deadline = time.monotonic() + 5
+    while replica.cancelled == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert replica.cancelled == 1 and "timeout" not in replica.bodies[0]
+    client.close()
+
+
 def test_without_a_timeout_a_timeout_error_of_the_request_is_its_own():
     """``{None:g}`` made a request's own TimeoutError (Ray's GetTimeoutError is one) a TypeError."""
 
