@@ -17,18 +17,11 @@ from typing import Any
 
 from atomr_infer import heavy_imports
 from atomr_infer.cluster import MANAGER_NAME
-from atomr_infer.control.budget import (
-    BudgetVerdict,
-    ClusterView,
-    check_budget,
-    scale_cap,
-    scaling_summary,
-    size_estimates,
-    uses_gpus,
-)
+from atomr_infer.control.budget import BudgetVerdict, ClusterView, scaling_summary
+from atomr_infer.control.budget_checks import BudgetChecks
 from atomr_infer.control.cluster_view import ray_cluster_view
 from atomr_infer.control.managed import ManagedDeployment, budgeted, removal_record
-from atomr_infer.control.placement import GpuChoice, node_has_room
+from atomr_infer.control.placement import GpuChoice
 from atomr_infer.control.plan import ApplyResult, Plan, PlanResult, check_names, plan_apply, plan_remove
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
 from atomr_infer.control.recovery import Recovery
@@ -60,6 +53,7 @@ class DeploymentManager:
         self._clock = clock
         self._cfg = reconcile_config or ReconcileConfig()
         self._desired: dict[str, ManagedDeployment] = {}
+        self._budgets = BudgetChecks(self._desired, self._cluster_view)
         self._removing: dict[str, DeploymentReconciler] = {}
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
@@ -147,7 +141,7 @@ class DeploymentManager:
             rec = managed.reconciler  # once a roll: mid-roll, the replicas it drains still hold their GPUs
             if rec.rolling and rec.surge_checked_for != rec.runtime_key:
                 try:
-                    rec.surge_allowed, rec.surge_checked_for = self._room_for_one_more(managed), rec.runtime_key
+                    rec.surge_allowed, rec.surge_checked_for = self._budgets.room_for_one_more(managed), rec.runtime_key
                 except Exception as exc:  # noqa: BLE001 - without an answer the roll surges as before
                     rec.surge_allowed = True
                     log.error("surge_check_failed", deployment=name, error=repr(exc))
@@ -174,37 +168,13 @@ class DeploymentManager:
         self._metrics.reconcile_pass(self.last_reconcile_s)
 
     def _autoscale(self, name: str, managed: ManagedDeployment) -> None:
-        decision = managed.autoscale(self._clock(), lambda n: self._scale_cap(managed.spec, managed.reconciler.want, n))
+        decision = managed.autoscale(self._clock(), self._budgets.autoscale_cap(managed))
         self._metrics.target(name, managed.autoscaler.target if managed.autoscaler is not None else None)
         if decision is None:
             return
         log.info("autoscale", deployment=name, replicas_from=decision.from_replicas,
                  replicas_to=decision.to_replicas, reason=decision.reason)
         self._metrics.scaled(name, decision.direction)
-
-    def _scale_cap(self, spec: Deployment, current: int, wanted: int,
-                   cluster: ClusterView | None = None) -> tuple[int, str | None]:
-        """How far the budget lets ``spec`` scale from ``current`` towards ``wanted``, and why not further."""
-        cluster = cluster or self._cluster_view()
-        sizes = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
-        return scale_cap(spec, self._others(spec.name), cluster, current, wanted, sizes)
-
-    def _room_for_one_more(self, managed: ManagedDeployment) -> bool:
-        """Room for a roll's surge replica (else the roll is stop-first): in the budget, and on GPUs
-        on a node now (the budget counts the old replicas at the new spec's GPUs: 2 → 1 on a full
-        cluster started one no node could take, and the old replicas waited for it for good)."""
-        want, cluster = managed.reconciler.want, self._cluster_view()
-        cap, _why = self._scale_cap(managed.spec, want, want + 1, cluster)
-        return cap > want and (not uses_gpus(managed.spec, cluster) or node_has_room({"GPU": managed.spec.gpus}))
-
-    def _others(self, name: str, alongside: list[Deployment] | None = None) -> list[Deployment]:
-        """The other deployments as the budget counts them: at their current replica targets,
-        those of ``alongside`` as they would be applied."""
-        batch = {d.name: self._desired[d.name].as_applied(d) if d.name in self._desired else d
-                 for d in alongside or () if d.name != name}
-        kept = [d.spec.model_copy(update={"replicas": d.reconciler.want})
-                for n, d in self._desired.items() if n != name and n not in batch]
-        return kept + list(batch.values())
 
     def _publish(self) -> None:
         deployments = {name: d.route() for name, d in self._desired.items()}
@@ -237,9 +207,9 @@ class DeploymentManager:
                 self._metrics.applied(deployment.name, "unchanged")
                 return ApplyResult(deployment.name, False, current.record.generation, ("unchanged",))
             try:
-                others = self._others(deployment.name)
+                others = self._budgets.others(deployment.name)
                 check_names(deployment, others)
-                verdict = self._check(budgeted(deployment, current), others, raise_on_fail=True)
+                verdict = self._budgets.check(budgeted(deployment, current), others, True)
                 self._check_engine_args(deployment)
             except Exception as exc:
                 self._metrics.applied(deployment.name, "rejected")
@@ -258,7 +228,7 @@ class DeploymentManager:
         if recorded first: ``atomr deploy`` of several files checks them all before any apply)."""
         deployment = parse_deployment(spec)
         self._recovery.check(deployment.name)
-        others = self._others(deployment.name, [parse_deployment(s) for s in alongside])
+        others = self._budgets.others(deployment.name, [parse_deployment(s) for s in alongside])
         current = self._desired.get(deployment.name)
         plan = self._plan(deployment, current)
         if plan.changed:
@@ -266,15 +236,15 @@ class DeploymentManager:
             self._check_engine_args(deployment)
         error, checked = None, budgeted(deployment, current)
         try:
-            verdict = self._check(checked, others, raise_on_fail=True) if plan.changed else BudgetVerdict(())
+            verdict = self._budgets.check(checked, others, True) if plan.changed else BudgetVerdict(())
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             error = str(exc)
-            verdict = self._check(checked, others, raise_on_fail=False)
+            verdict = self._budgets.check(checked, others, False)
         actions = tuple(a.summary for a in plan.actions)
         scaling = ""
         if deployment.autoscaling is not None:
             cluster = self._cluster_view()
-            cap = self._scale_cap(deployment, checked.replicas, deployment.autoscaling.max_replicas, cluster)
+            cap = self._budgets.scale_cap(deployment, checked.replicas, deployment.autoscaling.max_replicas, cluster)
             scaling = scaling_summary(deployment, cluster, cap)
         return PlanResult(deployment.name, plan.changed, actions, verdict.ok and error is None, str(verdict), error,
                           scaling)
@@ -363,11 +333,6 @@ class DeploymentManager:
     def _plan(self, spec: Deployment, current: ManagedDeployment | None) -> Plan:
         force = current is not None and spec.restart_on_apply
         return plan_apply(current.spec if current else None, spec, force, current.reconciler.want if current else None)
-
-    def _check(self, spec: Deployment, others: list[Deployment], raise_on_fail: bool) -> BudgetVerdict:
-        cluster = self._cluster_view()
-        weights, kv, max_len = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
-        return check_budget(spec, others, cluster, raise_on_fail, weights, kv, max_len)
 
     @staticmethod
     def _check_engine_args(spec: Deployment) -> None:

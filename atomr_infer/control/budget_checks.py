@@ -1,0 +1,55 @@
+"""The manager's budget questions, asked over the deployments it holds (``control/budget.py``
+answers them for given specs): the other deployments as a check counts them, apply's and plan's
+check of one spec, how far the autoscaler may scale one, and whether a roll may surge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from atomr_infer.control.autoscale import BudgetCap
+from atomr_infer.control.budget import BudgetVerdict, ClusterView, check_budget, scale_cap, size_estimates, uses_gpus
+from atomr_infer.control.managed import ManagedDeployment
+from atomr_infer.control.placement import node_has_room
+from atomr_infer.spec import Deployment
+
+
+class BudgetChecks:
+    def __init__(self, desired: dict[str, ManagedDeployment], cluster_view: Callable[[], ClusterView]) -> None:
+        self._desired = desired  # the manager's own dict: always its deployments now
+        self._cluster_view = cluster_view
+
+    def others(self, name: str, alongside: Iterable[Deployment] = ()) -> list[Deployment]:
+        """The other deployments as the budget counts them: at their current replica targets,
+        those of ``alongside`` as they would be applied."""
+        batch = {d.name: self._desired[d.name].as_applied(d) if d.name in self._desired else d
+                 for d in alongside if d.name != name}
+        kept = [d.spec.model_copy(update={"replicas": d.reconciler.want})
+                for n, d in self._desired.items() if n != name and n not in batch]
+        return kept + list(batch.values())
+
+    def check(self, spec: Deployment, others: list[Deployment], raise_on_fail: bool) -> BudgetVerdict:
+        """Apply's check of ``spec`` (as ``budgeted`` counts it)."""
+        cluster = self._cluster_view()
+        weights, kv, max_len = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
+        return check_budget(spec, others, cluster, raise_on_fail, weights, kv, max_len)
+
+    def scale_cap(self, spec: Deployment, current: int, wanted: int,
+                  cluster: ClusterView | None = None) -> tuple[int, str | None]:
+        """How far the budget lets ``spec`` scale from ``current`` towards ``wanted``, and why not further."""
+        cluster = cluster or self._cluster_view()
+        sizes = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
+        return scale_cap(spec, self.others(spec.name), cluster, current, wanted, sizes)
+
+    def autoscale_cap(self, managed: ManagedDeployment) -> BudgetCap:
+        """The autoscaler's cap from its target now."""
+        target = managed.reconciler.want
+        return lambda n: self.scale_cap(managed.spec, target, n)
+
+    def room_for_one_more(self, managed: ManagedDeployment) -> bool:
+        """Room for a roll's surge replica (else the roll is stop-first): in the budget, and on GPUs
+        on a node now (the budget counts the old replicas at the new spec's GPUs: 2 → 1 on a full
+        cluster started one no node could take, and the old replicas waited for it for good)."""
+        want, cluster = managed.reconciler.want, self._cluster_view()
+        cap, _why = self.scale_cap(managed.spec, want, want + 1, cluster)
+        return cap > want and (not uses_gpus(managed.spec, cluster) or node_has_room({"GPU": managed.spec.gpus}))
