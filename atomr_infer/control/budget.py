@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from atomr_infer.engine.cpu import cpu_reservation, size_kv_cache
+from atomr_infer.engine.cpu import cpu_reservation, explicit_kv_bytes, size_kv_cache
 from atomr_infer.errors import CPU_DEMO_HINT, BudgetExceeded, DeviceUnavailable
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
@@ -56,6 +56,17 @@ class ClusterView:
     def price_per_gpu_hour(self) -> float:
         key = self.accelerator_type or "default"
         return self.prices_usd.get(key, self.prices_usd.get("default", DEFAULT_GPU_PRICES_USD["default"]))
+
+
+@dataclass(frozen=True)
+class HeldMemory:
+    """A CPU deployment's own replicas that already hold their memory (what the node reports
+    available is net of it): ``replicas`` of them, each ``bytes_each`` at least; ``replaced``: a
+    roll replaces them, freeing theirs as it goes (else they stay, and only more need memory)."""
+
+    replicas: int = 0
+    replaced: bool = False
+    bytes_each: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,8 +110,9 @@ def _lower(spec: Deployment) -> str:
 
 def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: ClusterView, raise_on_fail: bool = True,
                  weights_bytes: int | None = None, kv_bytes_per_token: int | None = None,
-                 max_model_len: int | None = None) -> BudgetVerdict:
-    """Run every check for ``spec`` given the other deployments' desired state.
+                 max_model_len: int | None = None, held: HeldMemory | None = None) -> BudgetVerdict:
+    """Run every check for ``spec`` given the other deployments' desired state; ``held``: its
+    own replicas already running on CPU (``HeldMemory``; None: none).
 
     Raises ``DeviceUnavailable`` / ``BudgetExceeded`` on the first failing check unless
     ``raise_on_fail`` is False (``plan`` reports the verdict instead).
@@ -163,7 +175,7 @@ def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: Cluste
 
     if not uses_gpus(spec, cluster) and cluster.cpu_memory_available_bytes:
         check, error = _cpu_memory(
-            spec, cluster.cpu_memory_available_bytes, weights_bytes, kv_bytes_per_token, max_model_len
+            spec, cluster.cpu_memory_available_bytes, weights_bytes, kv_bytes_per_token, max_model_len, held
         )
         checks.append(check)
         if error is not None and raise_on_fail:
@@ -194,26 +206,45 @@ def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: Cluste
 
 
 def _cpu_memory(spec: Deployment, available: int, weights: int | None, kv_per_token: int | None,
-                max_model_len: int | None) -> tuple[Check, BudgetExceeded | None]:
-    """CPU replicas: each one's KV cache must fit as the replica will size it, and all of them together."""
+                max_model_len: int | None, held: HeldMemory | None = None) -> tuple[Check, BudgetExceeded | None]:
+    """CPU replicas: each new one's KV cache must fit as the replica will size it, and all the new
+    ones together. Those ``held`` already running hold theirs in memory ``available`` is net of:
+    they are not counted again, nor is a KV cache sized against it; a roll replaces them, and the
+    memory of each it stops is the new ones' (stop-first where one would not fit beside them:
+    reconcile.py), at least ``held.bytes_each``."""
+    held = held or HeldMemory()
+    new = spec.replicas if held.replaced else spec.replicas - held.replicas
+    if new <= 0:
+        return Check("memory", True, f"the {held.replicas} running replicas hold theirs; no new one"), None
+    freed = held.replicas * held.bytes_each if held.replaced else 0
     max_len = max_model_len or spec.runtime_config.max_model_len
-    try:
+    try:  # a new replica sizes its KV cache as it starts: mid-roll, beside one stopped old one
         size = size_kv_cache(spec, kv_bytes_per_token=kv_per_token, max_model_len=max_len,
-                             available_bytes=available, weights_bytes=weights)
+                             available_bytes=available + min(freed, held.bytes_each), weights_bytes=weights)
     except BudgetExceeded as exc:
         return Check("memory", False, str(exc)), exc
     # Sized replicas share the node: each needs its weights and at least what it cannot run without.
     least_kv = size.bytes if size.explicit else (kv_per_token or 0) * (max_len or 0)
-    need = spec.replicas * ((weights or 0) + least_kv)
-    detail = f"{size}; {spec.replicas} x {((weights or 0) + least_kv) / GiB:.2f} GiB of {available / GiB:.1f} GiB free"
-    if need <= available:
+    need, room = new * ((weights or 0) + least_kv), available + freed
+    beside = (f" (with the {held.replicas} it replaces)" if held.replaced
+              else f" (beside the {held.replicas} running)") if held.replicas else ""
+    detail = f"{size}; {new} x {((weights or 0) + least_kv) / GiB:.2f} GiB of {room / GiB:.1f} GiB free{beside}"
+    if need <= room:
         return Check("memory", True, detail), None
     error = BudgetExceeded(
-        spec.name, "memory", round(need / GiB, 2), round(available / GiB, 2), "GiB of CPU memory",
-        f"{spec.replicas} CPU replicas{_autoscaled(spec)} each need their weights and KV cache on this node; "
+        spec.name, "memory", round(need / GiB, 2), round(room / GiB, 2), "GiB of CPU memory",
+        f"{new} new CPU replicas{_autoscaled(spec)}{beside} each need their weights and KV cache on this node; "
         f"lower {_lower(spec)}, runtime_config.max_model_len or runtime_config.cpu_kvcache_space_gb",
     )
     return Check("memory", False, detail), error
+
+
+def least_held_bytes(spec: Deployment, weights: int | None, kv_per_token: int | None, max_model_len: int | None) -> int:
+    """The least memory one running CPU replica of ``spec`` holds: its weights and its explicit
+    KV cache, or one ``max_model_len`` sequence's where it sized its own (against memory then free)."""
+    explicit = explicit_kv_bytes(spec)
+    max_len = max_model_len or spec.runtime_config.max_model_len
+    return (weights or 0) + (explicit if explicit is not None else (kv_per_token or 0) * (max_len or 0))
 
 
 def size_estimates(spec: Deployment, on_cpu: bool) -> tuple[int | None, int | None, int | None]:
@@ -328,11 +359,13 @@ def scaling_summary(spec: Deployment, cluster: ClusterView | None, cap: tuple[in
 
 
 def scale_cap(spec: Deployment, others: Iterable[Deployment], cluster: ClusterView, current: int, wanted: int,
-              sizes: tuple[int | None, int | None, int | None] = (None, None, None)) -> tuple[int, str | None]:
+              sizes: tuple[int | None, int | None, int | None] = (None, None, None),
+              held: HeldMemory | None = None) -> tuple[int, str | None]:
     """How many replicas (``current`` < n <= ``wanted``) the budget lets ``spec`` scale to, and why
-    not more. GPUs and spend count every replica; CPU memory only the new ones (the running ones
-    already hold theirs in the memory the cluster reports free)."""
+    not more. GPUs and spend count every replica; CPU memory only the new ones: ``held`` (default: the
+    ``current`` ones) already hold theirs in the memory the cluster reports free."""
     weights, kv, max_len = sizes
+    held = HeldMemory(current) if held is None else held
     others = list(others)
     failed: list[str] = []  # why the smallest count that failed so far failed
     for n in range(wanted, current, -1):
@@ -340,8 +373,8 @@ def scale_cap(spec: Deployment, others: Iterable[Deployment], cluster: ClusterVi
                                replace(cluster, cpu_memory_available_bytes=None), False, weights, kv, max_len)
         over = [f"{c.name} {c.detail}" for c in verdict.checks if not c.ok]
         if not over and not uses_gpus(spec, cluster) and cluster.cpu_memory_available_bytes:
-            check, _ = _cpu_memory(spec.model_copy(update={"replicas": n - current}),
-                                   cluster.cpu_memory_available_bytes, weights, kv, max_len)
+            check, _ = _cpu_memory(spec.model_copy(update={"replicas": n}), cluster.cpu_memory_available_bytes,
+                                   weights, kv, max_len, held)
             over = [] if check.ok else [f"memory {check.detail}"]
         if not over:
             return n, (f"{n + 1} replicas would exceed the budget: " + "; ".join(failed)) if failed else None

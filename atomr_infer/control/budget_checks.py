@@ -1,6 +1,10 @@
 """The manager's budget questions, asked over the deployments it holds (``control/budget.py``
 answers them for given specs): the other deployments as a check counts them, apply's and plan's
 check of one spec, how far the autoscaler may scale one, and whether a roll may surge.
+
+A CPU deployment's own ready replicas already hold their memory, which the cluster's available
+memory (psutil's, now) is net of: apply counts them as holding it (``HeldMemory``), not against
+it again.
 """
 
 from __future__ import annotations
@@ -8,7 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from atomr_infer.control.autoscale import BudgetCap
-from atomr_infer.control.budget import BudgetVerdict, ClusterView, check_budget, scale_cap, size_estimates, uses_gpus
+from atomr_infer.control.budget import (
+    BudgetVerdict,
+    ClusterView,
+    HeldMemory,
+    check_budget,
+    least_held_bytes,
+    scale_cap,
+    size_estimates,
+    uses_gpus,
+)
 from atomr_infer.control.managed import ManagedDeployment
 from atomr_infer.control.placement import node_has_room
 from atomr_infer.spec import Deployment
@@ -28,18 +41,32 @@ class BudgetChecks:
                 for n, d in self._desired.items() if n != name and n not in batch]
         return kept + list(batch.values())
 
-    def check(self, spec: Deployment, others: list[Deployment], raise_on_fail: bool) -> BudgetVerdict:
-        """Apply's check of ``spec`` (as ``budgeted`` counts it)."""
+    def check(self, spec: Deployment, current: ManagedDeployment | None, restart: bool, others: list[Deployment],
+              raise_on_fail: bool) -> BudgetVerdict:
+        """Apply's check of ``spec`` (as ``budgeted`` counts it), replacing ``current``'s
+        replicas if ``restart`` (a roll), else keeping them."""
         cluster = self._cluster_view()
         weights, kv, max_len = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
-        return check_budget(spec, others, cluster, raise_on_fail, weights, kv, max_len)
+        held = self.held(current, restart, cluster)
+        return check_budget(spec, others, cluster, raise_on_fail, weights, kv, max_len, held)
 
-    def scale_cap(self, spec: Deployment, current: int, wanted: int,
-                  cluster: ClusterView | None = None) -> tuple[int, str | None]:
+    def held(self, current: ManagedDeployment | None, restart: bool, cluster: ClusterView) -> HeldMemory:
+        """What ``current``'s ready CPU replicas of its spec hold (nothing on GPUs): kept, or
+        replaced by a roll, each freeing at least its weights and the KV cache it cannot run without."""
+        if current is None or uses_gpus(current.spec, cluster):
+            return HeldMemory()
+        rec = current.reconciler
+        holding = sum(1 for r in rec.ready_replicas() if r.runtime_key == rec.runtime_key)
+        if not restart or not holding:
+            return HeldMemory(holding)
+        return HeldMemory(holding, True, least_held_bytes(current.spec, *size_estimates(current.spec, on_cpu=True)))
+
+    def scale_cap(self, spec: Deployment, current: int, wanted: int, cluster: ClusterView | None = None,
+                  held: HeldMemory | None = None) -> tuple[int, str | None]:
         """How far the budget lets ``spec`` scale from ``current`` towards ``wanted``, and why not further."""
         cluster = cluster or self._cluster_view()
         sizes = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
-        return scale_cap(spec, self.others(spec.name), cluster, current, wanted, sizes)
+        return scale_cap(spec, self.others(spec.name), cluster, current, wanted, sizes, held)
 
     def autoscale_cap(self, managed: ManagedDeployment) -> BudgetCap:
         """The autoscaler's cap from its target now."""

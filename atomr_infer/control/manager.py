@@ -209,7 +209,7 @@ class DeploymentManager:
             try:
                 others = self._budgets.others(deployment.name)
                 check_names(deployment, others)
-                verdict = self._budgets.check(budgeted(deployment, current), others, True)
+                verdict = self._budgets.check(budgeted(deployment, current), current, plan.restart, others, True)
                 self._check_engine_args(deployment)
             except Exception as exc:
                 self._metrics.applied(deployment.name, "rejected")
@@ -236,15 +236,18 @@ class DeploymentManager:
             self._check_engine_args(deployment)
         error, checked = None, budgeted(deployment, current)
         try:
-            verdict = self._budgets.check(checked, others, True) if plan.changed else BudgetVerdict(())
+            verdict = (self._budgets.check(checked, current, plan.restart, others, True) if plan.changed
+                       else BudgetVerdict(()))
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             error = str(exc)
-            verdict = self._budgets.check(checked, others, False)
+            verdict = self._budgets.check(checked, current, plan.restart, others, False)
         actions = tuple(a.summary for a in plan.actions)
         scaling = ""
         if deployment.autoscaling is not None:
             cluster = self._cluster_view()
-            cap = self._budgets.scale_cap(deployment, checked.replicas, deployment.autoscaling.max_replicas, cluster)
+            held = self._budgets.held(current, plan.restart, cluster)
+            cap = self._budgets.scale_cap(deployment, checked.replicas, deployment.autoscaling.max_replicas, cluster,
+                                          held)
             scaling = scaling_summary(deployment, cluster, cap)
         return PlanResult(deployment.name, plan.changed, actions, verdict.ok and error is None, str(verdict), error,
                           scaling)

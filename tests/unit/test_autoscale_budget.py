@@ -1,0 +1,71 @@
+"""The manager's budget over running deployments (control/budget_checks.py): a CPU deployment's
+own replicas hold their memory. The manager runs with its fakes (tests/unit/test_manager.py's
+``Harness``); model sizes are fixed, no model is read."""
+
+from __future__ import annotations
+
+import pytest
+
+from atomr_infer.control import budget_checks
+from atomr_infer.control.budget import ClusterView
+from atomr_infer.errors import BudgetExceeded
+
+from .test_manager import Harness, spec
+
+GiB = 1 << 30
+
+
+@pytest.fixture
+def sizes(monkeypatch):
+    """Every model 2 GiB of weights, 64 KiB of KV cache a token, 4,096 tokens of context."""
+    monkeypatch.setattr(budget_checks, "size_estimates", lambda spec, on_cpu: (2 * GiB, 64 * 1024, 4096))
+
+
+def on_cpu(h: Harness, available_gib: float) -> None:
+    """The cluster as the manager reads it: no GPU, ``available_gib`` free on its node now."""
+    h.manager._cluster_override = ClusterView(total_gpus=0, cpu_memory_available_bytes=int(available_gib * GiB))
+
+
+def cpu(**kw):
+    return spec(name="cpu", device="cpu", **{"runtime_config": {"cpu_kvcache_space_gb": 4}, **kw})
+
+
+def test_a_running_cpu_deployment_is_not_refused_the_memory_its_own_replicas_hold(sizes) -> None:
+    """2 replicas of 2 GiB weights + 4 GiB KV cache on a 16 GiB box: running, they leave 4 GiB
+    available. Apply counted both again, and re-sized the KV cache against those 4 GiB: any change
+    at all, a scale-down too, was refused over memory the deployment itself held."""
+    h = Harness()
+    on_cpu(h, 16)
+    h.call("apply", cpu(replicas=2))
+    h.converge()
+    on_cpu(h, 4)
+    assert h.call("apply", cpu(replicas=2, serving={"max_concurrent": 16})).actions[0].startswith("update in place")
+    assert h.call("apply", cpu(replicas=1, serving={"max_concurrent": 16})).actions == ("scale 2 → 1",)
+    h.converge()
+    on_cpu(h, 10)  # one stopped: its 6 GiB are free again
+    with pytest.raises(BudgetExceeded, match=r"needs 12 GiB of CPU memory, 10 GiB"):  # 2 more, not 1 more
+        h.call("apply", cpu(replicas=3))
+    assert h.call("apply", cpu(replicas=2)).actions[0] == "scale 1 → 2"
+    h.converge()
+    on_cpu(h, 4)
+    # A roll replaces them: each it stops frees its 6 GiB for the new ones (16 GiB in all).
+    same_size = cpu(replicas=2, runtime_config={"cpu_kvcache_space_gb": 4, "max_model_len": 2048})
+    plan = h.call("plan", same_size)
+    assert plan.budget_ok and "2 x 6.00 GiB of 16.0 GiB free (with the 2 it replaces)" in plan.budget, plan
+    with pytest.raises(BudgetExceeded, match=r"needs 18 GiB of CPU memory, 16 GiB"):
+        h.call("apply", cpu(replicas=2, runtime_config={"cpu_kvcache_space_gb": 7}))
+
+
+def test_a_running_cpu_replica_that_sized_its_own_kv_cache_is_not_re_sized_against_what_it_left(
+        monkeypatch) -> None:
+    """14 GiB of weights on a 32 GiB box: the replica took its KV cache, 13 GiB are left; one
+    sequence of 8,192 tokens needs more than 25% of 13 - 14 GiB: a change in place was refused."""
+    monkeypatch.setattr(budget_checks, "size_estimates", lambda spec, on_cpu: (14 * GiB, 128 * 1024, 8192))
+    h = Harness()
+    on_cpu(h, 32)
+    big = spec(name="big", device="cpu")
+    h.call("apply", big)
+    h.converge()
+    on_cpu(h, 13)
+    assert h.call("apply", spec(name="big", device="cpu", serving={"max_concurrent": 8})).changed
+    assert "the 1 running replicas hold theirs" in h.call("plan", spec(name="big", device="cpu")).budget
