@@ -3,8 +3,8 @@ answers them for given specs): the other deployments as a check counts them, app
 check of one spec, how far the autoscaler may scale one, and whether a roll may surge.
 
 A CPU deployment's own ready replicas already hold their memory, which the cluster's available
-memory (psutil's, now) is net of: apply counts them as holding it (``HeldMemory``), not against
-it again.
+memory (psutil's, now) is net of: they are counted as holding it (``HeldMemory``), not against
+it again; replicas still starting have not taken all of theirs yet and are counted as new.
 """
 
 from __future__ import annotations
@@ -69,9 +69,15 @@ class BudgetChecks:
         return scale_cap(spec, self.others(spec.name), cluster, current, wanted, sizes, held)
 
     def autoscale_cap(self, managed: ManagedDeployment) -> BudgetCap:
-        """The autoscaler's cap from its target now."""
+        """The autoscaler's cap from its target now; CPU memory counted for every replica not yet
+        ready (a target climbed against the same free memory while its replicas loaded)."""
         target = managed.reconciler.want
-        return lambda n: self.scale_cap(managed.spec, target, n)
+
+        def cap(wanted: int) -> tuple[int, str | None]:
+            cluster = self._cluster_view()
+            return self.scale_cap(managed.spec, target, wanted, cluster, self.held(managed, False, cluster))
+
+        return cap
 
     def room_for_one_more(self, managed: ManagedDeployment) -> bool:
         """Room for a roll's surge replica (else the roll is stop-first): in the budget, and on GPUs

@@ -1,13 +1,13 @@
 """The manager's budget over running deployments (control/budget_checks.py): a CPU deployment's
-own replicas hold their memory. The manager runs with its fakes (tests/unit/test_manager.py's
-``Harness``); model sizes are fixed, no model is read."""
+own ready replicas hold their memory, those still starting do not yet. The manager runs with its
+fakes (tests/unit/test_manager.py's ``Harness``); model sizes are fixed, no model is read."""
 
 from __future__ import annotations
 
 import pytest
 
 from atomr_infer.control import budget_checks
-from atomr_infer.control.budget import ClusterView
+from atomr_infer.control.budget import ClusterView, HeldMemory, scale_cap
 from atomr_infer.errors import BudgetExceeded
 
 from .test_manager import Harness, spec
@@ -69,3 +69,30 @@ def test_a_running_cpu_replica_that_sized_its_own_kv_cache_is_not_re_sized_again
     on_cpu(h, 13)
     assert h.call("apply", spec(name="big", device="cpu", serving={"max_concurrent": 8})).changed
     assert "the 1 running replicas hold theirs" in h.call("plan", spec(name="big", device="cpu")).budget
+
+
+def test_the_autoscaler_counts_replicas_still_starting_as_needing_their_memory(sizes) -> None:
+    """10 GiB free beside the one ready replica, 4 GiB a new one (2 GiB weights, 2 GiB KV cache):
+    2 more fit. Counted from its target, the replicas still loading were taken as holding their
+    memory already, and every upscale_delay_s the target climbed: 1 → 3 → 5 → 7."""
+    h = Harness()
+    on_cpu(h, 10)
+    h.call("apply", spec(name="cpu", device="cpu", runtime_config={"cpu_kvcache_space_gb": 2}, autoscaling={
+        "min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 1, "upscale_delay_s": 30}))
+    h.converge(passes=2)
+    for _ in range(121):  # 40 requests wait; the new replicas take minutes to load
+        h.call("report_demand", "router", "cpu", 40)
+        h.manager.reconcile_once()
+        h.clock.advance(1)
+    status = h.call("status", "cpu")
+    assert status.replicas_desired == 3 and len(h.launcher.started) == 3
+    assert "4 replicas would exceed the budget" in status.autoscaling["limited_by_budget"]
+    assert "(beside the 1 running)" in status.autoscaling["limited_by_budget"]
+
+
+def test_scale_cap_counts_cpu_memory_for_the_replicas_not_held_only() -> None:
+    cluster = ClusterView(total_gpus=0, cpu_memory_available_bytes=10 * GiB)
+    dep = spec(device="cpu", runtime_config={"cpu_kvcache_space_gb": 2}, autoscaling={"max_replicas": 8})
+    sizes = (2 * GiB, 64 * 1024, 4096)  # 4 GiB a replica
+    assert scale_cap(dep, [], cluster, 3, 8, sizes)[0] == 5  # 3 ready: 2 more fit
+    assert scale_cap(dep, [], cluster, 3, 8, sizes, HeldMemory(1))[0] == 3  # 2 still starting: none more
