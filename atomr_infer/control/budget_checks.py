@@ -22,7 +22,7 @@ from atomr_infer.control.budget import (
     size_estimates,
     uses_gpus,
 )
-from atomr_infer.control.managed import ManagedDeployment
+from atomr_infer.control.managed import ManagedDeployment, budgeted
 from atomr_infer.control.placement import node_has_room
 from atomr_infer.spec import Deployment
 
@@ -33,11 +33,11 @@ class BudgetChecks:
         self._cluster_view = cluster_view
 
     def others(self, name: str, alongside: Iterable[Deployment] = ()) -> list[Deployment]:
-        """The other deployments as the budget counts them: at their current replica targets,
-        those of ``alongside`` as they would be applied."""
-        batch = {d.name: self._desired[d.name].as_applied(d) if d.name in self._desired else d
-                 for d in alongside if d.name != name}
-        kept = [d.spec.model_copy(update={"replicas": d.reconciler.want})
+        """The other deployments as the budget counts them: at their current replica targets (one
+        scaled to zero at one: its next request starts one, which must still fit), those of
+        ``alongside`` as they would be applied."""
+        batch = {d.name: budgeted(d, self._desired.get(d.name)) for d in alongside if d.name != name}
+        kept = [budgeted(d.spec.model_copy(update={"replicas": d.reconciler.want}), None)
                 for n, d in self._desired.items() if n != name and n not in batch]
         return kept + list(batch.values())
 

@@ -1,6 +1,7 @@
 """The manager's budget over running deployments (control/budget_checks.py): a CPU deployment's
-own ready replicas hold their memory, those still starting do not yet. The manager runs with its
-fakes (tests/unit/test_manager.py's ``Harness``); model sizes are fixed, no model is read."""
+own ready replicas hold their memory, those still starting do not yet; a deployment scaled to
+zero keeps room for one. The manager runs with its fakes (tests/unit/test_manager.py's
+``Harness``); model sizes are fixed, no model is read."""
 
 from __future__ import annotations
 
@@ -88,6 +89,26 @@ def test_the_autoscaler_counts_replicas_still_starting_as_needing_their_memory(s
     assert status.replicas_desired == 3 and len(h.launcher.started) == 3
     assert "4 replicas would exceed the budget" in status.autoscaling["limited_by_budget"]
     assert "(beside the 1 running)" in status.autoscaling["limited_by_budget"]
+
+
+def test_a_deployment_scaled_to_zero_keeps_room_for_the_replica_its_next_request_starts() -> None:
+    """Scaled to zero, it counted for nothing: another deployment took its 4 GPUs, and its next
+    request waited cold_start_timeout_s for a replica that could never start, then 503."""
+    h = Harness()  # 4 GPUs
+    h.call("apply", spec(name="elastic", gpus=3, autoscaling={"min_replicas": 0, "max_replicas": 1}))
+    h.converge()
+    assert h.live("elastic") == []
+    other = spec(name="other", gpus=2)
+    assert not h.call("plan", other).budget_ok
+    with pytest.raises(BudgetExceeded, match="needs 5 GPUs"):
+        h.call("apply", other)
+    # An autoscaled one cannot scale into them either: it has the one GPU left.
+    h.call("apply", spec(name="grows", autoscaling={"min_replicas": 0, "max_replicas": 4, "upscale_delay_s": 0}))
+    for _ in range(3):  # routers repeat their reports while requests wait
+        h.call("report_demand", "router-a", "grows", 40)
+        h.converge(passes=1)
+    status = h.call("status", "grows")
+    assert status.replicas_desired == 1 and "gpus 5 of 4 GPUs" in status.autoscaling["limited_by_budget"]
 
 
 def test_scale_cap_counts_cpu_memory_for_the_replicas_not_held_only() -> None:
