@@ -42,6 +42,7 @@ from atomr_infer.log import get_logger
 from atomr_infer.replica_calls import Failure, replica_failure
 from atomr_infer.routing import adapters, migration, response_ids
 from atomr_infer.routing.channel import ReplicaChannel
+from atomr_infer.routing.demand import Demand, DemandReport
 from atomr_infer.routing.picker import PromptIds, ReplicaPicker
 from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.prefix import prompt_key
@@ -60,12 +61,6 @@ MAX_ATTEMPTS = 4
 # How long a request for a LoRA adapter that a replica is loading waits for it (a repo id is
 # fetched from the Hub first: tens of MB).
 ADAPTER_LOAD_WAIT_S = 60.0
-# How often a router tells the manager, while requests wait for a replica, how many wait
-# (the autoscaler's load; for a deployment scaled to zero, what starts a replica).
-DEMAND_EVERY_S = 0.5
-# demand(router id, deployment, waiting): sends the report without waiting for an answer
-# (``manager.report_demand.remote``).
-DemandReport = Callable[[str, str, int], Any]
 log = get_logger(__name__)
 
 
@@ -87,10 +82,8 @@ class Router:
         self._source = source
         self._fresh_source = fresh_source or source
         self._peek = peek
-        self._demand = demand
         self.id = uuid.uuid4().hex[:12]
-        self._waiting: collections.Counter[str] = collections.Counter()  # requests waiting, by deployment
-        self._demand_at: dict[str, float] = {}
+        self._demand = Demand(self.id, demand)  # requests waiting or refused, told the manager (demand.py)
         self._picker = ReplicaPicker()
         self.migrations: collections.Counter[tuple[str, str]] = collections.Counter()  # (deployment, reason)
         self._wait_s, self._refresh_s = wait_for_replica_s, refresh_s
@@ -225,15 +218,6 @@ class Router:
             channel.retire()
             self._retired.append(channel)
 
-    def _report_waiting(self, name: str, now: float) -> None:
-        if self._demand is None or now - self._demand_at.get(name, 0.0) < DEMAND_EVERY_S:
-            return
-        self._demand_at[name] = now
-        try:
-            self._demand(self.id, name, self._waiting[name])
-        except Exception as exc:  # noqa: BLE001 - the manager is away: routing goes on
-            log.warning("demand_report_failed", deployment=name, error=f"{type(exc).__name__}: {exc}")
-
     async def _route(
         self, facts: RoutingFacts, model: str = ""
     ) -> tuple[DeploymentRoute, ReplicaRoute, str | None, int]:
@@ -289,17 +273,19 @@ class Router:
                     if choice is not None:
                         return dep, choice, adapter, self._picker.take_work(choice.actor_name)
                     if dep.on_capacity_exhausted == "reject":
+                        self._demand.refused(dep.name, time.monotonic())
                         raise CapacityExhausted(name, dep.max_concurrent)
                 if self._closed:
                     raise RouterClosed("the router was closed")
                 now = time.monotonic()
                 if waiting_for is None:
                     waiting_for = dep.name
-                    self._waiting[dep.name] += 1
-                self._report_waiting(dep.name, now)
+                    self._demand.wait(dep.name)
+                self._demand.report(dep.name, now)
                 if usable:  # all full: queue for a slot
                     appear_from = now  # replicas exist; that wait is not running
                     if queue_deadline is not None and now >= queue_deadline:
+                        self._demand.refused(dep.name, now)
                         raise CapacityExhausted(name, dep.max_concurrent, retry_after_s=1.0)
                 # A deployment that may scale to zero waits as long as a replica may take to start;
                 # an adapter a replica is loading, as long as loading may take.
@@ -317,7 +303,7 @@ class Router:
                     table = await self.refresh(force=not usable)
         finally:
             if waiting_for is not None:
-                self._waiting[waiting_for] -= 1
+                self._demand.waited(waiting_for, time.monotonic())
 
     async def stream(self, facts: RoutingFacts, request: HttpRequest) -> AsyncIterator[HttpHead | bytes]:
         """The replica's answer to ``request`` (an ``HttpHead``, then body bytes), routed by

@@ -1,0 +1,51 @@
+"""What a router reports to the manager as demand (routing/demand.py), through ``Router.stream``
+with fake replicas, and what the autoscaler makes of it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from atomr_infer.control.autoscale import Autoscaler
+from atomr_infer.errors import CapacityExhausted
+from atomr_infer.routing.demand import REFUSED_COUNTS_S, Demand
+from atomr_infer.spec import Autoscaling
+
+from .fakes import GatedReplica
+from .test_router_admission import occupy, router, text
+
+
+def test_requests_refused_at_capacity_are_reported_as_demand_and_scale_the_deployment_up() -> None:
+    """on_capacity_exhausted: reject with every replica full: the refused requests were never
+    reported, so the load never passed replicas x max_concurrent; with target_ongoing_requests at
+    max_concurrent the autoscaler never scaled up while it answered 429."""
+    reports: list[tuple[str, int]] = []
+
+    async def main():
+        replica = GatedReplica("r0")
+        r = router("reject", (replica,), demand=lambda router_id, name, n: reports.append((name, n)))
+        held = await occupy(replica, r)  # max_concurrent 1: full
+        for _ in range(3):
+            with pytest.raises(CapacityExhausted):
+                await text(r)
+            await asyncio.sleep(0.3)
+        replica.gate.set()
+        await held
+
+    asyncio.run(main())
+    assert reports[0] == ("d", 1) and len(reports) == 2 and reports[-1][1] >= 2, reports  # each counts a while
+    cfg = Autoscaling(min_replicas=1, max_replicas=4, target_ongoing_requests=1, upscale_delay_s=0)
+    scaler = Autoscaler(1)
+    scaler.report_waiting("router", reports[-1][1], now=0.0)
+    decision = scaler.decide(cfg, in_flight=1, now=0.0, cap=lambda n: (n, None))
+    assert decision is not None and decision.to_replicas == 1 + reports[-1][1]
+
+
+def test_a_refused_request_counts_for_a_short_while_only() -> None:
+    reports: list[int] = []
+    demand = Demand("router", lambda router_id, name, n: reports.append(n))
+    demand.refused("d", now=10.0)
+    demand.refused("d", now=10.2)  # within DEMAND_EVERY_S of the last report: not sent
+    assert reports == [1] and demand.count("d", now=10.4) == 2
+    assert demand.count("d", now=10.0 + REFUSED_COUNTS_S) == 1 and demand.count("d", now=11.3) == 0
