@@ -9,7 +9,9 @@ deployment answering 429 looked no busier than its full replicas (with ``target_
 at or above ``max_concurrent``, it never scaled up, or even scaled down).
 
 The manager keeps a router's last report for ``autoscale.DEMAND_FRESH_S``. Reports go at most
-every ``DEMAND_EVERY_S`` while there is demand.
+every ``DEMAND_EVERY_S`` while there is demand, and once more, at once, when the waiting is over:
+else the last count stayed, and counted again the same requests the replicas then reported in
+flight.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ class Demand:
         self.waiting[name] += 1
 
     def waited(self, name: str, now: float) -> None:
-        """A request no longer waits (routed, failed or gone)."""
+        """A request no longer waits (routed, failed or gone); the last to stop waiting says so."""
         self.waiting[name] -= 1
+        if not self.waiting[name]:
+            self.report(name, now, final=True)
 
     def refused(self, name: str, now: float) -> None:
         """A request for ``name`` refused: every replica was full."""
@@ -60,12 +64,15 @@ class Demand:
             refused.popleft()
         return self.waiting[name] + len(refused or ())
 
-    def report(self, name: str, now: float) -> None:
-        """Tell the manager, if the last report is ``DEMAND_EVERY_S`` old."""
-        at = self._sent.get(name, (-math.inf, 0))[0]
-        if self._report is None or now - at < DEMAND_EVERY_S:
+    def report(self, name: str, now: float, final: bool = False) -> None:
+        """Tell the manager, if the last report is ``DEMAND_EVERY_S`` old; ``final``: at once, if
+        the count changed (the waiting is over)."""
+        if self._report is None:
             return
+        at, last = self._sent.get(name, (-math.inf, 0))
         count = self.count(name, now)
+        if (count == last) if final else now - at < DEMAND_EVERY_S:
+            return
         self._sent[name] = (now, count)
         try:
             self._report(self._id, name, count)

@@ -10,9 +10,11 @@ import pytest
 from atomr_infer.control.autoscale import Autoscaler
 from atomr_infer.errors import CapacityExhausted
 from atomr_infer.routing.demand import REFUSED_COUNTS_S, Demand
+from atomr_infer.routing.router import Router
+from atomr_infer.routing.table import DeploymentRoute, RoutingTable
 from atomr_infer.spec import Autoscaling
 
-from .fakes import GatedReplica
+from .fakes import FakeReplica, GatedReplica, answer, request, route
 from .test_router_admission import occupy, router, text
 
 
@@ -49,3 +51,24 @@ def test_a_refused_request_counts_for_a_short_while_only() -> None:
     demand.refused("d", now=10.2)  # within DEMAND_EVERY_S of the last report: not sent
     assert reports == [1] and demand.count("d", now=10.4) == 2
     assert demand.count("d", now=10.0 + REFUSED_COUNTS_S) == 1 and demand.count("d", now=11.3) == 0
+
+
+def test_once_its_requests_stop_waiting_a_router_reports_that_none_wait() -> None:
+    """The last report said 3 waiting; routed, the same 3 were in flight on the replica while the
+    manager still counted that report (for 2 s): twice the load."""
+    reports: list[tuple[str, int]] = []
+    tables = {"now": RoutingTable(1, {"d": DeploymentRoute("d", 64, "queue", (), cold_start_timeout_s=300.0)})}
+
+    async def source(version):
+        return tables["now"] if version != tables["now"].version else None
+
+    async def main():
+        r = Router(source, refresh_s=0.0, demand=lambda router_id, name, n: reports.append((name, n)))
+        waiting = [asyncio.create_task(answer(r.stream(*request()))) for _ in range(3)]
+        await asyncio.sleep(0.6)  # they wait for a cold start, reported every 0.5 s
+        tables["now"] = RoutingTable(2, {"d": DeploymentRoute("d", 64, "queue", (route(FakeReplica("r0")),))})
+        await asyncio.wait_for(asyncio.gather(*waiting), 5)
+
+    asyncio.run(main())
+    assert ("d", 3) in reports and reports[-1] == ("d", 0), reports
+    assert reports.count(("d", 0)) == 1  # once: the first of them routed sent nothing
