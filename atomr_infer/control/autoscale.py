@@ -8,7 +8,8 @@ moves there once that want has held for ``upscale_delay_s`` (more) or ``downscal
 (fewer). From zero replicas a waiting request scales up at once: nothing can serve it.
 
 Scaling up never breaks the budget: ``cap(n)`` answers how many of ``n`` replicas the budget
-allows and why not more; the decision stops there and the reason stays visible in status.
+allows and why not more; the decision stops there and the reason stays visible in status (a
+spend limit with ``on_exceeded: warn`` stops nothing: the decision's reason says it went over).
 Pure: the clock and the budget come in as arguments, so tests drive it step by step.
 """
 
@@ -23,7 +24,8 @@ from atomr_infer.spec import Autoscaling
 
 # A router's report of requests waiting counts this long (routers repeat it while they wait).
 DEMAND_FRESH_S = 2.0
-# cap(n) -> (replicas the budget allows, up to n; why not more, or None)
+# cap(n) -> (replicas the budget allows, up to n; why not more, or a warning the budget lets pass
+# (a spend limit with on_exceeded: warn), or None)
 BudgetCap = Callable[[int], tuple[int, str | None]]
 
 
@@ -95,6 +97,8 @@ class Autoscaler:
             )
             if why and allowed < wanted:
                 reason += f"; stopped short of {wanted}: {why}"
+            elif why:
+                reason += f"; {why}"
             return self._move(current, allowed, reason, now)
         self._up_since = None
         self.limited = None

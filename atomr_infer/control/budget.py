@@ -110,7 +110,8 @@ def _lower(spec: Deployment) -> str:
 
 def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: ClusterView, raise_on_fail: bool = True,
                  weights_bytes: int | None = None, kv_bytes_per_token: int | None = None,
-                 max_model_len: int | None = None, held: HeldMemory | None = None) -> BudgetVerdict:
+                 max_model_len: int | None = None, held: HeldMemory | None = None,
+                 log_warnings: bool = True) -> BudgetVerdict:
     """Run every check for ``spec`` given the other deployments' desired state; ``held``: its
     own replicas already running on CPU (``HeldMemory``; None: none).
 
@@ -199,7 +200,9 @@ def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: Cluste
                     f"lower {_lower(spec)} or raise budget.{field_name}")
             if budget.on_exceeded == "warn":
                 warnings.append(f"spend {cost:.2f} {unit} over budget.{field_name}={limit:g} (on_exceeded: warn)")
-                log.warning("budget_exceeded_warn", deployment=spec.name, cost=round(cost, 2), limit=limit, unit=unit)
+                if log_warnings:
+                    log.warning("budget_exceeded_warn", deployment=spec.name, cost=round(cost, 2), limit=limit,
+                                unit=unit)
             elif raise_on_fail:
                 raise BudgetExceeded(spec.name, "spend", round(cost, 2), limit, unit, hint)
     return BudgetVerdict(tuple(checks), tuple(warnings))
@@ -355,6 +358,8 @@ def scaling_summary(spec: Deployment, cluster: ClusterView | None, cap: tuple[in
         text += f"; worst case {cfg.max_replicas} CPU replicas, no GPU cost"
     if cap is not None and cap[0] < cfg.max_replicas:
         text += f"; the budget stops it at {cap[0]}: {cap[1]}"
+    elif cap is not None and cap[1]:  # over a spend limit with on_exceeded: warn
+        text += f"; {cap[1]}"
     return text
 
 
@@ -362,21 +367,26 @@ def scale_cap(spec: Deployment, others: Iterable[Deployment], cluster: ClusterVi
               sizes: tuple[int | None, int | None, int | None] = (None, None, None),
               held: HeldMemory | None = None) -> tuple[int, str | None]:
     """How many replicas (``current`` < n <= ``wanted``) the budget lets ``spec`` scale to, and why
-    not more. GPUs and spend count every replica; CPU memory only the new ones: ``held`` (default: the
+    not more (or, where it lets all go over a spend limit with ``on_exceeded: warn``, that warning).
+    GPUs and spend count every replica; CPU memory only the new ones: ``held`` (default: the
     ``current`` ones) already hold theirs in the memory the cluster reports free."""
     weights, kv, max_len = sizes
     held = HeldMemory(current) if held is None else held
+    warn = spec.budget is not None and spec.budget.on_exceeded == "warn"  # proceeds over spend, as apply does
     others = list(others)
     failed: list[str] = []  # why the smallest count that failed so far failed
     for n in range(wanted, current, -1):
         verdict = check_budget(spec.model_copy(update={"replicas": n}), others,
-                               replace(cluster, cpu_memory_available_bytes=None), False, weights, kv, max_len)
-        over = [f"{c.name} {c.detail}" for c in verdict.checks if not c.ok]
+                               replace(cluster, cpu_memory_available_bytes=None), False, weights, kv, max_len,
+                               log_warnings=False)  # asked each pass: the decision's reason carries it
+        over = [f"{c.name} {c.detail}" for c in verdict.checks if not c.ok and not (warn and c.name == "spend")]
         if not over and not uses_gpus(spec, cluster) and cluster.cpu_memory_available_bytes:
             check, _ = _cpu_memory(spec.model_copy(update={"replicas": n}), cluster.cpu_memory_available_bytes,
                                    weights, kv, max_len, held)
             over = [] if check.ok else [f"memory {check.detail}"]
+        if not over and failed:
+            return n, f"{n + 1} replicas would exceed the budget: " + "; ".join(failed)
         if not over:
-            return n, (f"{n + 1} replicas would exceed the budget: " + "; ".join(failed)) if failed else None
+            return n, (f"{n} replicas go over the budget: " + "; ".join(verdict.warnings)) if verdict.warnings else None
         failed = over
     return current, (f"{current + 1} replicas would exceed the budget: " + "; ".join(failed)) if failed else None

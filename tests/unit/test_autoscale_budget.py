@@ -1,7 +1,7 @@
 """The manager's budget over running deployments (control/budget_checks.py): a CPU deployment's
 own ready replicas hold their memory, those still starting do not yet; a deployment scaled to
-zero keeps room for one. The manager runs with its fakes (tests/unit/test_manager.py's
-``Harness``); model sizes are fixed, no model is read."""
+zero keeps room for one; a spend limit that only warns stops no scaling. The manager runs with
+its fakes (tests/unit/test_manager.py's ``Harness``); model sizes are fixed, no model is read."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from atomr_infer.control import budget_checks
 from atomr_infer.control.budget import ClusterView, HeldMemory, scale_cap
 from atomr_infer.errors import BudgetExceeded
 
+from .test_autoscale import set_load
 from .test_manager import Harness, spec
 
 GiB = 1 << 30
@@ -109,6 +110,28 @@ def test_a_deployment_scaled_to_zero_keeps_room_for_the_replica_its_next_request
         h.converge(passes=1)
     status = h.call("status", "grows")
     assert status.replicas_desired == 1 and "gpus 5 of 4 GPUs" in status.autoscaling["limited_by_budget"]
+
+
+def test_a_spend_limit_that_only_warns_stops_no_scaling_and_the_decision_says_it_went_over() -> None:
+    """on_exceeded: warn lets apply go over the spend limit, but the autoscaler stopped at it."""
+    h = Harness()  # 4 L4 GPUs at $0.80/GPU-hour
+    warn = {"max_spend_per_hour_usd": 1.0, "on_exceeded": "warn"}
+    auto = spec(budget=warn, autoscaling={"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 1,
+                                          "upscale_delay_s": 0, "downscale_delay_s": 60})
+    scaling = h.call("plan", auto).scaling
+    assert "stops it" not in scaling and "3 replicas go over the budget" in scaling and "warn" in scaling, scaling
+    h.call("apply", auto)
+    h.converge()
+    set_load(h, 30)
+    h.converge(passes=6)
+    status = h.call("status", "demo")
+    assert status.replicas_desired == 3 and status.autoscaling["limited_by_budget"] is None
+    reason = status.autoscaling["last_decision"]["reason"]
+    assert "spend 2.40 USD/hour over budget.max_spend_per_hour_usd=1 (on_exceeded: warn)" in reason, reason
+    # reject (the default) still stops it at the limit: $1/hour is one L4
+    cluster = ClusterView(total_gpus=4, accelerator_type="L4")
+    rejecting = auto.model_copy(update={"budget": auto.budget.model_copy(update={"on_exceeded": "reject"})})
+    assert scale_cap(rejecting, [], cluster, 1, 3)[0] == 1 and scale_cap(auto, [], cluster, 1, 3)[0] == 3
 
 
 def test_scale_cap_counts_cpu_memory_for_the_replicas_not_held_only() -> None:
