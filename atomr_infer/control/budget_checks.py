@@ -62,11 +62,11 @@ class BudgetChecks:
         return HeldMemory(holding, True, least_held_bytes(current.spec, *size_estimates(current.spec, on_cpu=True)))
 
     def scale_cap(self, spec: Deployment, current: int, wanted: int, cluster: ClusterView | None = None,
-                  held: HeldMemory | None = None) -> tuple[int, str | None]:
+                  held: HeldMemory | None = None, alongside: Iterable[Deployment] = ()) -> tuple[int, str | None]:
         """How far the budget lets ``spec`` scale from ``current`` towards ``wanted``, and why not further."""
         cluster = cluster or self._cluster_view()
         sizes = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
-        return scale_cap(spec, self.others(spec.name), cluster, current, wanted, sizes, held)
+        return scale_cap(spec, self.others(spec.name, alongside), cluster, current, wanted, sizes, held)
 
     def autoscale_cap(self, managed: ManagedDeployment) -> BudgetCap:
         """The autoscaler's cap from its target now; CPU memory counted for every replica not yet

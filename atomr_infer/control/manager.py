@@ -228,7 +228,8 @@ class DeploymentManager:
         if recorded first: ``atomr deploy`` of several files checks them all before any apply)."""
         deployment = parse_deployment(spec)
         self._recovery.check(deployment.name)
-        others = self._budgets.others(deployment.name, [parse_deployment(s) for s in alongside])
+        batch = [parse_deployment(s) for s in alongside]
+        others = self._budgets.others(deployment.name, batch)
         current = self._desired.get(deployment.name)
         plan = self._plan(deployment, current)
         if plan.changed:
@@ -247,7 +248,7 @@ class DeploymentManager:
             cluster = self._cluster_view()
             held = self._budgets.held(current, plan.restart, cluster)
             cap = self._budgets.scale_cap(deployment, checked.replicas, deployment.autoscaling.max_replicas, cluster,
-                                          held)
+                                          held, batch)
             scaling = scaling_summary(deployment, cluster, cap)
         return PlanResult(deployment.name, plan.changed, actions, verdict.ok and error is None, str(verdict), error,
                           scaling)

@@ -1,7 +1,8 @@
 """The manager's budget over running deployments (control/budget_checks.py): a CPU deployment's
 own ready replicas hold their memory, those still starting do not yet; a deployment scaled to
-zero keeps room for one; a spend limit that only warns stops no scaling. The manager runs with
-its fakes (tests/unit/test_manager.py's ``Harness``); model sizes are fixed, no model is read."""
+zero keeps room for one; a spend limit that only warns stops no scaling; a dry-run batch counts
+in the cap. The manager runs with its fakes (tests/unit/test_manager.py's ``Harness``); model
+sizes are fixed, no model is read."""
 
 from __future__ import annotations
 
@@ -132,6 +133,14 @@ def test_a_spend_limit_that_only_warns_stops_no_scaling_and_the_decision_says_it
     cluster = ClusterView(total_gpus=4, accelerator_type="L4")
     rejecting = auto.model_copy(update={"budget": auto.budget.model_copy(update={"on_exceeded": "reject"})})
     assert scale_cap(rejecting, [], cluster, 1, 3)[0] == 1 and scale_cap(auto, [], cluster, 1, 3)[0] == 3
+
+
+def test_plan_caps_the_autoscaling_of_a_spec_by_the_specs_deployed_alongside() -> None:
+    h = Harness()  # 4 GPUs
+    a, b = spec(name="a", replicas=3), spec(name="b", autoscaling={"min_replicas": 1, "max_replicas": 4})
+    plan = h.call("plan", b, (a,))
+    assert plan.budget_ok and "the budget stops it at 1: 2 replicas would exceed the budget: gpus 5 of 4" in (
+        plan.scaling), plan.scaling
 
 
 def test_scale_cap_counts_cpu_memory_for_the_replicas_not_held_only() -> None:
