@@ -2,7 +2,10 @@
 
 One thread per process (``hub()``), shared by every router in it (the ingress's and a
 ``Client``'s alike): one ZMQ SUB socket per replica, connected to the endpoint the replica
-bound on its node's address (engine/vllm/kv_events.py), and one DEALER to its replay endpoint.
+bound on its node's address (engine/vllm/kv_events.py), and, while a replay runs, one DEALER to
+its replay endpoint. The sockets come from a ZMQ context of the hub's own, whose socket limit
+fits thousands of replicas (a shared context's default, 1,023, stopped at about 511); a replica
+that cannot be followed (out of file descriptors) is tried again every ``FOLLOW_RETRY_S``.
 
 vLLM numbers its batches. A follower first asks for a replay from 0 (vLLM keeps its last
 ``buffer_steps`` batches) while it buffers what the SUB socket brings, then applies the rest in
@@ -10,13 +13,15 @@ order. A gap (ZMQ drops when a subscriber falls behind its high-water mark) asks
 from the first missing batch (a new DEALER per replay, so a late answer to an old one is never
 taken for the next). A batch the replay no longer has (vLLM keeps ``buffer_steps``), or that a
 replay itself dropped, is lost for good: the replica's entries are dropped and rebuilt from what
-follows. Blocks stored before are then unknown (routing misses them), but none that was evicted
-meanwhile is believed held (routing would send requests to a replica that must recompute them).
+follows. So is a replay that stops without its end marker (nothing heard for
+``REPLAY_IDLE_S``, twice): what it brought is only the oldest part of the buffer, whose blocks
+may have been evicted by the batches it did not bring. Blocks stored before are then unknown
+(routing misses them), but none that was evicted meanwhile is believed held (routing would send
+requests to a replica that must recompute them).
 """
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -28,8 +33,22 @@ from atomr_infer.routing.kv_index import KvIndex, decode_batch
 
 log = get_logger(__name__)
 END_SEQ = b"\xff" * 8  # vLLM's end-of-replay marker
-REPLAY_TIMEOUT_S = 2.0  # a replay that does not end by then is given up (what came is kept)
+# A replay that brings nothing for this long is asked again from where it stopped, then given up
+# (an idle limit: a replay of vLLM's whole buffer may take longer than this to arrive).
+REPLAY_IDLE_S = 2.0
 POLL_MS = 20
+READ_MAX = 256  # messages read from one socket per turn: a busy replica cannot starve the others
+FOLLOW_RETRY_S = 5.0  # a replica that could not be followed (no socket) is tried again after this
+
+
+def _zmq_context() -> Any:
+    """A context of the hub's own, its socket limit raised from ZMQ's default 1,023 (and not
+    shared with a library's ``Context.instance()``)."""
+    import zmq
+
+    context = zmq.Context()
+    context.set(zmq.MAX_SOCKETS, context.get(zmq.SOCKET_LIMIT))
+    return context
 
 
 @dataclass
@@ -39,11 +58,12 @@ class _Follower:
     endpoint: str
     replay_endpoint: str | None
     sub: Any = None
-    dealer: Any = None  # a new one for each replay: a late answer to an old one cannot end the next
+    dealer: Any = None  # one per replay, closed at its end: a late answer to an old one cannot end the next
     last: int = -1  # the sequence number of the last batch applied
     replaying_since: float | None = None  # a replay asked for and not yet ended
+    replay_heard_at: float = 0.0  # when it was asked, or last brought a batch (REPLAY_IDLE_S)
     replay_from: int = 0
-    retried: bool = False  # a gap after a replay asked again once before it counts as lost
+    retried: bool = False  # a gap (or a replay cut short) asked again once before it counts as lost
     held: list[tuple[int, bytes]] = field(default_factory=list)  # SUB batches while replaying
 
 
@@ -59,7 +79,10 @@ class KvEventsHub:
         self._lock = threading.Lock()
         self._context: Any = None
         self._poller: Any = None
-        self._by_socket: dict[Any, _Follower] = {}  # (the thread's own)
+        self._by_socket: dict[Any, _Follower] = {}  # (the thread's own, as are the next three)
+        self._replaying: dict[str, _Follower] = {}  # replica -> its follower, while a replay runs
+        self._asked: dict[str, dict[str, tuple[str, str | None]]] = {}  # deployment -> the last change applied
+        self._retry_at: dict[str, float] = {}  # deployment -> when to try its replicas not followed again
         self.gaps = 0  # batches found missing (each asks for a replay)
         self.partial = 0  # batches lost for good (the replica's entries rebuilt from what followed)
 
@@ -84,10 +107,14 @@ class KvEventsHub:
         import zmq
 
         if self._context is None:
-            self._context, self._poller = zmq.Context.instance(), zmq.Poller()
+            self._context, self._poller = _zmq_context(), zmq.Poller()
         while True:
-            while not self._changes.empty():
-                deployment, replicas = self._changes.get()
+            changes = [self._changes.get() for _ in range(self._changes.qsize())]
+            now = time.monotonic()
+            named = {deployment for deployment, _ in changes}  # a newer map replaces the one to retry
+            changes += [(name, self._asked.get(name, {})) for name, at in list(self._retry_at.items())
+                        if now >= at and name not in named]
+            for deployment, replicas in changes:
                 try:
                     self._apply_change(deployment, replicas)
                 except Exception as exc:  # noqa: BLE001 - a bad endpoint must not stop the listener
@@ -99,39 +126,53 @@ class KvEventsHub:
             if not self._by_socket:
                 time.sleep(POLL_MS / 1000)
             for sock in ready:
-                follower = self._by_socket.get(sock)
-                try:
-                    if follower is None:
-                        continue
-                    if sock is follower.sub:
-                        self._on_sub(follower, sock.recv_multipart(zmq.NOBLOCK))
-                    elif sock is follower.dealer:
-                        self._on_replay(follower, sock.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    pass
-                except Exception as exc:  # noqa: BLE001 - one bad message must not stop the listener
-                    log.warning("kv_event_failed", replica=follower.replica, error=f"{type(exc).__name__}: {exc}")
+                self._read(sock)
             now = time.monotonic()
-            for follower in list(self._followers.values()):
-                if follower.replaying_since is not None and now - follower.replaying_since > REPLAY_TIMEOUT_S:
+            for follower in list(self._replaying.values()):  # only replays: not every follower, every turn
+                if now - follower.replay_heard_at > REPLAY_IDLE_S:
                     try:
-                        self._end_replay(follower)
+                        self._end_replay(follower, complete=False)
                     except Exception as exc:  # noqa: BLE001
                         log.warning("kv_event_failed", replica=follower.replica, error=f"{type(exc).__name__}: {exc}")
+
+    def _read(self, sock: Any) -> None:
+        """What ``sock`` has ready (up to ``READ_MAX``): a turn of the loop (a poll of every
+        socket) per message would cap the whole process at a few thousand batches a second."""
+        import zmq
+
+        follower = self._by_socket.get(sock)
+        for _ in range(READ_MAX):
+            if follower is None or sock is not follower.sub and sock is not follower.dealer:
+                return  # closed meanwhile (a replay that ended, a replica dropped)
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                if sock is follower.sub:
+                    self._on_sub(follower, frames)
+                else:
+                    self._on_replay(follower, frames)
+            except Exception as exc:  # noqa: BLE001 - one bad message must not stop the listener
+                log.warning("kv_event_failed", replica=follower.replica, error=f"{type(exc).__name__}: {exc}")
 
     def _socket(self, kind: int, endpoint: str, follower: _Follower) -> Any:
         import zmq
 
         sock = self._context.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # a replica gone for good: retried every 5 s, not 0.1
-        if endpoint.startswith("tcp://["):
-            sock.setsockopt(zmq.IPV6, 1)
-        if kind == zmq.SUB:
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-        else:
-            sock.setsockopt(zmq.RCVHWM, 0)  # a replay comes all at once: keep all of it
-        sock.connect(endpoint)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # a replica gone for good: retried every 5 s, not 0.1
+            if endpoint.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
+            if kind == zmq.SUB:
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+            else:
+                sock.setsockopt(zmq.RCVHWM, 0)  # a replay comes all at once: keep all of it
+            sock.connect(endpoint)
+        except Exception:
+            sock.close(linger=0)
+            raise
         self._poller.register(sock, zmq.POLLIN)
         self._by_socket[sock] = follower
         return sock
@@ -143,6 +184,8 @@ class KvEventsHub:
             sock.close(linger=0)
 
     def _apply_change(self, deployment: str, replicas: dict[str, tuple[str, str | None]]) -> None:
+        """Follow exactly ``replicas`` of ``deployment``. A replica that cannot be followed (a bad
+        endpoint, no file descriptor left) does not stop the others, and is tried again."""
         import zmq
 
         index = self.index(deployment)
@@ -150,31 +193,55 @@ class KvEventsHub:
             same = replicas.get(name) == (follower.endpoint, follower.replay_endpoint)
             if follower.deployment == deployment and not same:
                 self._close(follower.sub)
-                self._close(follower.dealer)
+                self._stop_replay(follower)
                 del self._followers[name]
                 index.drop(name)
+        self._retry_at.pop(deployment, None)
         if not replicas:
+            self._asked.pop(deployment, None)
             with self._lock:
                 self._indexes.pop(deployment, None)
             return
+        self._asked[deployment] = replicas
+        failed: list[str] = []
+        error = ""
         for name, (endpoint, replay) in replicas.items():
             if name in self._followers:
                 continue
             follower = _Follower(deployment, name, endpoint, replay)
-            follower.sub = self._socket(zmq.SUB, endpoint, follower)
+            try:
+                follower.sub = self._socket(zmq.SUB, endpoint, follower)
+            except Exception as exc:  # noqa: BLE001 - the others are followed; this one later
+                failed.append(name)
+                error = f"{type(exc).__name__}: {exc}"
+                continue
             self._followers[name] = follower
             if replay is not None:
                 self._ask_replay(follower, 0)
             log.info("kv_events_following", deployment=deployment, replica=name, endpoint=endpoint)
+        if failed:
+            self._retry_at[deployment] = time.monotonic() + FOLLOW_RETRY_S
+            log.warning("kv_events_follow_failed", deployment=deployment, replicas=len(failed), first=failed[0],
+                        error=error, retry_in_s=FOLLOW_RETRY_S)
 
     def _ask_replay(self, follower: _Follower, start: int) -> None:
         import zmq
 
         self._close(follower.dealer)
-        follower.dealer = self._socket(zmq.DEALER, follower.replay_endpoint or "", follower)
-        follower.replaying_since, follower.replay_from = time.monotonic(), start
-        with contextlib.suppress(zmq.Again):  # else the replay times out; the SUB socket's batches go on
+        follower.dealer = None
+        follower.replaying_since = follower.replay_heard_at = time.monotonic()
+        follower.replay_from = start
+        self._replaying[follower.replica] = follower
+        try:
+            follower.dealer = self._socket(zmq.DEALER, follower.replay_endpoint or "", follower)
             follower.dealer.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
+        except Exception as exc:  # noqa: BLE001 - no answer comes: asked again after REPLAY_IDLE_S, then given up
+            log.warning("kv_events_replay_failed", replica=follower.replica, error=f"{type(exc).__name__}: {exc}")
+
+    def _stop_replay(self, follower: _Follower) -> None:
+        self._close(follower.dealer)
+        follower.dealer, follower.replaying_since = None, None
+        self._replaying.pop(follower.replica, None)
 
     def _on_sub(self, follower: _Follower, frames: list[bytes]) -> None:
         seq, payload = int.from_bytes(frames[1], "big"), frames[2]
@@ -195,8 +262,9 @@ class KvEventsHub:
     def _on_replay(self, follower: _Follower, frames: list[bytes]) -> None:
         if follower.replaying_since is None:
             return  # an answer to a replay already given up
+        follower.replay_heard_at = time.monotonic()
         if len(frames) < 4 or frames[2] == END_SEQ or not frames[3]:
-            self._end_replay(follower)
+            self._end_replay(follower, complete=True)
             return
         seq = int.from_bytes(frames[2], "big")
         if seq <= follower.last:
@@ -205,16 +273,22 @@ class KvEventsHub:
             self._lost(follower)
         self._apply(follower, seq, frames[3])
 
-    def _end_replay(self, follower: _Follower) -> None:
-        """Apply what came meanwhile. A batch still missing is asked for once more; then it is
-        lost for good, and the replica's entries are rebuilt from what follows it."""
-        follower.replaying_since = None
+    def _end_replay(self, follower: _Follower, complete: bool) -> None:
+        """The replay ended (``complete``: vLLM said so), or brought nothing for ``REPLAY_IDLE_S``.
+        Apply what came meanwhile. A batch still missing, or a replay cut short, is asked for
+        once more; then it is lost for good, and the replica's entries are rebuilt from what
+        follows (never a prefix of the buffer kept as if it were all of it)."""
+        self._stop_replay(follower)
         held = sorted(follower.held)
-        if held and follower.last >= 0 and held[0][0] > follower.last + 1 and not follower.retried:
+        missing = bool(held) and follower.last >= 0 and held[0][0] > follower.last + 1
+        if (missing or not complete) and not follower.retried:
             follower.retried = True
             self._ask_replay(follower, follower.last + 1)
             return
         follower.held, follower.retried = [], False
+        if not complete and follower.last >= 0:
+            self._lost(follower)
+            follower.last = -1  # nothing known of it now: the next batch starts afresh
         for seq, payload in held:
             if seq <= follower.last:
                 continue
