@@ -54,7 +54,10 @@ def tokenizer_source(dep: DeploymentRoute, usable: list[ReplicaRoute]) -> Replic
 
 class ReplicaPicker:
     def __init__(self) -> None:
-        self._prefixes: collections.defaultdict[str, PrefixIndex] = collections.defaultdict(PrefixIndex)
+        # (deployment, adapter) -> the prefixes sent where; pruned as the table drops either
+        self._prefixes: collections.defaultdict[tuple[str, str | None], PrefixIndex] = collections.defaultdict(
+            PrefixIndex)
+        self._tokenized: set[str] = set()  # the deployments whose tokenizers the last table kept
         self.reasons: collections.Counter[tuple[str, str]] = collections.Counter()  # (deployment, reason)
         self._metrics: RouterMetrics | None = None  # built on first use: inside Ray, they are exported
         self._followed: dict[str, DeploymentRoute] = {}  # kv_events: the route whose replicas are followed
@@ -69,16 +72,25 @@ class ReplicaPicker:
         return self._metrics
 
     def table_changed(self, table: RoutingTable) -> None:
-        """Stop listening to the KV events of a deployment this router followed that is gone or
-        routes by another policy now (its sockets and index go)."""
+        """Forget what only a deployment, or an adapter, gone from ``table`` (or routing by another
+        policy now) needed: the KV events this router followed (their sockets and index), the
+        tokenizers of models no replica serves, the prefixes sent (up to 200,000 blocks each)."""
         for name in list(self._followed):
             dep = table.deployments.get(name)
             if dep is None or dep.policy != "kv_events":
                 kv_hub().follow(name, {})
                 del self._followed[name]
-        # Tokenizers of models no replica serves any more (rolled away, or the deployment gone).
-        tokenizers().retain({name: {dep.model, *(r.model for r in dep.replicas)}
-                             for name, dep in table.deployments.items() if dep.policy == "kv_events"})
+        # Each deployment of the table, and each of the last one's no longer in it, is named:
+        # those that do not route by kv_events (now) keep no tokenizer.
+        served = {name: {dep.model, *(r.model for r in dep.replicas)} if dep.policy == "kv_events" else set()
+                  for name, dep in table.deployments.items()}
+        tokenizers().retain({**dict.fromkeys(self._tokenized - set(served), set()), **served})
+        self._tokenized = {name for name, models in served.items() if models}
+        for name, adapter in list(self._prefixes):
+            dep = table.deployments.get(name)
+            if (dep is None or dep.policy not in ("prefix_affinity", "kv_events")
+                    or adapter is not None and adapter not in dep.adapters):
+                del self._prefixes[name, adapter]
 
     async def prompt_tokens(
         self, dep: DeploymentRoute, usable: list[ReplicaRoute], prompt: Any, template: dict[str, Any] | None = None,
@@ -111,9 +123,9 @@ class ReplicaPicker:
         home = None
         if adapter is not None and dep.adapter_affinity:  # its home: fewer adapters per replica, fewer swaps
             home = functools.partial(pick_adapter_home, usable, loads, dep.max_concurrent, adapter, dep.load_bound)
-        prefixes = self._prefixes[dep.name if adapter is None else f"{dep.name}:{adapter}"]  # vLLM caches per adapter
 
         def by_prefix() -> tuple[Any, str]:  # a prefix sent there before, else its adapter's home
+            prefixes = self._prefixes[dep.name, adapter]  # vLLM caches per adapter
             return pick_prefix_affinity(usable, loads, dep.max_concurrent, key(), prefixes, dep.load_bound, home)
 
         if dep.policy == "kv_events":

@@ -586,3 +586,25 @@ def test_tools_are_the_dicts_vllms_tool_model_dumps(tool):
     from atomr_infer.routing.prompt_tokens import _tool_dicts
 
     assert _tool_dicts([tool]) == [ChatCompletionToolsParam.model_validate(tool).model_dump()]
+
+
+def test_the_tokenizers_of_a_deployment_gone_or_routing_by_another_policy_are_forgotten():
+    """A tokenizer is tens of MB: kept for every deployment a process ever routed by kv_events,
+    they grew without end."""
+    from atomr_infer.routing.picker import ReplicaPicker
+    from atomr_infer.routing.prompt_tokens import tokenizers
+    from atomr_infer.routing.table import DeploymentRoute, RoutingTable
+
+    def dep(name, policy):
+        return DeploymentRoute(name, 8, "queue", policy=policy, model=f"org/{name}")
+
+    cache = tokenizers()
+    for name in ("gone", "other", "kept"):
+        cache._ready[(f"tok-{name}", f"org/tok-{name}")] = object()  # as if fetched from a replica
+    picker = ReplicaPicker()
+    picker.table_changed(RoutingTable(1, {f"tok-{n}": dep(f"tok-{n}", "kv_events") for n in ("gone", "other", "kept")}))
+    picker.table_changed(RoutingTable(2, {"tok-other": dep("tok-other", "power_of_two"),
+                                          "tok-kept": dep("tok-kept", "kv_events")}))
+    assert sorted(k for k in cache._ready if k[0].startswith("tok-")) == [("tok-kept", "org/tok-kept")]
+    picker.table_changed(RoutingTable(3, {}))
+    assert not [k for k in cache._ready if k[0].startswith("tok-")]

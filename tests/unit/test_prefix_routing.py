@@ -155,3 +155,27 @@ def test_a_match_on_the_shared_system_prompt_alone_does_not_pull_a_new_conversat
         assert pick_prefix_affinity(pool, loads, 8, key, seen)[0] is pick_prefix_affinity(
             pool, loads, 8, key, PrefixIndex()
         )[0]
+
+
+def test_the_prefixes_of_a_deployment_or_adapter_gone_from_the_table_are_forgotten() -> None:
+    """One index per deployment and adapter (up to 200,000 blocks, tens of MB): a router that
+    kept them for every deployment and adapter it ever routed grew without end."""
+    from atomr_infer.routing.picker import ReplicaPicker
+
+    pool = replicas(2)
+    loads = {r.actor_name: 0 for r in pool}
+    deps = {name: DeploymentRoute(name, 8, "queue", tuple(pool), policy=policy, adapters=("a1", "a2"))
+            for name, policy in (("d", "prefix_affinity"), ("e", "prefix_affinity"), ("k", "kv_events"))}
+    picker = ReplicaPicker()
+    picker.table_changed(RoutingTable(1, deps))
+    for dep in deps.values():
+        for adapter in (None, "a1", "a2"):
+            messages = json.loads(chat("hi ").body)["messages"]
+            picker.pick(dep, pool, loads, lambda m=messages: key_of(m), adapter)
+    assert len(picker._prefixes) == 9
+    picker.table_changed(RoutingTable(2, {
+        "d": DeploymentRoute("d", 8, "queue", tuple(pool), policy="prefix_affinity", adapters=("a2",)),  # a1 went
+        "e": DeploymentRoute("e", 8, "queue", tuple(pool), policy="power_of_two"),  # another policy
+        "k": deps["k"],  # kv_events falls back to prefix affinity: kept
+    }))  # and a deployment gone
+    assert set(picker._prefixes) == {("d", None), ("d", "a2"), ("k", None), ("k", "a1"), ("k", "a2")}
