@@ -158,6 +158,9 @@ class RoutingFacts:
     # A chat's fields its template renders besides the messages (tools, chat_template_kwargs, …):
     # routing.policy kv_events tokenizes the prompt as vLLM renders it. None when it has none.
     template: dict[str, Any] | None = None
+    # The body's ``cache_salt``: vLLM hashes it into the prompt's first block, so only a request
+    # with the same salt reuses its cache (routing.policy kv_events matches by it). None: unsalted.
+    cache_salt: str | None = None
 
     @classmethod
     def of(cls, path: str, data: Any) -> RoutingFacts:
@@ -172,6 +175,7 @@ class RoutingFacts:
         options = data.get("stream_options")
         asked = isinstance(options, dict) and as_vllm_reads(options.get("include_usage"))
         previous = data.get("previous_response_id")
+        salt = data.get("cache_salt")  # vLLM refuses one not a non-empty string (400)
         kind = RequestKind.of_path(path)
         # As routing has always read them: a chat's messages if a list, else a prompt's text.
         messages, text = data.get("messages"), data.get("prompt")
@@ -191,6 +195,7 @@ class RoutingFacts:
             resumable=resumable(data) if stream and kind in _RESUMABLE else "",
             prompt=messages if isinstance(messages, list) else text if isinstance(text, str) else None,
             template={k: data[k] for k in _TEMPLATE_FIELDS if k in data} or None if kind is RequestKind.CHAT else None,
+            cache_salt=salt if isinstance(salt, str) and salt else None,
         )
 
     @classmethod

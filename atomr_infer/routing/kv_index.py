@@ -10,7 +10,11 @@ The index keys blocks by a hash of our own over the events' token ids, chained a
 its blocks and rooted at the adapter's name: a router hashes a prompt's token ids the same way
 without knowing which hash function the engine was configured with (vLLM's sha256 of a pickle,
 or xxhash with a per-process seed). vLLM's hash of each block is kept only to find it again in
-its ``BlockRemoved`` and as the parent of the next run of blocks.
+its ``BlockRemoved`` and as the parent of the next run of blocks. What else vLLM hashes into a
+block, as its event's ``extra_keys`` say (a request's ``cache_salt``, in its first block; a
+multimodal input's identifier; prompt embeddings' digest), goes into ours too: a prompt stored
+under one salt matches only requests with that salt (a router folds the request's into the
+first block), and a block with an image or embeddings in it never matches a text prompt.
 
 ``KvIndex.depths`` answers, for a prompt's block hashes, how many leading blocks each replica
 holds. Thread-safe: the event thread (routing/kv_subscriber.py) applies batches while routers
@@ -87,14 +91,45 @@ def root_hash(adapter: str | None) -> int:
     return int.from_bytes(hashlib.blake2b(adapter.encode(), digest_size=8).digest(), "big")
 
 
-def chain(tokens: Sequence[int], block_size: int, adapter: str | None = None, limit: int = 1 << 30) -> list[int]:
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def extra_hash(keys: Sequence[Any]) -> int:
+    """A block's extra keys (as its event lists them, the LoRA name left out) as one int, the
+    same in every process (a str in a tuple would be hashed with the process's salt)."""
+    return int.from_bytes(hashlib.blake2b(_encode(list(keys)), digest_size=8).digest(), "big")
+
+
+def chain(tokens: Sequence[int], block_size: int, adapter: str | None = None, limit: int = 1 << 30,
+          salt: str | None = None) -> list[int]:
     """Our hash of every full block of ``tokens`` (at most ``limit``), each chaining the ones
-    before it. A tuple of ints hashes the same in every process (only str and bytes are salted)."""
+    before it; ``salt``: the request's ``cache_salt``, which vLLM hashes into the first block.
+    A tuple of ints hashes the same in every process (only str and bytes are salted)."""
     out: list[int] = []
     parent = root_hash(adapter)
     for start in range(0, min(len(tokens) // block_size, limit) * block_size, block_size):
-        parent = hash((parent, *tokens[start:start + block_size]))
+        if start == 0 and salt:
+            parent = hash((parent, *tokens[:block_size], extra_hash([salt])))
+        else:
+            parent = hash((parent, *tokens[start:start + block_size]))
         out.append(parent)
+    return out
+
+
+def _extras(event: BlockStored) -> list[int | None] | None:
+    """Each block's ``extra_hash`` (None: it has no extra keys), or None where the event's
+    extra keys are not one entry per block (which block they go with is unknown)."""
+    keys = event.extra_keys
+    if not keys:
+        return [None] * len(event.block_hashes)
+    if len(keys) != len(event.block_hashes):
+        return None
+    out: list[int | None] = []
+    for entry in keys:
+        entry = list(entry or ())
+        if entry and event.lora_name is not None and entry[0] == event.lora_name:
+            entry = entry[1:]  # an adapter's blocks are rooted at its name already (vLLM lists it first)
+        out.append(extra_hash(entry) if entry else None)
     return out
 
 
@@ -149,7 +184,8 @@ class KvIndex:
     def _stored(self, replica: str, event: BlockStored) -> None:
         mine, group = self._blocks[replica], event.group_idx
         size, tokens = event.block_size, event.token_ids
-        if size <= 0 or len(tokens) != len(event.block_hashes) * size:
+        extras = _extras(event)
+        if size <= 0 or len(tokens) != len(event.block_hashes) * size or extras is None:
             self.skipped += 1  # tokens not one block per hash (a placeholder, a window's skipped blocks)
             return
         if event.parent_block_hash is None:
@@ -161,7 +197,11 @@ class KvIndex:
                 return
             parent = known
         for i, vllm_hash in enumerate(event.block_hashes):
-            parent = hash((parent, *tokens[i * size:(i + 1) * size]))
+            extra = extras[i]
+            if extra is None:
+                parent = hash((parent, *tokens[i * size:(i + 1) * size]))
+            else:  # as chain() folds a salt in
+                parent = hash((parent, *tokens[i * size:(i + 1) * size], extra))
             before = mine.get((group, vllm_hash))
             if before == parent:
                 continue  # reported again: held once

@@ -27,6 +27,7 @@ from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.prefix import PrefixIndex, pick_prefix_affinity
 from atomr_infer.routing.prompt_tokens import tokenizers
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
+from atomr_infer.wire import RoutingFacts
 
 log = get_logger(__name__)
 MAX_KV_BLOCKS = 256  # a prompt's leading blocks matched by kv_events (32k tokens of 128)
@@ -37,10 +38,12 @@ INLINE_TOKENIZE_CHARS = 4000
 @dataclass(frozen=True, slots=True)
 class PromptIds:
     """A prompt's token ids and the model whose tokenizer made them: only replicas serving that
-    model are matched by them (mid-roll to another model, the others hold other ids)."""
+    model are matched by them (mid-roll to another model, the others hold other ids); ``salt``:
+    the request's ``cache_salt``, in its first block's hash as vLLM puts it there."""
 
     model: str
     ids: list[int]
+    salt: str | None = None
 
 
 def tokenizer_source(dep: DeploymentRoute, usable: list[ReplicaRoute]) -> ReplicaRoute | None:
@@ -93,11 +96,13 @@ class ReplicaPicker:
                 del self._prefixes[name, adapter]
 
     async def prompt_tokens(
-        self, dep: DeploymentRoute, usable: list[ReplicaRoute], prompt: Any, template: dict[str, Any] | None = None,
+        self, dep: DeploymentRoute, usable: list[ReplicaRoute], facts: RoutingFacts,
     ) -> PromptIds | None:
-        """``routing.policy: kv_events``: the prompt's token ids as the engine will see them (None
-        where unknown here: another policy, no tokenizer fetched yet). A long prompt is tokenized
-        in a thread (milliseconds for thousands of tokens) while the event loop routes others."""
+        """``routing.policy: kv_events``: the token ids of the prompt of ``facts`` as the engine will
+        see them (None where unknown here: another policy, no tokenizer fetched yet). A long prompt
+        is tokenized in a thread (milliseconds for thousands of tokens) while the event loop routes
+        others."""
+        prompt, template = facts.prompt, facts.template
         if dep.policy != "kv_events" or prompt is None:
             return None
         source = tokenizer_source(dep, usable)
@@ -110,7 +115,7 @@ class ReplicaPicker:
             ids = tokenizer.tokens(prompt, template)
         else:
             ids = await asyncio.to_thread(tokenizer.tokens, prompt, template)
-        return None if ids is None else PromptIds(source.model, ids)
+        return None if ids is None else PromptIds(source.model, ids, facts.cache_salt)
 
     def pick(
         self, dep: DeploymentRoute, usable: list[ReplicaRoute], loads: Mapping[str, int], key: Callable[[], Any],
@@ -163,7 +168,7 @@ class ReplicaPicker:
             return choice, f"fallback_{reason}"
         block_size = next(iter(sources.values())).kv_events[2]  # type: ignore[index]
         root = None if adapter is None else f"{dep.name}:{adapter}"
-        blocks = chain(tokens.ids, block_size, root, limit=MAX_KV_BLOCKS)
+        blocks = chain(tokens.ids, block_size, root, limit=MAX_KV_BLOCKS, salt=tokens.salt)
         depths = {n: d for n, d in index.depths(blocks, sources).items() if not index.silent(n, now)}
         choice, reason = pick_by_depth(usable, loads, dep.max_concurrent, depths, by_prefix, dep.load_bound,
                                        len(blocks), QueuedPrefill(self._queued, waiting))

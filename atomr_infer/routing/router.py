@@ -267,7 +267,7 @@ class Router:
                         loads = {r.actor_name: self.load(r.actor_name) for r in usable}
                         return dep, pick_replica(usable, loads, NO_LIMIT), adapter, 0  # type: ignore[return-value]
                     if not tokens or (tokens[0] is None and dep.policy == "kv_events"):
-                        tokens[:] = [await self._picker.prompt_tokens(dep, usable, facts.prompt, facts.template)]
+                        tokens[:] = [await self._picker.prompt_tokens(dep, usable, facts)]
                     loads = {r.actor_name: self.load(r.actor_name) for r in usable}  # after the wait: current
                     choice = self._picker.pick(dep, usable, loads, key, adapter, tokens[0], self._prefill_waiting)
                     if choice is not None:

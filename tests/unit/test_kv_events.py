@@ -608,3 +608,67 @@ def test_the_tokenizers_of_a_deployment_gone_or_routing_by_another_policy_are_fo
     assert sorted(k for k in cache._ready if k[0].startswith("tok-")) == [("tok-kept", "org/tok-kept")]
     picker.table_changed(RoutingTable(3, {}))
     assert not [k for k in cache._ready if k[0].startswith("tok-")]
+
+
+def test_a_prompt_stored_under_a_cache_salt_matches_only_requests_with_that_salt():
+    """vLLM hashes a request's ``cache_salt`` into its first block (and an image's identifier or
+    prompt embeddings' digest into theirs), and lists them in the event's ``extra_keys``, one
+    entry per block as ``to_event_extra_keys`` (vllm/v1/core/kv_cache_utils.py; importing it
+    costs torch) untags them: the adapter's name first, a salt bare, an image as (identifier,
+    offset). A tenant's prompt cached under its salt is no cache hit for another tenant, nor
+    for a request without a salt."""
+    import msgspec
+    from vllm.distributed.kv_events import BlockStored as VllmStored
+
+    def stored(extra, lora=None):
+        return VllmStored(block_hashes=[1000, 1001, 1002], parent_block_hash=None, token_ids=DOC[:3 * BLOCK],
+                          block_size=BLOCK, lora_id=None, medium="GPU", lora_name=lora, extra_keys=extra)
+
+    salted = [("tenant-a",), None, None]
+    with_adapter = [("d:pirate", "tenant-a"), ("d:pirate",), ("d:pirate",)]
+    image = [None, (("img-hash", 2),), None]  # an image in the second block
+    index = KvIndex()
+    for replica, event in (("salted", stored(salted)), ("adapter", stored(with_adapter, "d:pirate")),
+                           ("image", stored(image))):
+        index.apply(replica, decode_batch(msgspec.msgpack.encode(batch(event))))
+    assert index.depths(chain(DOC, BLOCK)) == {"image": 1}  # no salt: only the text before the image
+    assert index.depths(chain(DOC, BLOCK, salt="tenant-b")) == {}
+    assert index.depths(chain(DOC, BLOCK, salt="tenant-a")) == {"salted": 3}
+    assert index.depths(chain(DOC, BLOCK, "d:pirate", salt="tenant-a")) == {"adapter": 3}
+    assert index.depths(chain(DOC, BLOCK, "d:pirate")) == {}
+
+
+def test_the_router_matches_a_request_by_its_cache_salt():
+    """The salt is read at the edge with the routing facts and folded into the prompt's first
+    block: the unsalted holder of the fixture's prompt is no holder for a salted request."""
+    import asyncio
+
+    from atomr_infer.routing.kv_index import BlockStored, KVEventBatch
+    from atomr_infer.routing.kv_subscriber import hub
+    from atomr_infer.routing.router import Router
+    from atomr_infer.wire import HttpRequest, RoutingFacts
+
+    from .fakes import FakeReplica
+
+    def request(dep, prompt, salt=None):
+        data = {"model": dep, "prompt": prompt, **({"cache_salt": salt} if salt else {})}
+        return RoutingFacts.of("/v1/completions", data), HttpRequest("POST", "/v1/completions", (), b"{}")
+
+    async def main(dep, routes, source_of, prompt):
+        salted = routes[1].actor_name  # holds the prompt's first 3 blocks under the salt "a"
+        hub().index(dep).apply(salted, KVEventBatch(0.0, [BlockStored(
+            [7, 8, 9], None, DOC[:3 * BLOCK], BLOCK, extra_keys=[["a"], None, None])]))
+        router = Router(source_of, refresh_s=0.0)
+        for salt, holder in ((None, replicas[0]), ("a", replicas[1])):
+            assert request(dep, prompt, salt)[0].cache_salt == salt
+            calls = holder.calls
+            await _drain(router.stream(*request(dep, prompt, salt)))
+            assert holder.calls == calls + 1, salt
+        assert dict(router.route_reasons) == {(dep, "kv_hit"): 2}
+        await _drain(router.stream(*request(dep, prompt, "b")))  # held under no salt "b"
+        assert router.route_reasons[dep, "kv_miss"] == 1
+        await router.aclose()
+
+    replicas = [FakeReplica("h"), FakeReplica("s"), FakeReplica("o")]
+    with kv_deployment(*replicas) as deployment:
+        asyncio.run(main(*deployment))
