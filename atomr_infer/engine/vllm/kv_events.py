@@ -4,8 +4,10 @@ Every replica of a deployment with prefix caching on publishes (so ``routing.pol
 kv_events`` is a change in place): vLLM's ZMQ publisher and its replay socket, each bound to an
 ephemeral port on this node's address (``tcp://*:0`` with ``VLLM_HOST_IP`` set to the Ray
 node's IP). vLLM's default, ``tcp://*:5557``, collides between two replicas on one host and
-would send prompts' token ids to every network the node is on. Only atomr's routers subscribe
-(routing/kv_subscriber.py); the replica reports the bound endpoints with its engine facts.
+would send prompts' token ids to every network the node is on. atomr's routers subscribe
+(routing/kv_subscriber.py); the replica reports the bound endpoints with its engine facts. The
+sockets are not authenticated: anyone who reaches the node's address can subscribe too
+(docs/spec.md says so, and that a firewall must keep them in the cluster).
 
 A spec that sets ``kv_events_config`` in ``extra_engine_args`` keeps its own.
 """
