@@ -37,8 +37,15 @@ _ENGINE_ARGS_OWNED = {
 _ONE_NODE = "a replica is one tensor-parallel group (`gpus`) on one node: run more replicas for more copies"
 _ENGINE_ARGS_FIXED = {
     "disable_log_stats": (False, "the replica reports KV-cache use from vLLM's stats"),
-    # More than one would take GPUs the replica never reserved (the budget counts `gpus`).
-    **{name: (1, _ONE_NODE) for name in ("pipeline_parallel_size", "data_parallel_size", "nnodes")},
+    # More than one would take GPUs the replica never reserved (the budget counts `gpus`):
+    # vLLM's world size is pipeline x tensor x prefill-context parallel, times data parallel.
+    **{name: (1, _ONE_NODE) for name in ("pipeline_parallel_size", "prefill_context_parallel_size",
+                                         "data_parallel_size", "data_parallel_size_local", "nnodes")},
+    "node_rank": (0, _ONE_NODE),
+}
+# EngineArgs keys refused whatever their value, and why.
+_ENGINE_ARGS_REFUSED = {
+    "device_ids": "the replica runs on the GPUs Ray reserved for it (`gpus`); vLLM would pick others: leave it out",
 }
 
 class VllmConfig(Strict):
@@ -118,6 +125,9 @@ class VllmConfig(Strict):
         if self.cpu_kvcache_space_gb is not None and "kv_cache_memory_bytes" in self.extra_engine_args:
             raise FieldValueError("extra_engine_args.kv_cache_memory_bytes", "and runtime_config.cpu_kvcache_space_gb "
                                   "both size the KV cache: set one (the memory check read the one, vLLM the other)")
+        for key, why in _ENGINE_ARGS_REFUSED.items():
+            if key in self.extra_engine_args:
+                raise FieldValueError(f"extra_engine_args.{key}", f"is {self.extra_engine_args[key]!r}, but {why}")
         for key, (value, why) in _ENGINE_ARGS_FIXED.items():
             if key in self.extra_engine_args and self.extra_engine_args[key] != value:
                 raise FieldValueError(

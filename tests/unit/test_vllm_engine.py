@@ -108,16 +108,35 @@ def test_a_tensor_parallel_replica_on_gpus_runs_vllms_worker_processes_in_its_ac
     assert "distributed_executor_backend" not in engine_args(deployment(), "/m", "cuda")
 
 
-@pytest.mark.parametrize("key, value", [("pipeline_parallel_size", 2), ("data_parallel_size", 2), ("nnodes", 2),
-                                        ("distributed_executor_backend", "ray")])
-def test_a_parallel_layout_beyond_one_tensor_parallel_group_is_refused(key, value) -> None:
+@pytest.mark.parametrize("key, value, kept", [
+    ("pipeline_parallel_size", 2, 1), ("data_parallel_size", 2, 1), ("nnodes", 2, 1),
+    ("prefill_context_parallel_size", 2, 1),  # vLLM multiplies it into the world size
+    ("data_parallel_size_local", 2, 1), ("node_rank", 1, 0), ("distributed_executor_backend", "ray", None),
+])
+def test_a_parallel_layout_beyond_one_tensor_parallel_group_is_refused(key, value, kept) -> None:
     """They took GPUs (or nodes) the replica never reserved: the budget counts ``gpus``."""
     from atomr_infer.errors import SpecError
 
-    with pytest.raises(SpecError, match=f"runtime_config.extra_engine_args.*{key}|extra_engine_args: sets '{key}'"):
+    with pytest.raises(SpecError) as info:
         deployment(extra_engine_args={key: value})
-    if key != "distributed_executor_backend":
-        assert deployment(extra_engine_args={key: 1})  # the value atomr runs with
+    [problem] = info.value.problems
+    assert problem.field.startswith("runtime_config.extra_engine_args") and key in str(problem), problem
+    if kept is not None:
+        assert problem.field == f"runtime_config.extra_engine_args.{key}" and repr(value) in problem.message
+        assert deployment(extra_engine_args={key: kept})  # the value atomr runs with
+
+
+def test_device_ids_are_refused_whatever_they_say() -> None:
+    """vLLM would pick GPUs by index, outside those Ray reserved for the replica."""
+    from atomr_infer.errors import SpecError
+
+    for ids in ([3], [0], None):
+        with pytest.raises(SpecError) as info:
+            deployment(extra_engine_args={"device_ids": ids})
+        [problem] = info.value.problems
+        assert problem.field == "runtime_config.extra_engine_args.device_ids", problem
+        assert problem.message.startswith(f"is {ids!r}, but the replica runs on the GPUs Ray reserved"), problem
+        assert "\n" not in str(problem)
 
 
 def test_two_sizes_of_the_cpu_kv_cache_are_refused() -> None:
