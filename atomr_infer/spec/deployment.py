@@ -27,6 +27,9 @@ _ENGINE_ARGS_OWNED = {
     "download_dir": "runtime_config.hf_cache_dir",
     "enable_lora": "lora",
     "distributed_executor_backend": "gpus",  # "mp" for a tensor-parallel replica on GPUs
+    # The server answers to the deployment's name and its aliases (openai_app.py); vLLM's own
+    # would only rename its metrics.
+    "served_model_name": "serving.openai.served_model_name",
     **{name: f"lora.{name}" for name in ("max_loras", "max_lora_rank", "max_cpu_loras")},
     **{
         name: f"serving.openai.{name}"

@@ -51,6 +51,7 @@ def test_autoscaling_that_is_not_a_mapping_is_one_problem_not_a_traceback() -> N
         ({"reasoning_parser": "x"}, "runtime_config.extra_engine_args", "set serving.openai.reasoning_parser"),
         ({"override_generation_config": {}}, "runtime_config.extra_engine_args", "serving.openai.override_gen"),
         ({"disable_log_stats": True}, "runtime_config.extra_engine_args.disable_log_stats", "KV-cache use"),
+        ({"served_model_name": "foo"}, "runtime_config.extra_engine_args", "set serving.openai.served_model_name"),
     ],
 )
 def test_extra_engine_args_may_not_undo_what_the_spec_or_atomr_sets(extra: dict, field: str, instead: str) -> None:
