@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 # A number: int or float, never a bool or a string (strict floats accept ints).
 Number = Annotated[float, Field(strict=True)]
@@ -36,3 +36,13 @@ class FieldValueError(ValueError):
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_as_unset(cls, data: Any) -> Any:
+        """A section that defaults to empty, written with every key commented out (``serving:``),
+        is YAML's null: read as left out, not refused as "not a dictionary"."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default_factory is None}

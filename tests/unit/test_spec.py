@@ -247,10 +247,11 @@ def test_wrong_type_inside_a_mapping_names_the_key() -> None:
     assert "valid integer" in problem.message and "got '1'" in problem.message
 
 
-def test_null_for_a_section_is_a_type_error_not_a_default() -> None:
-    # ``serving:`` with nothing after it in YAML is None.
-    problem = one_problem(with_field("serving", None))
-    assert problem.field == "serving"
+def test_null_for_a_section_reads_as_left_out_but_not_for_a_setting() -> None:
+    # ``serving:`` with nothing after it in YAML is None: every key under it commented out.
+    assert parse_deployment(with_field("serving", None)).serving.max_concurrent == 32
+    problem = one_problem(with_field("serving.max_concurrent", None))
+    assert problem.field == "serving.max_concurrent"
     assert "got None" in problem.message
 
 

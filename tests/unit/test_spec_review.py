@@ -176,3 +176,20 @@ def test_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     [problem] = problems(fifo)  # reading it would wait for a writer forever
     assert (problem.source, problem.message) == (str(fifo), "not a regular file or a directory")
+
+
+def test_a_section_with_every_key_commented_out_reads_as_left_out(tmp_path: Path) -> None:
+    """YAML reads ``runtime_config:`` with nothing under it as null, which was refused ("input
+    should be a valid dictionary or instance of VllmConfig, got None") where ``lora:`` was not."""
+    from atomr_infer.spec import spec_hash
+
+    path = tmp_path / "d.yaml"
+    path.write_text("name: demo\nmodel: org/model\nruntime_config:\n#  max_model_len: 1024\nserving:\n  openai:\n"
+                    "    served_model_name:\n    response_store:\n  rate_limits:\n  migration:\nrouting:\n")
+    [dep] = load_deployments(path)
+    assert spec_hash(dep) == spec_hash(parse_deployment(BASE))
+    nested = {**BASE, "runtime_config": {"extra_engine_args": None}, "lora": {"adapters": None}}
+    assert parse_deployment(nested).runtime_config.extra_engine_args == {}
+    assert parse_deployment(nested).lora.adapters == {}
+    [problem] = problems({**BASE, "runtime_config": {"max_model_len": None, "engine_metrics": None}})
+    assert problem.field == "runtime_config.engine_metrics"  # a setting's null is still not a section's
