@@ -194,3 +194,34 @@ def test_a_chat_template_that_is_not_there_is_refused_before_the_engine_loads(tm
     (tmp_path / "chatml.jinja").write_text("{{ messages }}")
     check_server_options(spec(str(tmp_path / "chatml.jinja")))
     check_server_options(spec("{% for m in messages %}{{ m.content }}{% endfor %}"))  # inline
+
+
+def test_an_unknown_quantization_or_kv_cache_dtype_is_refused_at_apply_and_on_the_replica(monkeypatch) -> None:
+    """vLLM refused them only once the model was fetched and its config read."""
+    from typing import get_args
+
+    from vllm.config.cache import CacheDType
+    from vllm.model_executor.layers.quantization import QuantizationMethods
+
+    from atomr_infer.engine.vllm import spec_check
+    from atomr_infer.engine.vllm.engine_args import check_engine_names
+    from atomr_infer.errors import SpecError
+
+    assert spec_check.quantization_names() == frozenset(get_args(QuantizationMethods))  # read without vLLM
+    assert spec_check.literal_names("config/cache.py", "CacheDType") == frozenset(get_args(CacheDType))
+    bad = deployment(quantization="awqq", extra_engine_args={"kv_cache_dtype": "fp9"})
+    for check in (spec_check.check_spec, check_engine_names):
+        with pytest.raises(SpecError) as info:
+            check(bad)
+        assert [str(p) for p in info.value.problems] == [
+            "d: runtime_config.quantization: 'awqq' is not a vLLM quantization method (did you mean 'awq'?)",
+            "d: runtime_config.extra_engine_args.kv_cache_dtype: 'fp9' is not a vLLM KV-cache dtype "
+            "(did you mean 'fp8'?)",
+        ]
+        check(deployment(quantization="fp8", extra_engine_args={"kv_cache_dtype": "fp8_e5m2"}))
+
+    class Plugin:  # a plugin's own quantization method: the manager cannot know it, the replica can
+        value = "acme_quant.plugin:register"
+
+    monkeypatch.setattr(spec_check, "entry_points", lambda group: [Plugin()])
+    spec_check.check_spec(deployment(quantization="acme_int3"))

@@ -26,6 +26,7 @@ from atomr_infer.engine.cpu import (
     size_kv_cache,
 )
 from atomr_infer.engine.device import Device, resolve_device
+from atomr_infer.engine.vllm.arg_checks import check_choices
 from atomr_infer.engine.vllm.core_failure import core_start_failures
 from atomr_infer.engine.vllm.kv_events import kv_events_config, publishes
 from atomr_infer.errors import DeviceUnavailable, EngineError, SpecError, SpecProblem
@@ -188,6 +189,18 @@ def check_server_options(deployment: Deployment) -> None:
     check_names(deployment, o.tool_call_parser, o.reasoning_parser, frozenset(tools), frozenset(reasoning))
 
 
+def check_engine_names(deployment: Deployment) -> None:
+    """``check_choices`` with vLLM imported (spec_check.py reads the same names from its source)."""
+    from typing import get_args
+
+    from vllm.config.cache import CacheDType
+    from vllm.model_executor.layers import quantization
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # as EngineArgs does: a plugin may register a quantization method
+    check_choices(deployment, quantization.QUANTIZATION_METHODS, get_args(CacheDType))
+
+
 def check_names(
     deployment: Deployment, tool_call_parser: str | None, reasoning_parser: str | None,
     tools: frozenset[str], reasoning: frozenset[str],
@@ -259,6 +272,7 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
     # vLLM itself, before the engine starts.
     check_extra_engine_args(deployment, {f.name for f in dataclasses.fields(EngineArgs)})
     check_server_options(deployment)
+    check_engine_names(deployment)
     kv = cpu_kv_cache(deployment, resolved.path) if device == "cpu" else None
     threads = cpu_threads(deployment) if device == "cpu" else None
     if threads is not None:

@@ -16,9 +16,11 @@ import functools
 import importlib.machinery
 import os
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from atomr_infer import heavy_imports
+from atomr_infer.engine.vllm.arg_checks import check_choices
 from atomr_infer.engine.vllm.engine_args import check_extra_engine_args, check_names
 from atomr_infer.errors import SpecError, SpecProblem
 from atomr_infer.spec import Deployment
@@ -51,6 +53,33 @@ def engine_arg_names() -> frozenset[str] | None:
 
 
 @functools.lru_cache(maxsize=4)
+def literal_names(module: str, alias: str) -> frozenset[str] | None:
+    """The strings of a module-level ``alias = Literal[...]`` in ``vllm/<module>``
+    (``QuantizationMethods``, ``CacheDType``), or None if unreadable."""
+    root = _vllm_dir()
+    source = root / module if root else None
+    if source is None or not source.is_file():
+        return None
+    for node in ast.parse(source.read_text()).body:
+        target, value = (node.targets[0] if len(node.targets) == 1 else None, node.value) \
+            if isinstance(node, ast.Assign) else (None, None)
+        if isinstance(target, ast.Name) and target.id == alias and isinstance(value, ast.Subscript):
+            items = value.slice.elts if isinstance(value.slice, ast.Tuple) else [value.slice]
+            names = [item.value for item in items if isinstance(item, ast.Constant) and isinstance(item.value, str)]
+            return frozenset(names) if len(names) == len(items) else None
+    return None
+
+
+def quantization_names() -> frozenset[str] | None:
+    """vLLM's quantization methods; None (unchecked) where a vLLM plugin other than vLLM's own is
+    installed, since a plugin may register methods of its own (register_quantization_config)."""
+    plugins = entry_points(group="vllm.general_plugins")
+    if any(not plugin.value.startswith("vllm.") for plugin in plugins):
+        return None
+    return literal_names("model_executor/layers/quantization/__init__.py", "QuantizationMethods")
+
+
+@functools.lru_cache(maxsize=4)
 def registered_names(package: str, registry: str) -> frozenset[str] | None:
     """The keys of a module-level dict literal ``registry`` in ``vllm/<package>/__init__.py``."""
     root = _vllm_dir()
@@ -75,6 +104,7 @@ def check_spec(deployment: Deployment) -> None:
     checks = [
         lambda: check_names(deployment, o.tool_call_parser if tools else None,
                             o.reasoning_parser if reasoning else None, tools or frozenset(), reasoning or frozenset()),
+        lambda: check_choices(deployment, quantization_names(), literal_names("config/cache.py", "CacheDType")),
     ]
     if names is not None and deployment.runtime_config.extra_engine_args:
         checks.insert(0, lambda: check_extra_engine_args(deployment, set(names)))
