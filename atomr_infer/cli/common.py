@@ -240,7 +240,7 @@ def node_ips() -> dict[str, str]:
 
 
 def check_engine_settings(deployments: list[Any]) -> None:
-    """Each spec's vLLM settings (extra_engine_args keys, parser names, adapters found here) against
+    """Each spec's vLLM settings (extra_engine_args keys and types, names, adapters found here) against
     the vLLM installed here, as the manager checks them at apply (engine/vllm/spec_check.py: its
     source read, nothing imported); ``SpecError`` with every problem at once."""
     from atomr_infer.engine.backend import backend_class

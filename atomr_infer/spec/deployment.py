@@ -110,7 +110,7 @@ class VllmConfig(Strict):
     extra_engine_args: dict[StrictStr, Any] = Field(
         default_factory=dict,
         description="Any other vLLM EngineArgs field, passed through as is. Checked against "
-        "EngineArgs when the engine is built.",
+        "EngineArgs (names, and values' types) at apply and before the replica fetches the model.",
     )
 
     @model_validator(mode="after")

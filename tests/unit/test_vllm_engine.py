@@ -225,3 +225,41 @@ def test_an_unknown_quantization_or_kv_cache_dtype_is_refused_at_apply_and_on_th
 
     monkeypatch.setattr(spec_check, "entry_points", lambda group: [Plugin()])
     spec_check.check_spec(deployment(quantization="acme_int3"))
+
+
+def test_an_extra_engine_arg_of_the_wrong_type_is_refused_naming_it_before_the_model_is_fetched(monkeypatch) -> None:
+    """`max_num_batched_tokens: "lots"` failed on the replica after the model download, with
+    "Input should be a valid integer, …" and no field name. The manager refuses it at apply (the
+    simple types read from vLLM's source), the replica with vLLM's own types before it fetches."""
+    from vllm import EngineArgs
+
+    from atomr_infer.engine.vllm import engine_args as args_module
+    from atomr_infer.engine.vllm.arg_checks import dataclass_hints
+    from atomr_infer.engine.vllm.spec_check import check_spec, engine_arg_scalar_types
+    from atomr_infer.errors import SpecError
+
+    scalars, hints = engine_arg_scalar_types(), dataclass_hints(EngineArgs)
+    assert scalars["max_num_batched_tokens"] == int | None and len(scalars) > 100
+    assert all(hints[name] == hint for name, hint in scalars.items())  # read by ast as vLLM has them
+    lots = "d: runtime_config.extra_engine_args.max_num_batched_tokens: 'lots' does not fit vLLM's type, int | None: " \
+           "input should be a valid integer, unable to parse string as an integer"
+    bad = deployment(extra_engine_args={"max_num_batched_tokens": "lots", "compilation_config": {"mode": "x"}})
+    with pytest.raises(SpecError) as at_apply:
+        check_spec(bad)
+    assert [str(p) for p in at_apply.value.problems] == [lots]  # a vLLM config class: the replica's to check
+    check_spec(deployment(extra_engine_args={"max_num_batched_tokens": "2048", "async_scheduling": True}))  # as vLLM
+
+    def no_download(*_args, **_kwargs):
+        raise AssertionError("the model was fetched before the spec was checked")
+
+    monkeypatch.setattr("atomr_infer.models.resolve.resolve_model", no_download)
+    for name in (MULTIPROCESSING, "VLLM_LOGGING_LEVEL"):  # restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, "0" if name == MULTIPROCESSING else "WARNING"))
+    monkeypatch.setattr(args_module, "check_cpu_build", lambda *_: None)  # whichever build is here
+    with pytest.raises(SpecError) as on_replica:
+        args_module.build_vllm_engine(parse_deployment({"name": "d", "model": "org/m", "device": "cpu",
+                                                        "runtime_config": bad.runtime_config.model_dump()}))
+    assert str(on_replica.value.problems[0]) == lots
+    assert str(on_replica.value.problems[1]).startswith(
+        "d: runtime_config.extra_engine_args.compilation_config: {'mode': 'x'} does not fit vLLM's type, "
+        "CompilationConfig: mode: invalid compilation mode: x.")

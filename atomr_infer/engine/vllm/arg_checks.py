@@ -5,8 +5,12 @@ line naming the field and the value, the same from both."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-from collections.abc import Collection
+import re
+import typing
+from collections.abc import Collection, Mapping
+from typing import Any
 
 from atomr_infer.errors import SpecError, SpecProblem
 from atomr_infer.spec import Deployment
@@ -39,3 +43,55 @@ def check_choices(
     ]
     if problems:
         raise SpecError(problems)
+
+
+def dataclass_hints(cls: type) -> dict[str, Any]:
+    """``cls``'s field types, each resolved on its own: ``typing.get_type_hints`` fails whole on
+    one name its module imports only for type checkers (EngineArgs' ``QuantizationConfigArgs``)."""
+    hints = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        holder = type("_Field", (), {"__annotations__": {field.name: field.type}, "__module__": cls.__module__})
+        try:
+            hints[field.name] = typing.get_type_hints(holder)[field.name]
+        except Exception:  # noqa: BLE001 - NameError, TypeError, ...: left to vLLM
+            continue
+    return hints
+
+
+def check_arg_types(deployment: Deployment, hints: Mapping[str, Any]) -> None:
+    """Refuse an ``extra_engine_args`` value that does not fit its ``EngineArgs`` field's type
+    (``hints``), validated as vLLM's pydantic configs do, not strictly ("8" is 8). Else vLLM
+    refused it once the replica had fetched the model, in a message that named no field. A type
+    pydantic cannot validate (``torch.dtype``) is left to vLLM."""
+    from pydantic import TypeAdapter, ValidationError
+
+    problems = []
+    for key, value in deployment.runtime_config.extra_engine_args.items():
+        if key not in hints:
+            continue
+        try:
+            adapter: TypeAdapter[Any] = TypeAdapter(hints[key])
+        except Exception:  # noqa: BLE001 - PydanticSchemaGenerationError, ...
+            continue
+        try:
+            adapter.validate_python(value, strict=False)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(map(str, error["loc"]))
+            reason = " ".join(error["msg"].removeprefix("Value error, ").split())
+            reason = (f"{where}: " if where else "") + reason[0].lower() + reason[1:]
+            problems.append(SpecProblem(
+                deployment.name, f"runtime_config.extra_engine_args.{key}",
+                f"{_cut(repr(value), 80)} does not fit vLLM's type, {_type_text(hints[key])}: {_cut(reason, 240)}",
+            ))
+    if problems:
+        raise SpecError(problems)
+
+
+def _type_text(hint: Any) -> str:
+    text = hint.__name__ if isinstance(hint, type) else str(hint)
+    return re.sub(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)", r"\1", text)  # typing.Any -> Any
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -12,6 +12,7 @@ import difflib
 import json
 import os
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from atomr_infer.engine.cpu import (
     size_kv_cache,
 )
 from atomr_infer.engine.device import Device, resolve_device
-from atomr_infer.engine.vllm.arg_checks import check_choices
+from atomr_infer.engine.vllm.arg_checks import check_arg_types, check_choices, dataclass_hints
 from atomr_infer.engine.vllm.core_failure import core_start_failures
 from atomr_infer.engine.vllm.kv_events import kv_events_config, publishes
 from atomr_infer.errors import DeviceUnavailable, EngineError, SpecError, SpecProblem
@@ -249,30 +250,18 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
                       stat_loggers: list[Any] | None = None) -> Any:
     """Resolve the model and construct a ``vllm.v1.engine.llm_engine.LLMEngine`` (with vLLM's
     default stat loggers, and ``stat_loggers``' factories: engine_metrics.py)."""
-    import dataclasses
-
     from atomr_infer.models.resolve import resolve_model
 
     say = progress or (lambda _msg: None)
     device = resolve_device(deployment)
     prepare_environment(deployment, device)
+    check_with_vllm(deployment, device)  # before the download: a bad setting fails in seconds
     say(f"resolving model {deployment.model}")
     resolved = resolve_model(deployment.model, cache_dir=deployment.runtime_config.hf_cache_dir, progress=say)
 
-    import vllm
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    check_vllm_version(vllm.__version__)
-    if device == "cpu":
-        from vllm.platforms import current_platform
-
-        check_cpu_build(deployment, current_platform.device_type)
-    # The manager checked these from vLLM's source where it could (spec_check.py); here with
-    # vLLM itself, before the engine starts.
-    check_extra_engine_args(deployment, {f.name for f in dataclasses.fields(EngineArgs)})
-    check_server_options(deployment)
-    check_engine_names(deployment)
     kv = cpu_kv_cache(deployment, resolved.path) if device == "cpu" else None
     threads = cpu_threads(deployment) if device == "cpu" else None
     if threads is not None:
@@ -287,6 +276,31 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
     say(f"starting vLLM engine on {device}" + (f" ({args['dtype']}, {threads} threads, {kv})" if kv else ""))
     with core_start_failures():  # a core process's own exception, not vLLM's wrapper of it
         return LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=stat_loggers)
+
+
+def check_with_vllm(deployment: Deployment, device: Device) -> None:
+    """Refuse what this vLLM cannot run: its version, its build for ``device``, and the spec's
+    engine settings. The manager checked the settings from vLLM's source where it could
+    (spec_check.py); here with vLLM itself. Call after ``prepare_environment``."""
+    import vllm
+    from vllm import EngineArgs
+
+    check_vllm_version(vllm.__version__)
+    if device == "cpu":
+        from vllm.platforms import current_platform
+
+        check_cpu_build(deployment, current_platform.device_type)
+    hints = dataclass_hints(EngineArgs)
+    problems = []
+    for check in (lambda: check_extra_engine_args(deployment, {f.name for f in fields(EngineArgs)}),
+                  lambda: check_arg_types(deployment, hints), lambda: check_server_options(deployment),
+                  lambda: check_engine_names(deployment)):
+        try:  # every problem at once, as the manager reports them
+            check()
+        except SpecError as exc:
+            problems += exc.problems
+    if problems:
+        raise SpecError(problems)
 
 
 def check_cpu_build(deployment: Deployment, platform: str) -> None:

@@ -3,10 +3,12 @@
 The manager refuses a misspelt ``extra_engine_args`` key or parser name before anything
 runs, but its process is long-lived and must not map torch or vLLM (~1 GiB on a GPU node). So
 the names are read from vLLM's own source, as Python's ``ast`` parses it: ``EngineArgs``'s
-dataclass fields, and the registries of tool-call and reasoning parsers (literal dicts in
-vLLM 0.32). Where vLLM is not installed (a head node that runs no replica), or its source is
-not laid out as expected, nothing is checked here, and the replica makes the same checks with
-vLLM imported before its engine starts (engine_args.py), failing with the same message.
+dataclass fields (and the types of those annotated ``int``, ``float``, ``bool``, ``str``), the
+registries of tool-call and reasoning parsers (literal dicts in vLLM 0.32), and the
+``Literal``s of quantization methods and KV-cache dtypes. Where vLLM is not installed (a head
+node that runs no replica), or its source is not laid out as expected, nothing is checked here,
+and the replica makes the same checks with vLLM imported before it fetches its model
+(engine_args.py), failing with the same message.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import os
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 from atomr_infer import heavy_imports
-from atomr_infer.engine.vllm.arg_checks import check_choices
+from atomr_infer.engine.vllm.arg_checks import check_arg_types, check_choices
 from atomr_infer.engine.vllm.engine_args import check_extra_engine_args, check_names
 from atomr_infer.errors import SpecError, SpecProblem
 from atomr_infer.spec import Deployment
@@ -38,17 +41,46 @@ def _vllm_dir() -> Path | None:
 
 
 @functools.lru_cache(maxsize=1)
-def engine_arg_names() -> frozenset[str] | None:
-    """``EngineArgs``'s field names (annotated class attributes), or None if unreadable."""
+def _engine_arg_annotations() -> dict[str, ast.expr] | None:
+    """``EngineArgs``'s fields (annotated class attributes) and their annotations, or None if unreadable."""
     root = _vllm_dir()
     source = root / "engine" / "arg_utils.py" if root else None
     if source is None or not source.is_file():
         return None
     for node in ast.parse(source.read_text()).body:
         if isinstance(node, ast.ClassDef) and node.name == "EngineArgs":
-            return frozenset(
-                n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
-            )
+            return {
+                n.target.id: n.annotation
+                for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+            }
+    return None
+
+
+def engine_arg_names() -> frozenset[str] | None:
+    """``EngineArgs``'s field names, or None if unreadable."""
+    fields = _engine_arg_annotations()
+    return frozenset(fields) if fields is not None else None
+
+
+def engine_arg_scalar_types() -> dict[str, Any]:
+    """The types of ``EngineArgs``'s fields annotated with ``int``, ``float``, ``bool``, ``str``
+    and ``None`` alone (``int | None``), as Python types; the others (vLLM's config classes,
+    aliases of its own) are checked on the replica, where vLLM is imported (check_arg_types)."""
+    found = {name: _scalar_type(node) for name, node in (_engine_arg_annotations() or {}).items()}
+    return {name: hint for name, hint in found.items() if hint is not None}
+
+
+_SCALARS: dict[str, Any] = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _scalar_type(node: ast.expr) -> Any:
+    if isinstance(node, ast.Name):
+        return _SCALARS.get(node.id)
+    if isinstance(node, ast.Constant) and node.value is None:
+        return type(None)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        left, right = _scalar_type(node.left), _scalar_type(node.right)
+        return left | right if left is not None and right is not None else None
     return None
 
 
@@ -107,7 +139,8 @@ def check_spec(deployment: Deployment) -> None:
         lambda: check_choices(deployment, quantization_names(), literal_names("config/cache.py", "CacheDType")),
     ]
     if names is not None and deployment.runtime_config.extra_engine_args:
-        checks.insert(0, lambda: check_extra_engine_args(deployment, set(names)))
+        checks[:0] = [lambda: check_extra_engine_args(deployment, set(names)),
+                      lambda: check_arg_types(deployment, engine_arg_scalar_types())]
     for check in checks:  # every problem at once, as the spec's own validation reports them
         try:
             check()
