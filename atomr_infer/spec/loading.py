@@ -122,7 +122,7 @@ def anchored(doc: Any, base: Path) -> Any:
     ``base`` (the spec file's directory, or the caller's working directory for a dict): the
     manager and the replicas resolve paths in their own working directories (the raylet's), so
     ``model: ./models/tiny`` named a directory the replica did not have. The model, the hub
-    cache, a chat template and LoRA adapters."""
+    cache, a chat template, a generation config's folder and LoRA adapters."""
     if not isinstance(doc, Mapping):
         return doc
 
@@ -137,9 +137,10 @@ def anchored(doc: Any, base: Path) -> Any:
     if isinstance(runtime := out.get("runtime_config"), Mapping) and "hf_cache_dir" in runtime:
         out["runtime_config"] = {**runtime, "hf_cache_dir": absolute(runtime["hf_cache_dir"])}
     serving = out.get("serving")
-    if isinstance(serving, Mapping) and isinstance(openai := serving.get("openai"), Mapping) \
-            and "chat_template" in openai:
-        out["serving"] = {**serving, "openai": {**openai, "chat_template": absolute(openai["chat_template"])}}
+    if isinstance(serving, Mapping) and isinstance(openai := serving.get("openai"), Mapping):
+        # generation_config's 'auto' and 'vllm' are not paths, and stay as they are
+        paths = {key: absolute(openai[key]) for key in ("chat_template", "generation_config") if key in openai}
+        out["serving"] = {**serving, "openai": {**openai, **paths}}
     if isinstance(lora := out.get("lora"), Mapping) and isinstance(adapters := lora.get("adapters"), Mapping):
         out["lora"] = {**lora, "adapters": {name: absolute(source) for name, source in adapters.items()}}
     return out

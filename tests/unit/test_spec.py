@@ -753,7 +753,7 @@ def test_local_paths_written_relative_are_made_absolute_from_the_spec_file(tmp_p
 name: tiny
 model: ../models/tiny
 runtime_config: {hf_cache_dir: ./cache}
-serving: {openai: {chat_template: ./chatml.jinja}}
+serving: {openai: {chat_template: ./chatml.jinja, generation_config: ./gen}}
 lora: {adapters: {pirate: ../adapters/pirate, robot: org/robot-lora}}
 """)
     monkeypatch.chdir(tmp_path)  # not the spec file's directory
@@ -761,6 +761,10 @@ lora: {adapters: {pirate: ../adapters/pirate, robot: org/robot-lora}}
     assert dep.model == str(project / "models" / "tiny")
     assert dep.runtime_config.hf_cache_dir == str(project / "deployments" / "cache")
     assert dep.serving.openai.chat_template == str(project / "deployments" / "chatml.jinja")
+    assert dep.serving.openai.generation_config == str(project / "deployments" / "gen")
+    for word in ("auto", "vllm"):  # not folders
+        [named] = load_deployments({"name": "g", "model": "org/m", "serving": {"openai": {"generation_config": word}}})
+        assert named.serving.openai.generation_config == word
     assert dep.lora.adapters == {"pirate": str(project / "adapters" / "pirate"), "robot": "org/robot-lora"}
     [from_dict] = load_deployments({"name": "d", "model": "./models/tiny"})  # from Python: the caller's directory
     assert from_dict.model == str(tmp_path / "models" / "tiny")

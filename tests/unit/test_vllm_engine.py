@@ -263,3 +263,20 @@ def test_an_extra_engine_arg_of_the_wrong_type_is_refused_naming_it_before_the_m
     assert str(on_replica.value.problems[1]).startswith(
         "d: runtime_config.extra_engine_args.compilation_config: {'mode': 'x'} does not fit vLLM's type, "
         "CompilationConfig: mode: invalid compilation mode: x.")
+
+
+def test_a_generation_config_folder_that_is_not_there_is_refused_before_the_model_is_fetched(tmp_path) -> None:
+    """vLLM falls back to its own sampling defaults without a word when the folder is missing."""
+    from atomr_infer.engine.vllm.engine_args import check_server_options
+    from atomr_infer.errors import SpecError
+
+    def spec(folder):
+        return parse_deployment({"name": "d", "model": "org/m", "serving": {"openai": {"generation_config": folder}}})
+
+    with pytest.raises(SpecError) as info:
+        check_server_options(spec(str(tmp_path / "gen")))
+    assert str(info.value.problems[0]) == (f"d: serving.openai.generation_config: '{tmp_path / 'gen'}' on this node: "
+                                           "no such folder (vLLM would quietly serve its own sampling defaults)")
+    (tmp_path / "gen").mkdir()
+    for folder in (str(tmp_path / "gen"), "auto", "vllm", "org/generation-config"):
+        check_server_options(spec(folder))

@@ -169,9 +169,9 @@ def check_extra_engine_args(deployment: Deployment, known: set[str]) -> None:
 
 
 def check_server_options(deployment: Deployment) -> None:
-    """Refuse a chat template vLLM cannot find and parser names vLLM does not have (else the
-    replica would fail after loading its engine); imports vLLM (spec_check.py reads the parsers'
-    names from its source instead)."""
+    """Refuse a chat template or generation config folder vLLM cannot find and parser names vLLM
+    does not have (else the replica would fail after loading its engine, or serve without them);
+    imports vLLM (spec_check.py reads the parsers' names from its source instead)."""
     o = deployment.serving.openai
     if o.chat_template is not None:  # vLLM checks it only once its engine is up: found before loading
         from vllm.renderers.chat_utils import validate_chat_template
@@ -181,6 +181,10 @@ def check_server_options(deployment: Deployment) -> None:
         except Exception as exc:  # noqa: BLE001 - vLLM's VLLMValidationError, FileNotFoundError, ...
             raise SpecError([SpecProblem(deployment.name, "serving.openai.chat_template",
                                          f"{o.chat_template!r} on this node: {exc}")]) from None
+    folder = o.generation_config
+    if folder is not None and folder.startswith("/") and not Path(folder).is_dir():  # not 'auto', 'vllm', a repo
+        raise SpecError([SpecProblem(deployment.name, "serving.openai.generation_config", f"{folder!r} on this node: "
+                                     "no such folder (vLLM would quietly serve its own sampling defaults)")])
     if o.tool_call_parser is None and o.reasoning_parser is None:
         return
     from vllm.reasoning import ReasoningParserManager
