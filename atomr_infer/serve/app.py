@@ -133,11 +133,14 @@ class OpenAIIngress:
         tune_serving_process()  # this process streams every response (serving_process.py)
 
     async def __del__(self) -> None:
-        """Serve's graceful stop: stop accepting, let open requests finish, then stop."""
+        """Serve's graceful stop: stop accepting, let open requests finish (those still open at
+        the grace are cancelled, which aborts them in the replicas), then close the router's
+        channels to the replicas and stop."""
         if self._keys is not None:
             self._keys.stop()
         if self._listener is not None:
             await self._listener.stop(GRACEFUL_STOP_S)
+        await self._router.aclose()
         with contextlib.suppress(RuntimeError):  # the loop may be closed already
             self._tables.stop()
 

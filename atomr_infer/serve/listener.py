@@ -26,6 +26,7 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+CLEANUP_S = 5.0  # how long a request cancelled at the end of a stop's grace gets to clean up
 
 
 def bind(host: str, port: int, *, shared: bool = True) -> socket.socket:
@@ -176,14 +177,25 @@ class HttpListener:
         await self._server.serve(sockets=[self._sock])
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop accepting, let open requests finish for up to ``timeout_s``, then close."""
+        """Stop accepting, let open requests finish for up to ``timeout_s``, then cancel those
+        still open (their client gets a 500, or a stream cut short) and close."""
         if self._task is None:
             self._sock.close()
             return
+        # uvicorn cancels the request tasks still open at the grace; unset, it waits for them
+        # without end, and cancelling only its own task left them running: the engine went on
+        # generating for a client whose connection was reset.
+        self._server.config.timeout_graceful_shutdown = timeout_s
         self._server.should_exit = True
         try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+            await asyncio.wait_for(asyncio.shield(self._task), timeout_s + CLEANUP_S)
         except (TimeoutError, asyncio.CancelledError):
             self._task.cancel()
         finally:
+            # uvicorn does not wait for the tasks it cancelled: their cleanup (the router's
+            # finally, which aborts the request in the replica) must run before the caller
+            # closes the router.
+            cancelled = set(self._server.server_state.tasks)
+            if cancelled:
+                await asyncio.wait(cancelled, timeout=CLEANUP_S)
             self._sock.close()

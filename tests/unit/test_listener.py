@@ -97,6 +97,27 @@ def test_a_request_runs_to_its_end_and_a_stop_lets_an_open_one_finish():
     assert events == ["started", "finished", "started", "finished"]
 
 
+def test_a_stop_cancels_a_request_still_open_at_the_grace():
+    """A request past the grace is cancelled (its finally, the router's abort in the replica,
+    runs before stop() returns) and its client answered, not left to run for nobody."""
+    events: list[str] = []
+
+    async def run() -> None:
+        port = free_port()
+        listener = HttpListener(slow_app(events, 30.0), listen("127.0.0.1", port))
+        listener.start()
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            open_request = asyncio.ensure_future(client.post(f"http://127.0.0.1:{port}/slow"))
+            assert await await_until(lambda: "started" in events, 5.0)
+            started = asyncio.get_running_loop().time()
+            await listener.stop(0.5)
+            assert asyncio.get_running_loop().time() - started < 5.0
+            assert events == ["started", "cancelled"]
+            assert (await asyncio.wait_for(open_request, 5.0)).status_code == 500
+
+    asyncio.run(run())
+
+
 def test_direct_posts_reach_the_handler_and_everything_else_the_app():
     """The ingress's model requests skip the app's routing (direct_posts); the app still answers
     every other method and path, a handler's failure gets on_error's answer, and a client that

@@ -217,3 +217,55 @@ def test_a_responses_error_event_is_numbered_after_the_last_so_the_openai_client
         events = [event for event in stream]
     assert [e.type for e in events] == ["response.created", "error"]
     assert "died mid-request" in events[-1].message
+
+
+def test_stopping_the_ingress_aborts_a_request_past_the_grace_then_closes_its_router(monkeypatch):
+    """Serve's stop of an ingress replica (its ``__del__``): a request still open at the grace is
+    cancelled, so the router's finally aborts it in the replica, and then the router is closed
+    (over real uvicorn on loopback)."""
+    import httpx
+
+    from atomr_infer.local_ray import free_port
+    from atomr_infer.serve import app as app_module
+    from atomr_infer.serve.answers import error_response
+    from atomr_infer.serve.listener import HttpListener, direct_posts, listen
+    from atomr_infer.serve.routes import Via, paths
+    from tests.unit.ingress_app import Router, ingress
+    from tests.waiting import await_until
+
+    events: list[str] = []
+
+    class HangingRouter(Router):
+        async def stream(self, facts, http):
+            events.append("routed")
+            try:
+                await asyncio.sleep(30)  # the engine still generating
+                yield b""
+            finally:
+                events.append("aborted in the replica")
+
+        async def aclose(self) -> None:
+            events.append("router closed")
+
+    # Serve's decorators pickled the class: its methods read a copy of the module's globals.
+    stop = next(c.__del__ for c in app_module.OpenAIIngress.func_or_class.__mro__
+                if getattr(vars(c).get("__del__"), "__qualname__", "") == "OpenAIIngress.__del__")
+    monkeypatch.setitem(stop.__globals__, "GRACEFUL_STOP_S", 0.5)
+
+    async def run() -> None:
+        server, _, _ = ingress()
+        server._router = HangingRouter(server._router.table)
+        server._keys, server._tables = None, type("Tables", (), {"stop": lambda self: None})()
+        port = free_port()
+        asgi = direct_posts(app_module.api, paths(Via.BODY), server.routed_by_body, error_response)
+        server._listener = HttpListener(asgi, listen("127.0.0.1", port))
+        server._listener.start()
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            body = {"model": "smollm2", "messages": []}
+            request = asyncio.ensure_future(client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body))
+            assert await await_until(lambda: "routed" in events, 5.0)
+            await app_module.OpenAIIngress.func_or_class.__del__(server)  # as Serve calls it
+            assert events == ["routed", "aborted in the replica", "router closed"]
+            assert (await asyncio.wait_for(request, 5.0)).status_code == 500
+
+    asyncio.run(run())
