@@ -98,6 +98,18 @@ def check_listen_host(host: str) -> None:
         usage_error(f"--host {host!r}: not an address this machine can listen on ({exc.strerror or exc})")
 
 
+def check_free_before_start(host: str, port: int, address: str | None) -> None:
+    """With no cluster to join, ``host:port`` must be free here before a local head starts: found
+    taken (or not an address of this machine) only after, the head and the manager started for
+    the API stayed running. With a cluster, ``run_server`` checks (the API running there may hold
+    the port, to be updated in place)."""
+    from atomr_infer import cluster
+    from atomr_infer.serve.listener import check_free
+
+    if not cluster.target_address(address):
+        check_free(host, port)
+
+
 def quiet_logs() -> None:
     """With ``--debug``, loggers bound from now on log at DEBUG."""
     from atomr_infer.log import configure_logging

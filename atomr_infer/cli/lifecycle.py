@@ -67,6 +67,10 @@ def up_command(
     if serve:
         common.check_key_file(api_keys)
         common.check_listen_host(host)
+        try:
+            common.check_free_before_start(host, port, address)
+        except AtomrError as exc:
+            fail(exc)
     common.quiet_logs()
     cluster.use_local_auth_token()
     joining = cluster.target_address(address)

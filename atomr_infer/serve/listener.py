@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterable
@@ -27,12 +28,18 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 CLEANUP_S = 5.0  # how long a request cancelled at the end of a stop's grace gets to clean up
+# What to change when the address cannot be bound, by the reason.
+_BIND_HINTS = {
+    errno.EADDRINUSE: "pick another --port",
+    errno.EADDRNOTAVAIL: "--host must be an address of this machine",
+    errno.EACCES: "ports below 1024 need root",
+}
 
 
 def bind(host: str, port: int, *, shared: bool = True) -> socket.socket:
     """A listening-ready TCP socket on ``host:port``; ``shared``: with ``SO_REUSEPORT``, so that
     every ingress replica of the API (and its replacement during an update) binds it too.
-    ``AtomrError`` naming the address if it is taken."""
+    ``AtomrError`` naming the address, the reason and what to change, if it cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -42,7 +49,9 @@ def bind(host: str, port: int, *, shared: bool = True) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise AtomrError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (hint: pick another --port)") from None
+        hint = _BIND_HINTS.get(exc.errno)
+        raise AtomrError(f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+                         + (f" (hint: {hint})" if hint else "")) from None
     return sock
 
 

@@ -188,6 +188,7 @@ def run_server(
     """
     from ray import serve
 
+    from atomr_infer.cluster import connect
     from atomr_infer.control.client import manager_handle
     from atomr_infer.serve.api_keys import load_key_file
     from atomr_infer.serve.app import OpenAIIngress
@@ -196,7 +197,7 @@ def run_server(
     if api_keys_path is not None:
         api_keys_path = os.path.abspath(api_keys_path)
         load_key_file(api_keys_path)  # a bad file fails here, in one line, before anything starts
-    manager_handle(address)  # connect, and create the manager if it is not running yet
+    connect(address)
     current = running_server()
     if current is not None and (current.host, current.port) != (host, port):
         raise AtomrError(
@@ -205,6 +206,7 @@ def run_server(
         )
     if current is None:
         check_free(host, port)  # else the ingress replicas would fail to start, and Serve retry them
+    manager_handle(address)  # created if it is not running yet: after the checks, not left behind by them
     started = _start_serve()
     limits: dict[str, object] = {"max_body_bytes": max_body_bytes} if max_body_bytes is not None else {}
     if cors is not None:

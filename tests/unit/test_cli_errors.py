@@ -131,3 +131,60 @@ def test_an_address_other_than_the_cluster_this_process_is_in_is_refused(monkeyp
         connect(same)
     with pytest.raises(AtomrError, match="not 127.0.0.1:6380"):
         connect("127.0.0.1:6380")
+
+
+@pytest.mark.parametrize("args", [["serve"], ["up", "--no-gemma", "--serve"]])
+@pytest.mark.parametrize("cluster_runs", [False, True])
+def test_a_port_in_use_is_refused_before_a_local_head_starts(args, cluster_runs, monkeypatch) -> None:
+    """With no cluster running, the port was checked once a local head and the manager had
+    started, and both stayed. With one, the check is run_server's: the API running there may
+    hold the port (to be updated in place)."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from atomr_infer import cluster
+    from atomr_infer.cli import common
+    from atomr_infer.cli.main import app
+
+    joined: list[str | None] = []
+
+    def join(address, *args, **kwargs):
+        joined.append(address)
+        raise AtomrError("joined the cluster")
+
+    monkeypatch.setattr(cluster, "target_address", lambda address=None: "127.0.0.1:6379" if cluster_runs else None)
+    monkeypatch.setattr(common, "connect", join)
+    monkeypatch.setattr(common, "control_plane", join)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, [*args, "--port", str(port)])
+    assert result.exit_code == 1, result.output
+    if cluster_runs:
+        assert joined and "error: joined the cluster" in result.output
+    else:
+        assert not joined, "it connected (a local head would have started) before checking the port"
+        assert f"cannot listen on 127.0.0.1:{port}: Address already in use (hint: pick another --port)" in result.output
+
+
+def test_run_server_creates_no_manager_for_an_api_that_cannot_listen(monkeypatch) -> None:
+    """On a running cluster, the detached manager was created before the port was checked, and stayed."""
+    import socket
+
+    from atomr_infer import cluster
+    from atomr_infer.control import client
+    from atomr_infer.serve import server
+
+    created: list[str | None] = []
+    monkeypatch.setattr(cluster, "connect", lambda address=None, start=True: None)
+    monkeypatch.setattr(server, "running_server", lambda: None)  # no API runs there
+    monkeypatch.setattr(client, "manager_handle", lambda address=None, start=True: created.append(address))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(AtomrError, match=f"cannot listen on 127.0.0.1:{port}"):
+            server.run_server("127.0.0.1", port)
+    assert created == []

@@ -4,6 +4,8 @@ on loopback: a shared port, a taken port, a client that hangs up, a graceful sto
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 
 import httpx
 import pytest
@@ -305,3 +307,30 @@ def test_http_parser_is_httptools_where_it_imports():
         assert http_parser() == "h11"
     else:
         assert http_parser() == "httptools"
+
+
+def _taken_port() -> tuple[socket.socket, int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock, sock.getsockname()[1]
+
+
+def test_an_address_that_cannot_be_bound_gets_the_hint_for_its_reason(monkeypatch):
+    """The hint said "pick another --port" for a --host of another machine too."""
+    taken, port = _taken_port()
+    with taken, pytest.raises(AtomrError) as info:
+        check_free("127.0.0.1", port)
+    assert str(info.value) == f"cannot listen on 127.0.0.1:{port}: Address already in use (hint: pick another --port)"
+    with pytest.raises(AtomrError) as info:  # TEST-NET-1: an address, but none of this machine's
+        check_free("192.0.2.1", 8000)
+    assert str(info.value) == ("cannot listen on 192.0.2.1:8000: Cannot assign requested address "
+                               "(hint: --host must be an address of this machine)")
+
+    def refused(self, address):  # the kernel's answer to a user other than root (tests may run as root)
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(socket.socket, "bind", refused)
+    with pytest.raises(AtomrError) as info:
+        check_free("127.0.0.1", 80)
+    assert str(info.value) == "cannot listen on 127.0.0.1:80: Permission denied (hint: ports below 1024 need root)"
