@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -64,12 +65,7 @@ def serve_command(
     key_hint = '"<a key from the file>"' if settings["api_keys_path"] else '"unused"'
     out.print(f'openai client: OpenAI(base_url="{server.base_url}", api_key={key_hint})')
     out.print("Ctrl-C to stop.")
-    stop = threading.Event()
-    # Handlers for both, as uvicorn has: Ctrl-C stops the API even when the shell that
-    # started this process in the background left SIGINT ignored.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    gone = _wait(server, stop)
+    gone = _wait(server, stop_on_signals())
     if gone is not None:
         _exit_at_once(gone)
     out.print("stopping…")
@@ -83,11 +79,58 @@ def serve_command(
     raise typer.Exit(EXIT_OK)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stop:
+    """Whether a stop signal came, set by its handler, waited for by the main thread: a byte in a
+    pipe. A ``threading.Event`` set by a handler deadlocks when the signal lands while the main
+    thread, in that Event's ``wait``, holds its lock (a handler runs on the main thread)."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: it was set already
+            os.write(self._write, b"\0")
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether it is set, once it is or after ``timeout_s``."""
+        if not self._set:
+            select.select([self._read], [], [], timeout_s)
+        return self._set
+
+
+def stop_on_signals() -> Stop:
+    """A ``Stop`` set on SIGINT and SIGTERM, as uvicorn does (Ctrl-C stops the API even when the
+    shell that started this process in the background left SIGINT ignored), and on SIGHUP: a
+    closed terminal or a dropped ssh session killed the process and left the API running
+    (unless ``nohup`` ignores it)."""
+    stop = Stop()
+
+    def on_signal(sig: int, frame: object) -> None:
+        if sig == signal.SIGHUP:  # the terminal is gone: a line printed to it would fail the stop (EIO)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for fd in (1, 2):
+                os.dup2(devnull, fd)
+            os.close(devnull)
+        stop.set()
+
+    for sig in STOP_SIGNALS:
+        if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+            continue  # started under nohup: it is to outlive the terminal
+        signal.signal(sig, on_signal)
+    return stop
+
+
 WATCH_PERIOD_S = 1.0  # how soon a stop from elsewhere is noticed
 LOST_AFTER = 3  # checks in a row that find the GCS gone: a blip (or a GCS restart) is not a loss
 
 
-def _wait(server: Server, stop: threading.Event) -> Gone | None:
+def _wait(server: Server, stop: Stop) -> Gone | None:
     """Wait for Ctrl-C (None), or for the API to stop without this process: ``atomr down`` run
     elsewhere, or the cluster gone. Then say why, rather than serve nothing until killed.
 
