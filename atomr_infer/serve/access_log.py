@@ -3,7 +3,8 @@
     api_request key=alice deployment=smollm2 status=200 tokens=41 latency_ms=812.4
 
 ``key`` is the API key's name (``-`` without keys, or before one was accepted); the key itself
-never appears. ``deployment`` is ``-`` for a request refused before its body was read (401).
+never appears. ``deployment`` is ``-`` for a request refused before its body was read (401); a
+name no deployment has is cut to its first 128 characters (and ``…``).
 ``tokens`` is the usage the response reports (prompt plus completion), when it reports one:
 every non-streamed answer, and a stream with ``stream_options.include_usage``.
 """
@@ -19,6 +20,7 @@ from atomr_infer.serve.usage import usage_tokens
 
 log = get_logger(__name__)
 NO_KEY = "-"
+MAX_UNKNOWN_NAME = 128  # characters of a name no deployment has, logged: the client chose its length
 
 
 class AccessLog:
@@ -31,8 +33,11 @@ class AccessLog:
     def done(self, key: str | None, deployment: str, status: int, tokens: int | None, started: float) -> None:
         key = key or NO_KEY
         latency_ms = round((time.perf_counter() - started) * 1000, 1)
-        log.info("api_request", key=key, deployment=deployment, status=status, tokens=tokens, latency_ms=latency_ms)
-        self._metrics.request(key, deployment if self._known(deployment) else NO_KEY, status, tokens)
+        known = self._known(deployment)
+        # A 4 MB model name made a 4 MB log line, for anyone where the API has no keys.
+        logged = deployment if known or len(deployment) <= MAX_UNKNOWN_NAME else f"{deployment[:MAX_UNKNOWN_NAME]}…"
+        log.info("api_request", key=key, deployment=logged, status=status, tokens=tokens, latency_ms=latency_ms)
+        self._metrics.request(key, deployment if known else NO_KEY, status, tokens)
 
     async def stream(
         self, chunks: AsyncIterator[bytes], key: str | None, deployment: str, status: int, started: float,

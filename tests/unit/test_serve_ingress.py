@@ -269,3 +269,20 @@ def test_stopping_the_ingress_aborts_a_request_past_the_grace_then_closes_its_ro
             assert (await asyncio.wait_for(request, 5.0)).status_code == 500
 
     asyncio.run(run())
+
+
+def test_a_model_name_no_deployment_has_is_cut_in_the_access_log(monkeypatch):
+    """It was logged as sent: a 4 MB name made a 4 MB log line (no key needed on an API without keys)."""
+    from types import SimpleNamespace
+
+    from atomr_infer.serve import access_log
+    from tests.unit.ingress_app import ingress, post
+
+    lines: list[tuple[str, int]] = []  # recorded, not captured: a test before may have set a level above INFO
+    monkeypatch.setattr(access_log, "log", SimpleNamespace(
+        info=lambda event, deployment, status, **fields: lines.append((deployment, status))))
+    server, _, app = ingress()
+    server._access = access_log.AccessLog(server._router.table.knows)
+    for model in ("x" * 4_000_000, "y" * 128, "smollm2"):
+        asyncio.run(post(app, "/v1/chat/completions", {"model": model, "messages": []}))
+    assert lines == [("x" * 128 + "…", 404), ("y" * 128, 404), ("smollm2", 200)]
