@@ -98,14 +98,15 @@ def check_listen_host(host: str) -> None:
         usage_error(f"--host {host!r}: not an address this machine can listen on ({exc.strerror or exc})")
 
 
-def check_free_before_start(host: str, port: int, address: str | None) -> None:
-    """With no cluster to join, ``host:port`` must be free here before a local head starts: found
-    taken (or not an address of this machine) only after, the head and the manager started for
-    the API stayed running. With a cluster, ``run_server`` checks (the API running there may hold
-    the port, to be updated in place)."""
+def check_api_before_start(host: str, port: int, address: str | None) -> None:
+    """What the API needs that can be checked before anything starts: found only after, a local
+    head and the manager started for it stayed running. ``$VLLM_HTTP_TIMEOUT_KEEP_ALIVE``; and,
+    with no cluster to join, ``host:port`` free here (with a cluster, ``run_server`` checks it:
+    the API running there may hold the port, to be updated in place)."""
     from atomr_infer import cluster
-    from atomr_infer.serve.listener import check_free
+    from atomr_infer.serve.listener import check_free, keep_alive_s
 
+    keep_alive_s()
     if not cluster.target_address(address):
         check_free(host, port)
 

@@ -68,7 +68,7 @@ def up_command(
         common.check_key_file(api_keys)
         common.check_listen_host(host)
         try:
-            common.check_free_before_start(host, port, address)
+            common.check_api_before_start(host, port, address)
         except AtomrError as exc:
             fail(exc)
     common.quiet_logs()

@@ -51,7 +51,7 @@ def serve_command(
     common.check_key_file(api_keys)
     common.check_listen_host(host)
     try:
-        common.check_free_before_start(host, port, address)
+        common.check_api_before_start(host, port, address)
         common.connect(address, start=True)  # says so when it starts a local head, as other commands do
         max_body_bytes = int(max_body_mb * 1024 * 1024) if max_body_mb else None
         cors = common.cors_of(allowed_origins, allowed_methods, allowed_headers, allow_credentials)

@@ -108,10 +108,11 @@ def _aliases(table: Any, name: str) -> tuple[str, ...]:
 class OpenAIIngress:
     def __init__(
         self, replica_wait_s: float = 30.0, max_body_bytes: int = MAX_BODY_BYTES, api_keys_path: str | None = None,
-        listen_on: tuple[str, int] | None = None, cors: Cors | None = None,
+        listen_on: tuple[str, int] | None = None, cors: Cors | None = None, keep_alive_s: int = 5,
     ) -> None:
         """``listen_on``: the API's ``(host, port)``, served by this replica itself (serve/listener.py),
-        with ``cors`` (serve/cors.py; vLLM's defaults when None) around every route."""
+        with ``cors`` (serve/cors.py; vLLM's defaults when None) around every route, an idle
+        connection kept open ``keep_alive_s``."""
         heavy_imports.watch("ingress")  # it must load neither torch nor vLLM (heavy_imports.py)
         self._max_body_bytes = max_body_bytes
         self._keys = KeyFile(api_keys_path, watch=True) if api_keys_path else None
@@ -127,7 +128,7 @@ class OpenAIIngress:
         if listen_on is not None:  # bound here, so that a taken port fails the replica at once
             # Model requests skip the app's routing: they are most of what it would route.
             app = direct_posts(api, paths(Via.BODY), self.routed_by_body, error_response)
-            self._listener = HttpListener((cors or Cors()).wrap(app), listen(*listen_on))
+            self._listener = HttpListener((cors or Cors()).wrap(app), listen(*listen_on), keep_alive_s)
             # The routes find this instance through Serve's replica context, set after __init__.
             self._listener.start(ready=lambda: serve.get_replica_context().servable_object is not None)
         tune_serving_process()  # this process streams every response (serving_process.py)

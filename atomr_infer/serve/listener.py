@@ -17,16 +17,18 @@ import asyncio
 import contextlib
 import errno
 import logging
+import os
 import socket
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from atomr_infer.errors import AtomrError
+from atomr_infer.errors import AtomrError, SettingError
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"  # as `vllm serve` reads it: seconds an idle connection stays open
 CLEANUP_S = 5.0  # how long a request cancelled at the end of a stop's grace gets to clean up
 # What to change when the address cannot be bound, by the reason.
 _BIND_HINTS = {
@@ -60,6 +62,14 @@ def listen(host: str, port: int) -> socket.socket:
     sock = bind(host, port)
     sock.listen(2048)
     return sock
+
+
+def keep_alive_s() -> int:
+    """``$VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (default 5), ``SettingError`` unless whole seconds."""
+    value = os.environ.get(KEEP_ALIVE_ENV, "").strip() or "5"
+    if not value.isdigit():
+        raise SettingError(f"{KEEP_ALIVE_ENV} is {value!r}: set it to whole seconds (0 or more), or unset it for 5")
+    return int(value)
 
 
 def http_parser() -> str:
@@ -158,10 +168,11 @@ def direct_posts(app: ASGIApp, paths: Iterable[str], handler: Callable[[Any], Aw
 class HttpListener:
     """uvicorn serving ``app`` on a bound socket, in the running event loop."""
 
-    def __init__(self, app: ASGIApp, sock: socket.socket) -> None:
+    def __init__(self, app: ASGIApp, sock: socket.socket, keep_alive_s: int = 5) -> None:
         """No cap on open requests here (as ``vllm serve``): admission is the replicas'
         (``serving.max_concurrent``, ``on_capacity_exhausted``) and the API keys' rate limits;
-        uvicorn's ``limit_concurrency`` would answer 503 to the 1,025th open stream."""
+        uvicorn's ``limit_concurrency`` would answer 503 to the 1,025th open stream.
+        ``keep_alive_s``: how long an idle connection stays open (``keep_alive_s()``)."""
         import uvicorn
 
         # Our access log (serve/access_log.py) and errors go through structlog; uvicorn's own
@@ -170,7 +181,7 @@ class HttpListener:
         self._sock = sock
         self._server = uvicorn.Server(uvicorn.Config(
             cancel_on_hang_up(app), lifespan="off", access_log=False, log_config=None,
-            timeout_keep_alive=5,
+            timeout_keep_alive=keep_alive_s,
         ))
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign] # not the main thread
         self._task: asyncio.Task[None] | None = None

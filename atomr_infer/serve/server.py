@@ -192,11 +192,13 @@ def run_server(
     from atomr_infer.control.client import manager_handle
     from atomr_infer.serve.api_keys import load_key_file
     from atomr_infer.serve.app import OpenAIIngress
-    from atomr_infer.serve.listener import check_free
+    from atomr_infer.serve.listener import check_free, keep_alive_s
 
     if api_keys_path is not None:
         api_keys_path = os.path.abspath(api_keys_path)
         load_key_file(api_keys_path)  # a bad file fails here, in one line, before anything starts
+    # This process's, as `vllm serve` reads it (the ingress replicas' environment is the cluster's)
+    keep_alive = keep_alive_s()
     connect(address)
     current = running_server()
     if current is not None and (current.host, current.port) != (host, port):
@@ -213,7 +215,8 @@ def run_server(
         limits["cors"] = cors
     app = OpenAIIngress.options(
         num_replicas=num_replicas, ray_actor_options={"num_cpus": 0, "resources": _this_node()}, **_surge(serve)
-    ).bind(replica_wait_s=replica_wait_s, api_keys_path=api_keys_path, listen_on=(host, port), **limits)
+    ).bind(replica_wait_s=replica_wait_s, api_keys_path=api_keys_path, listen_on=(host, port),
+           keep_alive_s=keep_alive, **limits)
     try:
         serve._run(app, name=APP_NAME, route_prefix=None, _blocking=blocking)
     except BaseException:

@@ -188,3 +188,27 @@ def test_run_server_creates_no_manager_for_an_api_that_cannot_listen(monkeypatch
         with pytest.raises(AtomrError, match=f"cannot listen on 127.0.0.1:{port}"):
             server.run_server("127.0.0.1", port)
     assert created == []
+
+
+@pytest.mark.parametrize("args", [["serve"], ["up", "--no-gemma", "--serve"]])
+def test_a_bad_keep_alive_setting_is_refused_before_anything_starts(args, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from atomr_infer import cluster
+    from atomr_infer.cli import common
+    from atomr_infer.cli.main import app
+
+    joined: list[str | None] = []
+
+    def join(address, *args, **kwargs):
+        joined.append(address)
+        raise AtomrError("joined the cluster")
+
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5s")
+    monkeypatch.setattr(cluster, "target_address", lambda address=None: None)
+    monkeypatch.setattr(common, "connect", join)
+    monkeypatch.setattr(common, "control_plane", join)
+    result = CliRunner().invoke(app, args)
+    assert (result.exit_code, joined) == (2, []), result.output
+    assert "error: VLLM_HTTP_TIMEOUT_KEEP_ALIVE is '5s': set it to whole seconds (0 or more), or unset it for 5" in (
+        result.output)

@@ -4,6 +4,7 @@ on loopback: a shared port, a taken port, a client that hangs up, a graceful sto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import socket
 
@@ -334,3 +335,38 @@ def test_an_address_that_cannot_be_bound_gets_the_hint_for_its_reason(monkeypatc
     with pytest.raises(AtomrError) as info:
         check_free("127.0.0.1", 80)
     assert str(info.value) == "cannot listen on 127.0.0.1:80: Permission denied (hint: ports below 1024 need root)"
+
+
+def test_an_idle_connection_is_closed_after_vllms_keep_alive_setting(monkeypatch):
+    """VLLM_HTTP_TIMEOUT_KEEP_ALIVE, read as `vllm serve` reads it (5 s was fixed)."""
+    from atomr_infer.errors import SettingError
+    from atomr_infer.serve.listener import keep_alive_s
+
+    monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    assert keep_alive_s() == 5
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "1")
+    assert keep_alive_s() == 1
+    for bad in ("abc", "-1", "1.5"):
+        monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", bad)
+        with pytest.raises(SettingError, match=f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE is '{bad}': set it to whole seconds"):
+            keep_alive_s()
+
+    async def idle_for(keep_alive: int) -> float:
+        """Seconds an idle connection stays open after its answer, up to 3."""
+        port = free_port()
+        listener = HttpListener(slow_app([], 0.0), listen("127.0.0.1", port), keep_alive)
+        listener.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"POST /slow HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+            await reader.readuntil(b'{"ok":true}')
+            answered = asyncio.get_running_loop().time()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(reader.read(), 3.0)  # b"" once the server closes it
+            return asyncio.get_running_loop().time() - answered
+        finally:
+            writer.close()
+            await listener.stop(1.0)
+
+    assert asyncio.run(idle_for(1)) < 2.0
+    assert asyncio.run(idle_for(5)) >= 3.0
