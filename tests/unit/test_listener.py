@@ -352,7 +352,7 @@ def test_an_idle_connection_is_closed_after_vllms_keep_alive_setting(monkeypatch
             keep_alive_s()
 
     async def idle_for(keep_alive: int) -> float:
-        """Seconds an idle connection stays open after its answer, up to 3."""
+        """Seconds an idle connection stays open after its answer, up to 4.5."""
         port = free_port()
         listener = HttpListener(slow_app([], 0.0), listen("127.0.0.1", port), keep_alive)
         listener.start()
@@ -362,11 +362,11 @@ def test_an_idle_connection_is_closed_after_vllms_keep_alive_setting(monkeypatch
             await reader.readuntil(b'{"ok":true}')
             answered = asyncio.get_running_loop().time()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(reader.read(), 3.0)  # b"" once the server closes it
+                await asyncio.wait_for(reader.read(), 4.5)  # b"" once the server closes it
             return asyncio.get_running_loop().time() - answered
         finally:
             writer.close()
             await listener.stop(1.0)
 
-    assert asyncio.run(idle_for(1)) < 2.0
-    assert asyncio.run(idle_for(5)) >= 3.0
+    assert asyncio.run(idle_for(1)) < 4.0  # (slack for a busy machine: 1 s, not 5)
+    assert asyncio.run(idle_for(5)) >= 4.5
