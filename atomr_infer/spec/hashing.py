@@ -68,7 +68,8 @@ def spec_changes(old: Deployment, new: Deployment) -> list[FieldChange]:
 
 
 # Free-form mappings are compared whole: their keys are not spec fields.
-_OPAQUE = ("extra_engine_args", "limit_mm_per_prompt", "override_generation_config", "hf_overrides", "adapters")
+_OPAQUE = ("extra_engine_args", "limit_mm_per_prompt", "override_generation_config", "hf_overrides", "adapters",
+           "server_args")
 
 
 def _diff(a: Any, b: Any, prefix: str, out: list[FieldChange]) -> None:

@@ -27,6 +27,24 @@ class ResponseStore(Strict):
     )
 
 
+# vLLM's server options the spec sets through fields of its own.
+_SERVER_ARGS_OWNED = {
+    "served_model_name": "serving.openai.served_model_name", "chat_template": "serving.openai.chat_template",
+    "tool_call_parser": "serving.openai.tool_call_parser", "reasoning_parser": "serving.openai.reasoning_parser",
+    "enable_auto_tool_choice": "serving.openai.enable_auto_tool_choice", "lora_modules": "lora.adapters",
+    "model": "model",
+}
+# `vllm serve`'s options of its HTTP server and process (FrontendArgs beyond BaseFrontendArgs):
+# `atomr serve`'s to set, for every deployment at once.
+_SERVER_ARGS_HTTP = frozenset({
+    "host", "port", "uds", "uvicorn_log_level", "disable_uvicorn_access_log", "disable_access_log_for_endpoints",
+    "allow_credentials", "allowed_origins", "allowed_methods", "allowed_headers", "api_key", "ssl_keyfile",
+    "ssl_certfile", "ssl_ca_certs", "enable_ssl_refresh", "ssl_cert_reqs", "ssl_ciphers", "root_path", "middleware",
+    "enable_request_id_headers", "disable_fastapi_docs", "enable_offline_docs", "grpc_port", "headless",
+    "api_server_count", "data_parallel_supervisor_port",
+})
+
+
 class OpenAIServing(Strict):
     """Options of vLLM's OpenAI server (``vllm serve``'s flags, in snake case). The replica runs
     that server, so changing them restarts the replicas (rolling)."""
@@ -54,9 +72,28 @@ class OpenAIServing(Strict):
         None, description="Default sampling values over the generation config, e.g. {temperature: 0.6}."
     )
 
+    server_args: dict[StrictStr, Any] = Field(
+        default_factory=dict,
+        description="More of `vllm serve`'s options for the model's server, snake case, e.g. "
+        "{default_chat_template_kwargs: {enable_thinking: false}, enable_prompt_tokens_details: true}.",
+    )
+
     response_store: ResponseStore = Field(
         default_factory=ResponseStore, description="Stored Responses-API responses, kept per replica."
     )
+
+    @field_validator("server_args")
+    @classmethod
+    def _server_args(cls, args: dict[str, Any]) -> dict[str, Any]:
+        for key, value in args.items():
+            if key in _SERVER_ARGS_OWNED:
+                raise ValueError(f"{key}: set {_SERVER_ARGS_OWNED[key]} instead")
+            if key in _SERVER_ARGS_HTTP:
+                raise ValueError(f"{key}: `atomr serve` runs the HTTP server (its flags and docs/cli.md say what it "
+                                 "takes); server_args are the options of the model's server")
+            if value is None:
+                raise ValueError(f"{key}: is null; leave it out for vLLM's default")
+        return args
 
     @field_validator("served_model_name")
     @classmethod

@@ -70,6 +70,7 @@ FULL: dict[str, Any] = {
             "reasoning_parser": "gemma4",
             "generation_config": "vllm",
             "override_generation_config": {"temperature": 0.6},
+            "server_args": {"response_role": "bot"},
             "response_store": {"enabled": True, "max_responses": 500, "max_age_s": 600.0},
         },
         "rate_limits": {"requests_per_minute": 600, "tokens_per_minute": 60000},

@@ -95,3 +95,17 @@ def _type_text(hint: Any) -> str:
 
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_server_arg_names(deployment: Deployment, known: frozenset[str]) -> None:
+    """Refuse ``serving.openai.server_args`` keys that vLLM's model server does not take
+    (``BaseFrontendArgs``' fields): its parser would take a prefix of one as that one."""
+    problems = []
+    for key in deployment.serving.openai.server_args:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(SpecProblem(deployment.name, f"serving.openai.server_args.{key}",
+                                        f"not an option of vLLM's OpenAI server{hint}"))
+    if problems:
+        raise SpecError(problems)

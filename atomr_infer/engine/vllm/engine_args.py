@@ -27,7 +27,7 @@ from atomr_infer.engine.cpu import (
     size_kv_cache,
 )
 from atomr_infer.engine.device import Device, resolve_device
-from atomr_infer.engine.vllm.arg_checks import check_arg_types, check_choices, dataclass_hints
+from atomr_infer.engine.vllm.arg_checks import check_arg_types, check_choices, check_server_arg_names, dataclass_hints
 from atomr_infer.engine.vllm.core_failure import core_start_failures
 from atomr_infer.engine.vllm.kv_events import kv_events_config, publishes
 from atomr_infer.errors import DeviceUnavailable, EngineError, SpecError, SpecProblem
@@ -185,6 +185,15 @@ def check_server_options(deployment: Deployment) -> None:
     if folder is not None and folder.startswith("/") and not Path(folder).is_dir():  # not 'auto', 'vllm', a repo
         raise SpecError([SpecProblem(deployment.name, "serving.openai.generation_config", f"{folder!r} on this node: "
                                      "no such folder (vLLM would quietly serve its own sampling defaults)")])
+    if o.server_args:  # parsed as vLLM's server parses them, before the model is fetched
+        import dataclasses
+
+        from vllm.entrypoints.launchers.cli_args import BaseFrontendArgs
+
+        from atomr_infer.engine.vllm.openai_app import serve_args
+
+        check_server_arg_names(deployment, frozenset(f.name for f in dataclasses.fields(BaseFrontendArgs)))
+        serve_args(deployment, deployment.model)
     if o.tool_call_parser is None and o.reasoning_parser is None:
         return
     from vllm.reasoning import ReasoningParserManager

@@ -16,12 +16,16 @@ closes the engine client's stream, which aborts the request in the engine within
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import json
 from argparse import Namespace
 from collections.abc import Callable
 from typing import Any
 
 from atomr_infer.engine.vllm.direct_routes import DirectRoutes
 from atomr_infer.engine.vllm.response_store import configure_response_store
+from atomr_infer.errors import SpecError, SpecProblem
 from atomr_infer.spec import Deployment
 from atomr_infer.wire import HttpHead, HttpRequest
 
@@ -32,8 +36,16 @@ def serve_args(deployment: Deployment, model_path: str) -> Namespace:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     argv = ["--model", model_path, *server_flags(deployment)]
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
-    validate_parsed_serve_args(args)
+    said = io.StringIO()
+    try:  # argparse says what it refused on stderr, then exits
+        with contextlib.redirect_stderr(said):
+            args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+        validate_parsed_serve_args(args)
+    except (SystemExit, ValueError, TypeError) as exc:
+        lines = said.getvalue().strip().splitlines() or [str(exc)]
+        reason = lines[-1].split("error: ", 1)[-1]  # argparse's "prog: error: ..."
+        raise SpecError([SpecProblem(deployment.name, "serving.openai.server_args",
+                                     f"vLLM's server refuses them: {reason}")]) from None
     return args
 
 
@@ -50,6 +62,14 @@ def server_flags(deployment: Deployment) -> list[str]:
         flags.append("--enable-auto-tool-choice")
     if o.reasoning_parser is not None:
         flags += ["--reasoning-parser", o.reasoning_parser]
+    for key, value in o.server_args.items():  # as `vllm serve` takes them on its command line
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, list):
+            flags += [flag, *(json.dumps(v) if isinstance(v, dict | list) else str(v) for v in value)]
+        else:
+            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from atomr_infer import heavy_imports
-from atomr_infer.engine.vllm.arg_checks import check_arg_types, check_choices
+from atomr_infer.engine.vllm.arg_checks import check_arg_types, check_choices, check_server_arg_names
 from atomr_infer.engine.vllm.engine_args import check_extra_engine_args, check_names
 from atomr_infer.errors import SpecError, SpecProblem
 from atomr_infer.spec import Deployment
@@ -40,20 +40,25 @@ def _vllm_dir() -> Path | None:
     return Path(locations[0]) if locations else None
 
 
-@functools.lru_cache(maxsize=1)
-def _engine_arg_annotations() -> dict[str, ast.expr] | None:
-    """``EngineArgs``'s fields (annotated class attributes) and their annotations, or None if unreadable."""
+@functools.lru_cache(maxsize=4)
+def _class_annotations(module: str, name: str) -> dict[str, ast.expr] | None:
+    """A class's fields in ``vllm/<module>`` (annotated class attributes) and their annotations,
+    or None if unreadable."""
     root = _vllm_dir()
-    source = root / "engine" / "arg_utils.py" if root else None
+    source = root / module if root else None
     if source is None or not source.is_file():
         return None
     for node in ast.parse(source.read_text()).body:
-        if isinstance(node, ast.ClassDef) and node.name == "EngineArgs":
+        if isinstance(node, ast.ClassDef) and node.name == name:
             return {
                 n.target.id: n.annotation
                 for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
             }
     return None
+
+
+def _engine_arg_annotations() -> dict[str, ast.expr] | None:
+    return _class_annotations("engine/arg_utils.py", "EngineArgs")
 
 
 def engine_arg_names() -> frozenset[str] | None:
@@ -138,6 +143,9 @@ def check_spec(deployment: Deployment) -> None:
                             o.reasoning_parser if reasoning else None, tools or frozenset(), reasoning or frozenset()),
         lambda: check_choices(deployment, quantization_names(), literal_names("config/cache.py", "CacheDType")),
     ]
+    server = _class_annotations("entrypoints/launchers/cli_args.py", "BaseFrontendArgs")
+    if server is not None and o.server_args:
+        checks.append(lambda: check_server_arg_names(deployment, frozenset(server)))
     if names is not None and deployment.runtime_config.extra_engine_args:
         checks[:0] = [lambda: check_extra_engine_args(deployment, set(names)),
                       lambda: check_arg_types(deployment, engine_arg_scalar_types())]
