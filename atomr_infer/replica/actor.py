@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from atomr_infer.engine.backend import BackendContext, EngineBackend, EngineStats, backend_class
@@ -335,4 +337,13 @@ def tokenizer_files(deployment: Deployment) -> dict[str, str]:
 
     path = resolve_model(deployment.model, cache_dir=deployment.runtime_config.hf_cache_dir).path
     names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-    return {name: (path / name).read_text() for name in names if (path / name).is_file()}
+    files = {name: (path / name).read_text() for name in names if (path / name).is_file()}
+    # What the replica's server renders chats with instead of the model's own (a file or inline
+    # text, as vLLM loads it), and its default template arguments: the router renders as it does.
+    openai = deployment.serving.openai
+    if openai.chat_template is not None:  # (checked by the replica before its engine loaded)
+        template = Path(openai.chat_template)
+        files["chat_template.jinja"] = template.read_text() if template.is_file() else openai.chat_template
+    if isinstance(kwargs := openai.server_args.get("default_chat_template_kwargs"), dict):
+        files["default_chat_template_kwargs.json"] = json.dumps(kwargs)
+    return files

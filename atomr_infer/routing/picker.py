@@ -27,7 +27,7 @@ from atomr_infer.routing.policy import pick_replica
 from atomr_infer.routing.prefix import PrefixIndex, pick_prefix_affinity
 from atomr_infer.routing.prompt_tokens import tokenizers
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
-from atomr_infer.wire import RoutingFacts
+from atomr_infer.wire import RequestKind, RoutingFacts
 
 log = get_logger(__name__)
 MAX_KV_BLOCKS = 256  # a prompt's leading blocks matched by kv_events (32k tokens of 128)
@@ -103,7 +103,9 @@ class ReplicaPicker:
         is tokenized in a thread (milliseconds for thousands of tokens) while the event loop routes
         others."""
         prompt, template = facts.prompt, facts.template
-        if dep.policy != "kv_events" or prompt is None:
+        # Responses and Messages requests render their own way (instructions, a system field,
+        # typed parts): known only for chats and completions, which the router renders as vLLM.
+        if dep.policy != "kv_events" or prompt is None or facts.kind not in (RequestKind.CHAT, RequestKind.COMPLETION):
             return None
         source = tokenizer_source(dep, usable)
         if source is None:

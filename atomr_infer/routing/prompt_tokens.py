@@ -131,6 +131,8 @@ class PromptTokenizer:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         self._special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token",
                                                                           "pad_token")}
+        defaults = json.loads(files.get("default_chat_template_kwargs.json") or "{}")  # the server's
+        self._defaults = defaults if isinstance(defaults, dict) else {}
         env = _environment()
 
         def raise_exception(message: str) -> None:
@@ -153,7 +155,7 @@ class PromptTokenizer:
         extra = args.get("chat_template_kwargs")
         try:
             text = self._template.render(
-                **{**self._special, **(extra if isinstance(extra, dict) else {})}, messages=messages,
+                **{**self._special, **self._defaults, **(extra if isinstance(extra, dict) else {})}, messages=messages,
                 add_generation_prompt=args.get("add_generation_prompt", True) is not False,
                 tools=_tool_dicts(args.get("tools")),
             )

@@ -672,3 +672,31 @@ def test_the_router_matches_a_request_by_its_cache_salt():
     replicas = [FakeReplica("h"), FakeReplica("s"), FakeReplica("o")]
     with kv_deployment(*replicas) as deployment:
         asyncio.run(main(*deployment))
+
+
+def test_responses_and_messages_requests_are_not_matched_by_tokens_the_router_cannot_render():
+    """A Responses request's input string was tokenized as plain text (vLLM renders it as a chat,
+    with its instructions), a Messages request's messages without its system field: token ids no
+    replica's cache holds, so every such request missed. They are routed without token ids now."""
+    import asyncio
+
+    from atomr_infer.routing.router import Router
+    from atomr_infer.wire import HttpRequest, RoutingFacts
+
+    from .fakes import FakeReplica
+
+    async def main(dep, routes, source_of, prompt):
+        router = Router(source_of, refresh_s=0.0)
+        for path, data in (("/v1/responses", {"input": prompt, "instructions": "Be brief."}),
+                           ("/v1/messages", {"system": "Be brief.", "max_tokens": 5,
+                                             "messages": [{"role": "user", "content": prompt}]})):
+            facts = RoutingFacts.of(path, {"model": dep, **data})
+            assert facts.prompt is not None  # read as ever (prefix affinity keys on it)
+            await _drain(router.stream(facts, HttpRequest("POST", path, (), b"{}")))
+        reasons = {reason for (_, reason) in router.route_reasons}
+        assert not reasons & {"kv_hit", "kv_miss"}, dict(router.route_reasons)
+        await router.aclose()
+
+    replicas = [FakeReplica("h"), FakeReplica("s"), FakeReplica("o")]
+    with kv_deployment(*replicas) as deployment:
+        asyncio.run(main(*deployment))
