@@ -6,7 +6,9 @@
 never appears. ``deployment`` is ``-`` for a request refused before its body was read (401); a
 name no deployment has is cut to its first 128 characters (and ``…``).
 ``tokens`` is the usage the response reports (prompt plus completion), when it reports one:
-every non-streamed answer, and a stream with ``stream_options.include_usage``.
+every non-streamed answer, and a stream with ``stream_options.include_usage``. A stream the client
+left before its usage is charged, and logged, an estimate: one token per event it was sent, and
+its request body's bytes / 4 for the prompt.
 """
 
 from __future__ import annotations
@@ -42,19 +44,25 @@ class AccessLog:
     async def stream(
         self, chunks: AsyncIterator[bytes], key: str | None, deployment: str, status: int, started: float,
         on_end: Callable[[int | None], None] = lambda tokens: None, counts_tokens: bool = True,
+        body_bytes: int = 0,
     ) -> AsyncIterator[bytes]:
         """``chunks`` passed through, logged when the stream ends (or the client leaves), and
-        ``on_end`` told the tokens it used (none where it does not ``counts_tokens``: a replay)."""
-        last_usage = b""
+        ``on_end`` told the tokens it used (none where it does not ``counts_tokens``: a replay);
+        ``body_bytes``: the request's, for the estimate of a stream that ended before its usage."""
+        last_usage, events, whole = b"", 0, False
         try:
             async for chunk in chunks:
                 if b'"usage"' in chunk:
                     last_usage = chunk
+                events += chunk.count(b"data: ")
                 yield chunk
+            whole = True
         finally:
             # Closed early (the client left): close the source too, now, so that the request is
             # aborted in the engine at once rather than when the generator is collected.
             await chunks.aclose()  # type: ignore[attr-defined]
             tokens = usage_tokens(last_usage, sse=True) if counts_tokens else None
+            if tokens is None and counts_tokens and events and not whole:  # left before its usage: about what it cost
+                tokens = events + body_bytes // 4
             on_end(tokens)
             self.done(key, deployment, status, tokens, started)

@@ -244,7 +244,7 @@ class OpenAIIngress:
         if out_headers.get("content-type", "").startswith("text/event-stream"):
             relayed = self._access.stream(
                 relay(items, facts.kind), name, model, head.status, started,
-                lambda n: self._limits.charge(token_budgets, n), counts_tokens=runs,
+                lambda n: self._limits.charge(token_budgets, n), counts_tokens=runs, body_bytes=len(raw),
             )
             return SSEResponse(
                 without_usage(relayed) if hide_usage else relayed, status_code=head.status, headers=out_headers

@@ -93,3 +93,33 @@ def test_pooling_answers_without_a_usage_field_are_counted() -> None:
     with pytest.raises(InvalidRequest, match="encoding_format: 'bytes_only' answers carry no usage"):
         refuse_uncounted({"model": "m", "input": "x", "encoding_format": "bytes_only"}, EMBED)
     refuse_uncounted({"model": "m", "input": "x", "encoding_format": "bytes"}, EMBED)  # its usage is in a header
+
+
+def test_a_stream_the_client_left_before_its_usage_is_charged_an_estimate() -> None:
+    """Its usage comes last: a client that left before it was charged nothing, so a token budget
+    could be spent past its limit by hanging up. It is charged one token per event it was sent and
+    the request body's bytes / 4 for the prompt; a stream that ran to its end, its usage or nothing."""
+    import asyncio
+
+    from atomr_infer.serve.access_log import AccessLog
+
+    delta = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+    usage = b"data: " + json.dumps({"choices": [], "usage": USAGE}).encode() + b"\n\n"
+
+    async def charged(chunks: list[bytes], read: int | None = None) -> list[int | None]:
+        async def source():
+            for chunk in chunks:
+                yield chunk
+
+        told: list[int | None] = []
+        stream = AccessLog().stream(source(), "alice", "d", 200, 0.0, told.append, body_bytes=400)
+        if read is None:  # to its end
+            _ = [chunk async for chunk in stream]
+        for _ in range(read or 0):
+            await anext(stream)
+        await stream.aclose()
+        return told
+
+    assert asyncio.run(charged([delta, delta + delta, delta, usage, b"data: [DONE]\n\n"], 2)) == [3 + 100]
+    assert asyncio.run(charged([delta, usage, b"data: [DONE]\n\n"])) == [41]
+    assert asyncio.run(charged([delta, b"data: [DONE]\n\n"])) == [None]  # whole, without usage asked for
