@@ -45,11 +45,18 @@ def _poll(fut: Future[Any] | None) -> tuple[Poll, Any]:
         return Poll.failed(failure.reason, recurring), None
 
 
+UNPLACED_AFTER_S = 30.0  # a replica Ray has not placed this long is said to wait for resources
+UNPLACED_CHECK_S = 10.0  # how often Ray is asked (one GCS read), while it waits
+
+
 class RayReplicaHandle:
     def __init__(
-        self, actor: Any, name: str, reaper: Reaper, pg: Any = None, adopted: bool = False, node: str | None = None
+        self, actor: Any, name: str, reaper: Reaper, pg: Any = None, adopted: bool = False, node: str | None = None,
+        asks: dict[str, float] | None = None,
     ) -> None:
         self.actor_name = name
+        self._asks = asks or {}  # the resources it was created with (unknown when adopted)
+        self._created_at, self._checked_at, self._unplaced = time.monotonic(), 0.0, False
         self._node = node  # where it was sent, until it says where it runs
         self._actor, self._pg, self._reaper = actor, pg, reaper
         self._calls = ReplicaCalls(actor)
@@ -64,6 +71,23 @@ class RayReplicaHandle:
 
     def actor(self) -> Any:
         return self._actor
+
+    def waiting_for(self) -> str | None:
+        """Why it has not started, where Ray says: no node has had the resources it asked for
+        free since it was created (Ray places it once one has; Ray Serve warns likewise)."""
+        now = time.monotonic()
+        if self._ready is None or self._ready.done() or now - self._created_at < UNPLACED_AFTER_S:
+            return None
+        if now - self._checked_at >= UNPLACED_CHECK_S:
+            self._checked_at = now
+            with contextlib.suppress(Exception):  # Ray's actor table (a developer API): unreadable, unsaid
+                info = ray._private.state.actors(actor_id=self._actor._actor_id.hex())  # noqa: SLF001
+                self._unplaced = info.get("State") in ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
+        if not self._unplaced:
+            return None
+        asks = ", ".join(f"{v:g} {k}" for k, v in self._asks.items() if v) or "its resources"
+        return (f"not placed by Ray for {now - self._created_at:.0f}s: no node has {asks} free "
+                "(it starts once one has: free some, or add a node)")
 
     def placement(self) -> dict[str, Any]:
         return {
@@ -204,7 +228,8 @@ class RayReplicaLauncher:
             deployment.model_dump(mode="json"), replica_id, **self._replica_kwargs
         )
         log.info("replica_actor_created", deployment=deployment.name, replica=replica_id, actor=name, node=node)
-        return RayReplicaHandle(actor, name, self.reaper, node=node)
+        asks = {"GPU": float(options["num_gpus"]), "CPU": float(options["num_cpus"])}
+        return RayReplicaHandle(actor, name, self.reaper, node=node, asks=asks)
 
     def replica_ids(self, deployment: str) -> list[str]:
         prefix = actor_name(deployment, "")

@@ -346,7 +346,7 @@ class DeploymentReconciler:
                 actor_name=r.handle.actor_name,
                 state=r.state,
                 generation=r.generation,
-                reason=r.reason or None,
+                reason=r.reason or (r.handle.waiting_for() if r.state == ReplicaState.STARTING else None) or None,
                 in_flight=r.handle.in_flight(),
                 started_at=r.started_at,
                 adapters={n: state for n, state in r.handle.adapters().items() if n in wanted_names},
@@ -381,3 +381,4 @@ class DeploymentReconciler:
                     for state in (r.handle.adapters().get(n, "") for n in wanted))
             for r in self.ready_replicas()
         )
+

@@ -76,6 +76,9 @@ class ReplicaHandle(Protocol):
     def actor(self) -> Any:
         """The object requests are sent to (a Ray actor handle)."""
 
+    def waiting_for(self) -> str | None:
+        """While it starts: why it has not, where that is known (Ray has not placed it); else None."""
+
 
 class ReplicaLauncher(Protocol):
     def start(self, deployment: Deployment, replica_id: str, peer_nodes: Sequence[str] = ()) -> ReplicaHandle:

@@ -68,6 +68,10 @@ class FakeHandle:
     states: dict = field(default_factory=dict)
     facts: dict = field(default_factory=dict)  # more of what its ready() reported (engine facts)
     ready_draining: bool = False
+    unplaced: str | None = None  # what waiting_for() says while it starts
+
+    def waiting_for(self):
+        return self.unplaced
 
     def placement(self):
         return {"actor_id": f"id-{self.actor_name}", "node_id": "n0", "gpu_ids": [], "model": self.spec_model,

@@ -296,3 +296,14 @@ def test_replicas_lost_together_are_one_backoff_step():
     clock.advance(1.0)
     rec.update()
     assert len(launcher.started) == 9  # probing again after one base backoff
+
+
+def test_a_starting_replica_says_what_it_waits_for_where_its_handle_knows():
+    clock, launcher, rec = setup(replicas=1)
+    rec.update()
+    (replica,) = rec.status().replicas
+    assert replica.state == "starting" and replica.reason is None
+    launcher.started[0].unplaced = "not placed by Ray for 31s: no node has 2 GPU free"
+    assert rec.status().replicas[0].reason == "not placed by Ray for 31s: no node has 2 GPU free"
+    converge(clock, launcher, rec)
+    assert rec.status().replicas[0].reason is None  # ready: no longer said
