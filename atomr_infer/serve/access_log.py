@@ -8,7 +8,7 @@ name no deployment has is cut to its first 128 characters (and ``…``).
 ``tokens`` is the usage the response reports (prompt plus completion), when it reports one:
 every non-streamed answer, and a stream with ``stream_options.include_usage``. A stream the client
 left before its usage is charged, and logged, an estimate: one token per event it was sent, and
-its request body's bytes / 4 for the prompt.
+its request body's bytes / 4, less its media, for the prompt.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ class AccessLog:
     async def stream(
         self, chunks: AsyncIterator[bytes], key: str | None, deployment: str, status: int, started: float,
         on_end: Callable[[int | None], None] = lambda tokens: None, counts_tokens: bool = True,
-        body_bytes: int = 0,
+        prompt: Callable[[], int] = lambda: 0,
     ) -> AsyncIterator[bytes]:
         """``chunks`` passed through, logged when the stream ends (or the client leaves), and
         ``on_end`` told the tokens it used (none where it does not ``counts_tokens``: a replay);
-        ``body_bytes``: the request's, for the estimate of a stream that ended before its usage."""
+        ``prompt``: about its prompt's tokens, for a stream the client left before its usage."""
         last_usage, events, whole = b"", 0, False
         try:
             async for chunk in chunks:
@@ -63,6 +63,6 @@ class AccessLog:
             await chunks.aclose()  # type: ignore[attr-defined]
             tokens = usage_tokens(last_usage, sse=True) if counts_tokens else None
             if tokens is None and counts_tokens and events and not whole:  # left before its usage: about what it cost
-                tokens = events + body_bytes // 4
+                tokens = events + prompt()
             on_end(tokens)
             self.done(key, deployment, status, tokens, started)

@@ -59,7 +59,7 @@ from atomr_infer.serve.listener import HttpListener, direct_posts, listen
 from atomr_infer.serve.rate_limit import Budget, IngressLimits
 from atomr_infer.serve.routes import BY_KEY, Via, paths
 from atomr_infer.serve.table_cache import TableCache
-from atomr_infer.serve.usage import body_tokens, refuse_uncounted, without_usage
+from atomr_infer.serve.usage import body_tokens, prompt_estimate, refuse_uncounted, without_usage
 from atomr_infer.serving_process import tune_serving_process
 from atomr_infer.status import DeploymentStatus
 from atomr_infer.wire import HttpRequest, RequestKind, RoutingFacts
@@ -244,7 +244,7 @@ class OpenAIIngress:
         if out_headers.get("content-type", "").startswith("text/event-stream"):
             relayed = self._access.stream(
                 relay(items, facts.kind), name, model, head.status, started,
-                lambda n: self._limits.charge(token_budgets, n), counts_tokens=runs, body_bytes=len(raw),
+                lambda n: self._limits.charge(token_budgets, n), runs, lambda: prompt_estimate(raw),
             )
             return SSEResponse(
                 without_usage(relayed) if hide_usage else relayed, status_code=head.status, headers=out_headers

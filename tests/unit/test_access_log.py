@@ -112,7 +112,7 @@ def test_a_stream_the_client_left_before_its_usage_is_charged_an_estimate() -> N
                 yield chunk
 
         told: list[int | None] = []
-        stream = AccessLog().stream(source(), "alice", "d", 200, 0.0, told.append, body_bytes=400)
+        stream = AccessLog().stream(source(), "alice", "d", 200, 0.0, told.append, prompt=lambda: 100)
         if read is None:  # to its end
             _ = [chunk async for chunk in stream]
         for _ in range(read or 0):
@@ -123,3 +123,17 @@ def test_a_stream_the_client_left_before_its_usage_is_charged_an_estimate() -> N
     assert asyncio.run(charged([delta, delta + delta, delta, usage, b"data: [DONE]\n\n"], 2)) == [3 + 100]
     assert asyncio.run(charged([delta, usage, b"data: [DONE]\n\n"])) == [41]
     assert asyncio.run(charged([delta, b"data: [DONE]\n\n"])) == [None]  # whole, without usage asked for
+
+
+def test_the_prompt_estimate_leaves_out_media() -> None:
+    """An image's data URL is megabytes: as bytes / 4 a client that left charged a key's budget
+    for half an hour (a 1.5 MB image: 500,000 tokens)."""
+    from atomr_infer.serve.usage import prompt_estimate
+
+    text = {"role": "user", "content": [{"type": "text", "text": "What is in this picture? " * 4}]}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "iVBORw0KGgo" * 150_000}}
+    audio = {"type": "input_audio", "input_audio": {"data": "UklGRi" * 100_000, "format": "wav"}}
+    plain = json.dumps({"model": "d", "messages": [text]}).encode()
+    with_media = json.dumps({"model": "d", "messages": [{**text, "content": [*text["content"], image, audio]}]})
+    assert prompt_estimate(plain) == len(plain) // 4
+    assert prompt_estimate(with_media.encode()) < 200
