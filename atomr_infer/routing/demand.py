@@ -16,8 +16,10 @@ flight.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +44,7 @@ class Demand:
         self.waiting: collections.Counter[str] = collections.Counter()  # requests waiting, by deployment
         self._refused: dict[str, collections.deque[float]] = {}  # deployment -> when each was refused
         self._sent: dict[str, tuple[float, int]] = {}  # deployment -> (when, what) it last reported
+        self._trailing: set[str] = set()  # deployments with a report held back, sent when it may go
 
     def wait(self, name: str) -> None:
         """One more request waits for a replica of ``name``."""
@@ -71,10 +74,30 @@ class Demand:
             return
         at, last = self._sent.get(name, (-math.inf, 0))
         count = self.count(name, now)
-        if (count == last) if final else now - at < DEMAND_EVERY_S:
+        if final and count == last:
+            return
+        if not final and now - at < DEMAND_EVERY_S:
+            if count > last:  # held back: a burst refused within one period would count as its first
+                self._trail(name, at + DEMAND_EVERY_S - now)
             return
         self._sent[name] = (now, count)
         try:
             self._report(self._id, name, count)
         except Exception as exc:  # noqa: BLE001 - the manager is away: routing goes on
             log.warning("demand_report_failed", deployment=name, error=f"{type(exc).__name__}: {exc}")
+
+    def _trail(self, name: str, delay_s: float) -> None:
+        """Report ``name`` once ``delay_s`` is up (one pending at a time), on this event loop."""
+        if name in self._trailing:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop: the next report says it
+            return
+        self._trailing.add(name)
+
+        def send() -> None:
+            self._trailing.discard(name)
+            self.report(name, time.monotonic())
+
+        loop.call_later(max(0.0, delay_s), send)

@@ -72,3 +72,20 @@ def test_once_its_requests_stop_waiting_a_router_reports_that_none_wait() -> Non
     asyncio.run(main())
     assert ("d", 3) in reports and reports[-1] == ("d", 0), reports
     assert reports.count(("d", 0)) == 1  # once: the first of them routed sent nothing
+
+
+def test_a_burst_refused_within_one_period_reaches_the_manager_whole() -> None:
+    """50 requests refused within 0.25 s: the first was reported, the other 49 held back by the
+    report's period and never sent (nothing else reports for requests that do not wait)."""
+    reports: list[int] = []
+
+    async def main():
+        demand = Demand("router", lambda router_id, name, n: reports.append(n))
+        loop = asyncio.get_running_loop()
+        for _ in range(50):
+            demand.refused("d", loop.time())
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.6)
+
+    asyncio.run(main())
+    assert reports[0] == 1 and reports[-1] == 50, reports
