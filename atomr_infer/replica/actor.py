@@ -342,8 +342,16 @@ def tokenizer_files(deployment: Deployment) -> dict[str, str]:
     # text, as vLLM loads it), and its default template arguments: the router renders as it does.
     openai = deployment.serving.openai
     if openai.chat_template is not None:  # (checked by the replica before its engine loaded)
-        template = Path(openai.chat_template)
-        files["chat_template.jinja"] = template.read_text() if template.is_file() else openai.chat_template
+        files["chat_template.jinja"] = _template_text(openai.chat_template)
     if isinstance(kwargs := openai.server_args.get("default_chat_template_kwargs"), dict):
         files["default_chat_template_kwargs.json"] = json.dumps(kwargs)
     return files
+
+
+def _template_text(template: str) -> str:
+    """A chat template as vLLM loads it: a file's text, or the string itself (an inline template
+    is no path: as a name it may be too long for the OS, which vLLM takes as inline too)."""
+    try:
+        return Path(template).read_text() if Path(template).is_file() else template
+    except OSError:
+        return template

@@ -19,11 +19,11 @@ def spec(**server_args):
 
 
 def test_server_args_are_parsed_as_vllm_serve_parses_its_command_line():
-    args = serve_args(spec(default_chat_template_kwargs={"enable_thinking": False}, response_role="bot",
+    args = serve_args(spec(default_chat_template_kwargs={"enable_thinking": False}, response_role="-bot-",
                            enable_prompt_tokens_details=True, return_tokens_as_token_ids=False,
                            sse_keep_alive_interval=15), "/models/x")
     assert args.default_chat_template_kwargs == {"enable_thinking": False}
-    assert (args.response_role, args.enable_prompt_tokens_details) == ("bot", True)
+    assert (args.response_role, args.enable_prompt_tokens_details) == ("-bot-", True)  # (no flag: a value)
     assert (args.return_tokens_as_token_ids, args.sse_keep_alive_interval) == (False, 15)
     assert args.served_model_name == ["x"]
 
@@ -52,3 +52,14 @@ def test_a_value_vllm_refuses_is_refused_on_the_replica_in_one_line():
 def test_what_the_spec_or_atomr_serve_sets_is_refused_at_parse(key, says):
     with pytest.raises(SpecError, match=f"server_args: {key}: {says}"):
         spec(**{key: "v"})
+
+
+def test_an_inline_chat_template_longer_than_a_file_name_goes_to_the_routers(bundled_model_dir):
+    """Routers render chats with the server's template (kv_events); one written inline, longer than
+    the OS takes for a file name, raised OSError where it was tried as a path."""
+    from atomr_infer.replica.actor import tokenizer_files
+
+    inline = "{% for m in messages %}" + "{{ m['content'] }}" * 40 + "{% endfor %}"
+    deployment = parse_deployment({"name": "x", "model": str(bundled_model_dir), "device": "cpu",
+                                   "serving": {"openai": {"chat_template": inline}}})
+    assert tokenizer_files(deployment)["chat_template.jinja"] == inline

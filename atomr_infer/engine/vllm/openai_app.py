@@ -68,8 +68,8 @@ def server_flags(deployment: Deployment) -> list[str]:
             flags.append(flag if value else "--no-" + key.replace("_", "-"))
         elif isinstance(value, list):
             flags += [flag, *(json.dumps(v) if isinstance(v, dict | list) else str(v) for v in value)]
-        else:
-            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+        else:  # one argument, as --flag=value: a value starting with "-" is no flag
+            flags.append(f"{flag}={json.dumps(value) if isinstance(value, dict) else value}")
     return flags
 
 
