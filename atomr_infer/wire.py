@@ -280,6 +280,9 @@ class Batch:
     # Requests whose prompt the replica computed though they have no output yet (an answer not
     # streamed comes whole at the end): their prefill no longer waits.
     prefilled: list[str] = field(default_factory=list)
+    # The last batch of a channel the replica closed because its engine failed: why (its router
+    # moves or re-runs those requests elsewhere, once: routing/channel.py ``EngineGone``).
+    engine_failed: str | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.items or self.ended or self.token_ids or self.prefilled)
+        return bool(self.items or self.ended or self.token_ids or self.prefilled or self.engine_failed)

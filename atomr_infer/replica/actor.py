@@ -107,7 +107,7 @@ class VllmReplica:
         kind = getattr(exc, "type_name", None) or type(exc).__name__
         if self._life.to(ReplicaState.UNHEALTHY, f"failed: {kind}", exc):
             self._log.error("engine_failed", error=repr(exc), open_requests=self._open_requests())
-            self._channels.close_all()  # before the streams fail: their routers move or retry them
+            self._channels.close_all(f"{kind}: {exc}")  # before the streams fail: routers move or re-run them
 
     def _open_requests(self) -> int:
         return self._backend.open_requests()[0]
@@ -129,7 +129,7 @@ class VllmReplica:
             )
             if self._life.to(ReplicaState.UNHEALTHY, "wedged", wedged):
                 self._log.error("engine_wedged", stuck_s=round(engine.stuck_for, 1), open=self._open_requests())
-                self._channels.close_all()
+                self._channels.close_all(str(wedged))
                 self._backend.fail_open(wedged)
         elif not engine.alive:
             self._engine_failed(EngineError(f"{self!r}: its step loop is not running"))

@@ -58,11 +58,14 @@ class Channel:
         self.waiting_prefill = 0  # their sum
         self._ready = asyncio.Event()
         self._closed = False
+        self._engine_failed: str | None = None
         self.heard_at = time.monotonic()  # the router's last call: open, cancel, keepalive
 
-    def close(self) -> None:
-        """End the stream (its finally cancels the requests) and take nothing more."""
+    def close(self, engine_failed: str | None = None) -> None:
+        """End the stream (its finally cancels the requests) and take nothing more; with
+        ``engine_failed``, its last batch says so (what its requests had put is dropped)."""
         self._closed = True
+        self._engine_failed = engine_failed
         self.cancel(list(self._tasks))
         self._ready.set()
 
@@ -146,6 +149,8 @@ class Channel:
                     # put their output too, and leave in this batch (no timer: nothing waits).
                     await asyncio.sleep(0)
                 if self._closed:
+                    if self._engine_failed is not None:
+                        yield Batch(self._load(), engine_failed=self._engine_failed)
                     return
                 batch, self._batch = self._batch, Batch(0)
                 batch.load, batch.prefill = self._load(), self._prefill()
@@ -196,13 +201,12 @@ class ChannelHub:
         channel.start(request, serve)
         return self.open_requests
 
-    def close_all(self) -> None:
-        """Close every channel: their routers see the replica close it (as when it dies), so
-        what can move or be retried goes to another replica, instead of ending with this
-        replica's error (its engine failed or wedged)."""
+    def close_all(self, engine_failed: str) -> None:
+        """Close every channel because the engine failed (or wedged): their routers move or
+        re-run what they can on another replica, instead of ending it with this engine's error."""
         now = time.monotonic()
         for channel_id, channel in self._channels.items():
-            channel.close()
+            channel.close(engine_failed)
             self._ended[channel_id] = now
         self._channels.clear()
 

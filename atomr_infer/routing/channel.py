@@ -64,6 +64,11 @@ def _stop(stream: Any) -> None:
             ray.cancel(stream)
 
 
+class EngineGone(ConnectionError):
+    """The replica closed the channel because its engine failed: its requests move or re-run on
+    another replica, as when a replica dies, but once only (a request may be what crashed it)."""
+
+
 class ReplicaChannel:
     def __init__(self, actor: Any, on_load: Callable[[], None] = lambda: None) -> None:
         self._actor = ReplicaCalls(actor)
@@ -137,6 +142,8 @@ class ReplicaChannel:
                     inbox = self._inboxes.get(request_id)
                     if inbox is not None and inbox.prefilled is not None:
                         inbox.prefilled()
+                if batch.engine_failed is not None:
+                    raise EngineGone(f"the replica's engine failed ({batch.engine_failed}); it closed the channel")
             raise ConnectionError("the replica closed the channel")
         except asyncio.CancelledError:
             for inbox in self._inboxes.values():  # closed under open requests: they end, not hang

@@ -41,7 +41,7 @@ from atomr_infer.errors import (
 from atomr_infer.log import get_logger
 from atomr_infer.replica_calls import Failure, replica_failure
 from atomr_infer.routing import adapters, migration, response_ids
-from atomr_infer.routing.channel import ReplicaChannel
+from atomr_infer.routing.channel import EngineGone, ReplicaChannel
 from atomr_infer.routing.demand import Demand, DemandReport
 from atomr_infer.routing.picker import PromptIds, ReplicaPicker
 from atomr_infer.routing.policy import pick_replica
@@ -310,7 +310,7 @@ class Router:
         ``facts`` (the deployment it names, its prefix, …). A resumable stream whose replica
         dies goes on on another (routing/migration.py)."""
         name = facts.deployment
-        attempt = moved = 0
+        attempt = moved = crashed = 0  # crashed: engines that failed under it (a request may crash them)
         generated: list[int] = []  # token ids a resumable stream generated, as the replicas report them
         resume: list[int] | None = None  # set once it moved: continue after these
         sent, last = False, b""  # anything sent to the caller, by any replica; the last body bytes
@@ -350,6 +350,9 @@ class Router:
             except (RayError, ConnectionError, AtomrError) as exc:
                 finished = True
                 failure = replica_failure(exc)  # replica_calls.py: the one translation
+                crashed += isinstance(exc, EngineGone)
+                if crashed > 1:  # moved or re-run once: not a third engine
+                    raise EngineError(f"the engines of two replicas failed under this request: {exc}") from None
                 if failure.kind in (Failure.DEAD, Failure.UNREACHABLE):
                     # Unreachable may come back; dead never serves again.
                     self.exclude(route.actor_name, permanent=failure.kind is Failure.DEAD)

@@ -19,7 +19,7 @@ from ray.exceptions import (
     RayTaskError,
 )
 
-from atomr_infer.errors import ReplicaUnavailable
+from atomr_infer.errors import EngineError, ReplicaUnavailable
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, RoutingTable
 from atomr_infer.serve.table_cache import TableCache
@@ -200,3 +200,52 @@ def test_an_error_of_the_routers_own_side_fails_the_request_and_excludes_no_repl
         return router._excluded
 
     assert asyncio.run(main()) == {}  # an exclusion would last until the table changes
+
+
+class CrashingReplica(FakeReplica):
+    """Its engine fails under the first request it serves: it closes its channels, saying so,
+    and refuses later ones (unhealthy), as the replica does."""
+
+    crashes = 0
+
+    async def _open_many(self, channel_id, requests):
+        if self.crashes:
+            return [ReplicaUnavailable(f"{self.name} is unhealthy") for _ in requests]
+        return await super()._open_many(channel_id, requests)
+
+    async def _serve(self, request, put, tokens, resume=None, prefilled=None):
+        self.crashes += 1
+        self.hub.close_all("RuntimeError: CUDA error: an illegal memory access was encountered")
+        await asyncio.Event().wait()  # cancelled by the close
+
+
+def test_a_request_whose_engine_failed_is_re_run_elsewhere_once_not_on_every_replica():
+    """A replica whose engine fails closes its channels so that its requests go on elsewhere; a
+    request that crashes every engine it meets (vLLM has had such bugs) took down up to four."""
+    crashing = [CrashingReplica("c0"), CrashingReplica("c1"), CrashingReplica("c2")]
+
+    async def main(*replicas):
+        router = Router(Tables(*replicas).source, refresh_s=0.0)
+        try:
+            return await text_of(router)
+        finally:
+            await router.aclose()
+
+    with pytest.raises(EngineError, match="the engines of two replicas failed under this request"):
+        asyncio.run(main(*crashing))
+    assert sum(r.crashes for r in crashing) == 2  # re-run once, then not on a third
+    crashed, healthy = CrashingReplica("c3"), FakeReplica("r1")
+    tables = Tables(crashed)
+
+    async def moved():  # its engine fails, then a healthy replica joins: the request is re-run there
+        router = Router(tables.source, refresh_s=0.0)
+        task = asyncio.ensure_future(text_of(router))
+        while not crashed.crashes:
+            await asyncio.sleep(0.01)
+        tables.publish(crashed, healthy)
+        try:
+            return await task
+        finally:
+            await router.aclose()
+
+    assert asyncio.run(moved()) == "from r1" and crashed.crashes == 1
