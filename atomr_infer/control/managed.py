@@ -139,7 +139,8 @@ class ManagedDeployment:
         placed = [(r, r.handle.placement()) for r in self.reconciler.ready_replicas()]
         ready = tuple(
             ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor(), *adapter_routes(r.handle, wanted),
-                         kv_events=kv_source(facts.get("kv_events")), model=self._served_model(facts, r.runtime_key))
+                         kv_events=kv_source(facts.get("kv_events")), model=self._served_model(facts, r.runtime_key),
+                         renders=str((facts.get("kv_events") or {}).get("renders") or ""))
             for r, facts in placed
         )
         s = self.spec.serving

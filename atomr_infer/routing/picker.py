@@ -55,6 +55,12 @@ def tokenizer_source(dep: DeploymentRoute, usable: list[ReplicaRoute]) -> Replic
     return next((r for r in publishing if r.model == dep.model), publishing[0] if publishing else None)
 
 
+def tokenizer_key(route: ReplicaRoute) -> str:
+    """What a router's tokenizer for ``route`` is kept under: its model, and what its server
+    renders chats with (a roll that changes only the chat template gets a new one)."""
+    return f"{route.model}#{route.renders}" if route.renders else route.model
+
+
 class ReplicaPicker:
     def __init__(self) -> None:
         # (deployment, adapter) -> the prefixes sent where; pruned as the table drops either
@@ -85,7 +91,7 @@ class ReplicaPicker:
                 del self._followed[name]
         # Each deployment of the table, and each of the last one's no longer in it, is named:
         # those that do not route by kv_events (now) keep no tokenizer.
-        served = {name: {dep.model, *(r.model for r in dep.replicas)} if dep.policy == "kv_events" else set()
+        served = {name: {dep.model, *(tokenizer_key(r) for r in dep.replicas)} if dep.policy == "kv_events" else set()
                   for name, dep in table.deployments.items()}
         tokenizers().retain({**dict.fromkeys(self._tokenized - set(served), set()), **served})
         self._tokenized = {name for name, models in served.items() if models}
@@ -110,7 +116,7 @@ class ReplicaPicker:
         source = tokenizer_source(dep, usable)
         if source is None:
             return None
-        tokenizer = tokenizers().get(dep.name, source.actor, source.model)
+        tokenizer = tokenizers().get(dep.name, source.actor, tokenizer_key(source))
         if tokenizer is None:
             return None
         if len(str(prompt)) < INLINE_TOKENIZE_CHARS:

@@ -19,6 +19,9 @@ class ReplicaRoute:
     # The model it serves (spec.model): a kv_events router matches it only by the ids of that
     # model's tokenizer (a roll may change the model).
     model: str = ""
+    # What its server renders chats with beyond the model's files (a chat template, default
+    # template arguments), as a fingerprint: a roll that changes it changes the router's tokenizer.
+    renders: str = ""
 
 
 @dataclass(frozen=True)

@@ -700,3 +700,40 @@ def test_responses_and_messages_requests_are_not_matched_by_tokens_the_router_ca
     replicas = [FakeReplica("h"), FakeReplica("s"), FakeReplica("o")]
     with kv_deployment(*replicas) as deployment:
         asyncio.run(main(*deployment))
+
+
+def test_a_roll_that_changes_only_the_chat_template_gets_routers_a_new_tokenizer():
+    """Routers kept a tokenizer per model: a roll to another chat template (or default template
+    arguments) of the same model left every router rendering chats with the old one, so every
+    chat missed. Replicas now say what they render with, and routers key their tokenizer by it."""
+    import asyncio
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from atomr_infer.routing.picker import ReplicaPicker
+    from atomr_infer.routing.prompt_tokens import PromptTokenizer, tokenizers
+    from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute, RoutingTable
+    from atomr_infer.wire import RoutingFacts
+
+    def tokenizer(first_id: int) -> PromptTokenizer:
+        vocab = Tokenizer(models.WordLevel({"hello": first_id, "[UNK]": 0}, unk_token="[UNK]"))
+        vocab.pre_tokenizer = pre_tokenizers.Whitespace()
+        return PromptTokenizer({"tokenizer.json": vocab.to_str()})
+
+    name, source = "kvtemplate", ("tcp://127.0.0.1:9", None, BLOCK)
+    tokenizers()._ready[(name, "m#old")] = tokenizer(5)  # as fetched from a replica of each (in turn)
+    old = ReplicaRoute("o", f"atomr:{name}:o", None, kv_events=source, model="m", renders="old")
+    new = ReplicaRoute("n", f"atomr:{name}:n", None, kv_events=source, model="m", renders="new")
+    facts = RoutingFacts.of("/v1/completions", {"model": name, "prompt": "hello"})
+    picker = ReplicaPicker()
+
+    def ids(replica: ReplicaRoute) -> list[int]:
+        dep = DeploymentRoute(name, 8, "queue", (replica,), policy="kv_events", model="m")
+        picker.table_changed(RoutingTable(1, {name: dep}))
+        return asyncio.run(picker.prompt_tokens(dep, [replica], facts)).ids
+
+    assert ids(old) == [5]
+    tokenizers()._ready[(name, "m#new")] = tokenizer(50)
+    assert ids(new) == [50]
+    assert (name, "m#old") not in tokenizers()._ready  # no replica renders with it any more
+    picker.table_changed(RoutingTable(2, {}))

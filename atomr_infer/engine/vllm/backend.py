@@ -25,7 +25,7 @@ from atomr_infer.engine.vllm.core_failure import CoreStartFailed
 from atomr_infer.engine.vllm.engine_info import engine_memory, engine_unfinished, start_failure_recurs
 from atomr_infer.engine.vllm.engine_metrics import SchedulerGauges, stat_loggers
 from atomr_infer.engine.vllm.handoff import LoopHandoff
-from atomr_infer.engine.vllm.kv_events import kv_event_source
+from atomr_infer.engine.vllm.kv_events import kv_event_source, renders_key
 from atomr_infer.engine.vllm.open_streams import OpenStreams
 from atomr_infer.engine.vllm.openai_app import OpenAIApp
 from atomr_infer.engine.vllm.prefill_watch import PREFILLED, PrefillWatch
@@ -101,7 +101,10 @@ class VllmBackend:
         model_config = getattr(engine, "model_config", None)
         max_len = getattr(model_config, "max_model_len", None) or self._deployment.runtime_config.max_model_len
         harmony = getattr(getattr(model_config, "hf_config", None), "model_type", None) == "gpt_oss"  # as vLLM's chat
-        self._facts = EngineFacts(max_model_len=max_len, kv_events=kv_event_source(engine), parses_output=harmony,
+        kv_events = kv_event_source(engine)
+        if kv_events is not None:  # what routers key the tokenizer they fetch from here by
+            kv_events["renders"] = renders_key(self._deployment)
+        self._facts = EngineFacts(max_model_len=max_len, kv_events=kv_events, parses_output=harmony,
                                   **engine_memory(engine))
         self._started.set()
 

@@ -14,6 +14,8 @@ A spec that sets ``kv_events_config`` in ``extra_engine_args`` keeps its own.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Any
 
@@ -66,3 +68,14 @@ def kv_event_source(engine: Any) -> dict[str, Any] | None:
     cache = getattr(getattr(engine, "vllm_config", None), "cache_config", None)
     return {"endpoint": config.endpoint, "replay_endpoint": config.replay_endpoint,
             "block_size": getattr(cache, "block_size", None)}
+
+
+def renders_key(deployment: Deployment) -> str:
+    """A fingerprint of what the replica's server renders chats with beyond the model's files (its
+    chat template, default template arguments), or "" for none: routers key their tokenizer by it."""
+    o = deployment.serving.openai
+    kwargs = o.server_args.get("default_chat_template_kwargs")
+    if o.chat_template is None and kwargs is None:
+        return ""
+    said = json.dumps([o.chat_template, kwargs], sort_keys=True, default=str)
+    return hashlib.sha256(said.encode()).hexdigest()[:16]
