@@ -79,8 +79,9 @@ class VllmConfig(Strict):
         None, description="KV-cache block size in tokens."
     )
     quantization: StrictStr | None = Field(None, description="Quantization method, e.g. 'awq', 'gptq', 'fp8'.")
-    limit_mm_per_prompt: dict[StrictStr, Annotated[StrictInt, Field(ge=0, le=1024)]] | None = Field(
-        None, description="Most multimodal items per prompt, by modality, e.g. {image: 1}."
+    limit_mm_per_prompt: dict[StrictStr, Any] | None = Field(
+        None, description="Most multimodal items per prompt, by modality, e.g. {image: 1}, or as vLLM takes "
+        "them with the sizes its memory profiling assumes, e.g. {video: {count: 1, num_frames: 32}}.",
     )
     cpu_offload_gb: Annotated[Number, Field(ge=0, le=4096)] | None = Field(
         None, description="GiB of weights per GPU to keep in CPU memory."
@@ -112,6 +113,19 @@ class VllmConfig(Strict):
         description="Any other vLLM EngineArgs field, passed through as is. Checked against "
         "EngineArgs (names, and values' types) at apply and before the replica fetches the model.",
     )
+
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _mm_limits(cls, limits: dict[str, Any] | None) -> dict[str, Any] | None:
+        for modality, limit in (limits or {}).items():
+            field = modality  # (under the field's own path)
+            if isinstance(limit, dict):  # vLLM's per-modality options: count and the sizes it profiles
+                for key, value in limit.items():
+                    if type(value) is not int or value < 0:
+                        raise FieldValueError(f"{field}.{key}", f"should be a whole number of 0 or more, got {value!r}")
+            elif type(limit) is not int or not 0 <= limit <= 1024:
+                raise FieldValueError(field, f"should be a count of 0 to 1024 (or {{count: N, ...}}), got {limit!r}")
+        return limits
 
     @model_validator(mode="after")
     def _no_shadowing(self) -> VllmConfig:

@@ -37,7 +37,7 @@ FULL: dict[str, Any] = {
         "max_num_seqs": 128,
         "block_size": 32,
         "quantization": "fp8",
-        "limit_mm_per_prompt": {"image": 2, "audio": 0},
+        "limit_mm_per_prompt": {"image": 2, "audio": 0, "video": {"count": 1, "num_frames": 32}},
         "cpu_offload_gb": 4.0,
         "runner": "generate",
         "convert": "none",
@@ -245,7 +245,7 @@ def test_wrong_type_is_not_coerced(path: str, value: Any, expected: str) -> None
 def test_wrong_type_inside_a_mapping_names_the_key() -> None:
     problem = one_problem(spec(**{"runtime_config.limit_mm_per_prompt": {"image": "1"}}))
     assert problem.field == "runtime_config.limit_mm_per_prompt.image"
-    assert "valid integer" in problem.message and "got '1'" in problem.message
+    assert "should be a count of 0 to 1024" in problem.message and "got '1'" in problem.message
 
 
 def test_null_for_a_section_reads_as_left_out_but_not_for_a_setting() -> None:
@@ -284,7 +284,7 @@ def test_long_bad_values_are_shortened_in_messages() -> None:
         ("runtime_config.max_model_len", 10**9, "less than or equal to 10485760"),
         ("runtime_config.tensor_parallel_size", 0, "greater than or equal to 1"),
         ("runtime_config.max_num_seqs", 0, "greater than or equal to 1"),
-        ("runtime_config.limit_mm_per_prompt.image", -1, "greater than or equal to 0"),
+        ("runtime_config.limit_mm_per_prompt.image", -1, "should be a count of 0 to 1024"),
         ("serving.max_concurrent", 0, "greater than or equal to 1"),
         ("serving.max_concurrent", -4, "greater than or equal to 1"),
         ("runtime_config.cpu_offload_gb", -1, "greater than or equal to 0"),
