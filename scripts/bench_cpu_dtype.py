@@ -60,9 +60,9 @@ def main() -> None:
     if opts.child:
         child(opts.child, opts.prompts, opts.tokens)
         return
-    from atomr_infer.engine.cpu import cpu_dtype, has_native_bf16, machine_line
+    from atomr_infer.engine.cpu import auto_bf16, cpu_dtype, machine_line
 
-    print(f"CPU: {machine_line()}; dtype auto picks {cpu_dtype('auto', has_native_bf16())}")
+    print(f"CPU: {machine_line()}; dtype auto picks {cpu_dtype('auto', auto_bf16())}")
     print(f"{opts.prompts} prompts x {opts.tokens} tokens, raw vllm.LLM, {opts.rounds} rounds")
     rates: dict[str, list[float]] = {"bfloat16": [], "float32": []}
     for r in range(opts.rounds):

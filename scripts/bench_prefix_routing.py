@@ -171,10 +171,10 @@ def main() -> int:
                          "(0.2 in float32, on a CPU without native bf16: as many tokens)")
     args = ap.parse_args()
     if args.kv_gb is None:
-        from atomr_infer.engine.cpu import DTYPE_BYTES, cpu_dtype, has_native_bf16
+        from atomr_infer.engine.cpu import DTYPE_BYTES, auto_bf16, cpu_dtype
 
         # The same tokens in either dtype: the replicas run the CPU's native one (engine/cpu.py).
-        args.kv_gb = 0.1 * DTYPE_BYTES[cpu_dtype(None, has_native_bf16())] / 2 if args.workload == "shared" else 1.0
+        args.kv_gb = 0.1 * DTYPE_BYTES[cpu_dtype(None, auto_bf16())] / 2 if args.workload == "shared" else 1.0
 
     import ray
 

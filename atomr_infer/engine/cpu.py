@@ -8,8 +8,12 @@ the node's cores divided among the deployment's replicas (``cpu_threads``), rese
 so that several replicas still place on a small machine.
 
 dtype: ``auto`` (or unset) picks what the CPU computes natively: bfloat16 where it has bf16
-instructions (``avx512_bf16`` or AMX on x86, ``bf16`` on Arm), float32 elsewhere, where vLLM
-would otherwise run the model's bf16 weights through emulated kernels.
+instructions (``avx512_bf16`` on x86, ``bf16`` on Arm), float32 elsewhere, where vLLM would
+otherwise run the model's bf16 weights through emulated kernels; and float32 where the CPU has
+AMX: vLLM 0.32's CPU attention takes its AMX kernel for bfloat16 there (``cpu_attn.py``), which
+answered the bundled model wrongly on an Intel Xeon with AMX ("What is the capital of France?" ->
+"L'Étoile, la Marseillaise, …"; float32 and float16: "… is Paris."), at 348 against 139.5 tok/s.
+A spec's ``dtype: bfloat16`` still runs it.
 
 Eager: unless the spec sets ``enforce_eager``, a CPU replica runs eager (see ``engine_args``).
 
@@ -41,6 +45,7 @@ KV_SHARE = 0.25
 VLLM_CPU_DEFAULT_MAX_NUM_SEQS = 256
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 _X86_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+_AMX_FLAGS = {"amx_bf16", "amx_tile"}
 
 
 def cpu_flags() -> set[str]:
@@ -74,7 +79,8 @@ def machine_line() -> str:
     10-25x faster than on one without (``avx512_bf16``)."""
     bf16 = "native bf16" if has_native_bf16() else "no native bf16"
     flag = " (avx512_bf16)" if "avx512_bf16" in cpu_flags() else ""
-    return f"{cpu_model()}, {node_cores()} cores, {bf16}{flag}"
+    amx = ", AMX (dtype auto: float32)" if has_amx() else ""
+    return f"{cpu_model()}, {node_cores()} cores, {bf16}{flag}{amx}"
 
 
 def has_native_bf16(flags: set[str] | None = None, machine: str | None = None) -> bool:
@@ -83,6 +89,16 @@ def has_native_bf16(flags: set[str] | None = None, machine: str | None = None) -
     if arch in ("aarch64", "arm64"):
         return "bf16" in flags
     return bool(flags & _X86_BF16_FLAGS)
+
+
+def has_amx(flags: set[str] | None = None) -> bool:
+    return bool((cpu_flags() if flags is None else flags) & _AMX_FLAGS)
+
+
+def auto_bf16(flags: set[str] | None = None, machine: str | None = None) -> bool:
+    """Whether ``dtype: auto`` runs bfloat16 here: native bf16, and no AMX (see the module's doc)."""
+    flags = cpu_flags() if flags is None else flags
+    return has_native_bf16(flags, machine) and not has_amx(flags)
 
 
 def node_cores() -> int:
@@ -181,7 +197,7 @@ def kv_bytes_per_token(deployment: Deployment, config: dict[str, Any]) -> int | 
     """KV-cache bytes per token in the dtype a CPU replica of ``deployment`` runs on this CPU."""
     from atomr_infer.models.estimate import config_dtype_bytes, kv_cache_bytes_per_token
 
-    dtype = cpu_dtype(deployment.runtime_config.dtype, has_native_bf16())
+    dtype = cpu_dtype(deployment.runtime_config.dtype, auto_bf16())
     try:
         return kv_cache_bytes_per_token(config, DTYPE_BYTES.get(dtype, config_dtype_bytes(config)))
     except ValueError:  # the config lacks the shapes

@@ -3,6 +3,7 @@ with the same flags, and the comparison of conformance (tests/e2e/test_conforman
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -13,7 +14,20 @@ from tests.e2e.test_conformance import CHAT, _answer
 from tests.vllm_serve import vllm_server
 
 answer = _answer
-__all__ = ["CHAT", "answer", "servers_of", "spec_file"]
+__all__ = ["CHAT", "alike", "answer", "servers_of", "spec_file"]
+
+
+def alike(ours: Any, theirs: Any) -> bool:
+    """The same answer, its numbers equal to float rounding: two engines that sum in another
+    order (their threads) differ in the last bits, which vLLM does not promise alike."""
+    if isinstance(ours, float) or isinstance(theirs, float):
+        return isinstance(ours, int | float) and isinstance(theirs, int | float) and \
+            math.isclose(ours, theirs, rel_tol=1e-3, abs_tol=1e-4)
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        return ours.keys() == theirs.keys() and all(alike(ours[k], theirs[k]) for k in ours)
+    if isinstance(ours, list | tuple) and isinstance(theirs, list | tuple):
+        return len(ours) == len(theirs) and all(alike(a, b) for a, b in zip(ours, theirs, strict=True))
+    return ours == theirs
 
 
 def spec_file(name: str):  # noqa: ANN201 - a Deployment

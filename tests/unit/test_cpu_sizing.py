@@ -115,6 +115,17 @@ def test_cpu_threads_share_the_node_among_replicas_unless_the_spec_sets_them():
     assert "cpu_threads" not in engine_args(pinned, "/m", "cpu", native_bf16=True)  # not a vLLM EngineArgs field
 
 
+def test_auto_runs_float32_where_vllms_amx_bfloat16_path_answered_wrongly():
+    """An Intel Xeon with AMX: vLLM 0.32's bf16 attention takes its AMX kernel there and answered
+    the bundled model wrongly ("L'Étoile, la Marseillaise, ..." for the capital of France)."""
+    from atomr_infer.engine.cpu import auto_bf16
+
+    sapphire = {"avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8"}
+    assert has_native_bf16(sapphire, "x86_64") and not auto_bf16(sapphire, "x86_64")
+    assert auto_bf16({"avx512f", "avx512_bf16"}, "x86_64")  # AMD EPYC: bf16, answered rightly
+    assert not auto_bf16({"avx2"}, "x86_64") and auto_bf16({"bf16"}, "aarch64")
+
+
 def test_machine_line_names_the_cpu_and_whether_it_has_native_bf16(monkeypatch):
     import atomr_infer.engine.cpu as cpu
 

@@ -18,10 +18,10 @@ from typing import Any
 
 from atomr_infer.engine.cpu import (
     KvCacheSize,
+    auto_bf16,
     cpu_dtype,
     cpu_threads,
     explicit_kv_bytes,
-    has_native_bf16,
     kv_bytes_per_token,
     model_max_len,
     size_kv_cache,
@@ -103,7 +103,7 @@ def engine_args(
         # ``gpus`` is a GPU reservation: on the CPU backend the replica shards over CPU workers
         # only where the spec says so (runtime_config.tensor_parallel_size).
         args["tensor_parallel_size"] = cfg.tensor_parallel_size or 1
-        args["dtype"] = cpu_dtype(cfg.dtype, has_native_bf16() if native_bf16 is None else native_bf16)
+        args["dtype"] = cpu_dtype(cfg.dtype, auto_bf16() if native_bf16 is None else native_bf16)
         if cfg.enforce_eager is None:
             # vLLM 0.32's compiled CPU path answered the bundled model wrongly ("What is the
             # capital of France?" -> "L'Étoile, la Marseillaise, …"; eager: "… is Paris.") and
