@@ -149,12 +149,12 @@ class Channel:
                     # put their output too, and leave in this batch (no timer: nothing waits).
                     await asyncio.sleep(0)
                 if self._closed:
-                    if self._engine_failed is not None:
-                        yield Batch(self._load(), engine_failed=self._engine_failed)
-                    return
+                    break
                 batch, self._batch = self._batch, Batch(0)
                 batch.load, batch.prefill = self._load(), self._prefill()
                 yield batch
+            if self._engine_failed is not None:  # however the close found the loop: its router hears why
+                yield Batch(self._load(), engine_failed=self._engine_failed)
         finally:
             self.cancel(list(self._tasks))
 

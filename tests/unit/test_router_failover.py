@@ -249,3 +249,21 @@ def test_a_request_whose_engine_failed_is_re_run_elsewhere_once_not_on_every_rep
             await router.aclose()
 
     assert asyncio.run(moved()) == "from r1" and crashed.crashes == 1
+
+
+def test_a_channel_closed_for_a_failed_engine_says_so_whichever_turn_the_close_found_it_in():
+    """Closed while its loop had just sent a batch (not waiting for the next), the channel ended
+    without its last batch: the router saw a plain close, a death, and re-ran without bound."""
+    from atomr_infer.replica.channel import Channel
+    from atomr_infer.wire import Batch
+
+    async def main():
+        channel = Channel(lambda: 0)
+        channel._batch = Batch(0, ended={"r": None})  # something to send at once
+        batches = channel.batches()
+        first = await anext(batches)
+        channel.close("RuntimeError: boom")  # while the loop is past its wait
+        return first, [b async for b in batches]
+
+    first, rest = asyncio.run(main())
+    assert first.ended == {"r": None} and [b.engine_failed for b in rest] == ["RuntimeError: boom"]
