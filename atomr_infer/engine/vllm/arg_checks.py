@@ -97,15 +97,21 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def check_server_arg_names(deployment: Deployment, known: frozenset[str]) -> None:
-    """Refuse ``serving.openai.server_args`` keys that vLLM's model server does not take
-    (``BaseFrontendArgs``' fields): its parser would take a prefix of one as that one."""
+def check_keys(deployment: Deployment, keys: Collection[str], known: Collection[str], field: str, what: str) -> None:
+    """Refuse each of ``keys`` (of the mapping at ``field``) not among ``known``: "not ``what``",
+    with the closest name vLLM has."""
     problems = []
-    for key in deployment.serving.openai.server_args:
+    for key in keys:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            problems.append(SpecProblem(deployment.name, f"serving.openai.server_args.{key}",
-                                        f"not an option of vLLM's OpenAI server{hint}"))
+            problems.append(SpecProblem(deployment.name, f"{field}.{key}", f"not {what}{hint}"))
     if problems:
         raise SpecError(problems)
+
+
+def check_server_arg_names(deployment: Deployment, known: frozenset[str]) -> None:
+    """Refuse ``serving.openai.server_args`` keys that vLLM's model server does not take
+    (``BaseFrontendArgs``' fields): its parser would take a prefix of one as that one."""
+    check_keys(deployment, deployment.serving.openai.server_args, known, "serving.openai.server_args",
+               "an option of vLLM's OpenAI server")

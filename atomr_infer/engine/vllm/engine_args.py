@@ -27,7 +27,13 @@ from atomr_infer.engine.cpu import (
     size_kv_cache,
 )
 from atomr_infer.engine.device import Device, resolve_device
-from atomr_infer.engine.vllm.arg_checks import check_arg_types, check_choices, check_server_arg_names, dataclass_hints
+from atomr_infer.engine.vllm.arg_checks import (
+    check_arg_types,
+    check_choices,
+    check_keys,
+    check_server_arg_names,
+    dataclass_hints,
+)
 from atomr_infer.engine.vllm.core_failure import core_start_failures
 from atomr_infer.engine.vllm.kv_events import kv_events_config, publishes
 from atomr_infer.errors import DeviceUnavailable, EngineError, SpecError, SpecProblem
@@ -157,15 +163,8 @@ def check_vllm_version(installed: str, supported: str = SUPPORTED_VLLM) -> None:
 
 def check_extra_engine_args(deployment: Deployment, known: set[str]) -> None:
     """Reject ``extra_engine_args`` keys that ``EngineArgs`` does not have."""
-    problems = []
-    for key in deployment.runtime_config.extra_engine_args:
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            field = f"runtime_config.extra_engine_args.{key}"
-            problems.append(SpecProblem(deployment.name, field, f"not a vLLM EngineArgs field{hint}"))
-    if problems:
-        raise SpecError(problems)
+    check_keys(deployment, deployment.runtime_config.extra_engine_args, known, "runtime_config.extra_engine_args",
+               "a vLLM EngineArgs field")
 
 
 def check_server_options(deployment: Deployment) -> None:
