@@ -58,10 +58,12 @@ def _hash(previous: bytes, text: str) -> bytes:
     return hashlib.blake2b(previous + text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
 
 
-def block_hashes(text: str, block_chars: int = BLOCK_CHARS) -> tuple[bytes, ...]:
-    """The chained hash of every full block of ``text`` (a partial last block is not cached)."""
+def block_hashes(text: str, block_chars: int = BLOCK_CHARS, salt: str | None = None) -> tuple[bytes, ...]:
+    """The chained hash of every full block of ``text`` (a partial last block is not cached).
+    ``salt``: the request's ``cache_salt``, which vLLM hashes into the first block: the same
+    text under another salt shares no cached block."""
     out: list[bytes] = []
-    previous = b""
+    previous = _hash(b"salt", salt) if salt else b""
     for start in range(0, min(len(text), block_chars * MAX_BLOCKS) - block_chars + 1, block_chars):
         previous = _hash(previous, text[start : start + block_chars])
         out.append(previous)
@@ -94,16 +96,19 @@ def chat_text(messages: Sequence[Any]) -> tuple[str, str, int]:
     return whole, key or whole, shared
 
 
-def prompt_key(prompt: Any, block_chars: int = BLOCK_CHARS) -> PromptKey | None:
+def prompt_key(prompt: Any, block_chars: int = BLOCK_CHARS, salt: str | None = None) -> PromptKey | None:
     """The prefix key of a request's prompt as the edge parsed it (``RoutingFacts.prompt``):
-    a chat's ``messages`` or a completion's ``prompt`` text. None: no text to match."""
+    a chat's ``messages`` or a completion's ``prompt`` text, under its ``cache_salt``. None: no
+    text to match."""
     if isinstance(prompt, list):
         text, conversation, shared = chat_text(prompt)
     elif isinstance(prompt, str):
         text, conversation, shared = prompt, prompt[: 2 * block_chars], 0
     else:
         return None
-    return PromptKey(block_hashes(text, block_chars), _hash(b"conversation", conversation), shared // block_chars)
+    if salt:  # another tenant's conversation: placed on its own
+        conversation = f"{salt}\x1d{conversation}"
+    return PromptKey(block_hashes(text, block_chars, salt), _hash(b"conversation", conversation), shared // block_chars)
 
 
 class PrefixIndex:

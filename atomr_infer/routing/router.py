@@ -237,7 +237,7 @@ class Router:
 
         def key() -> Any:
             if not keys:
-                keys.append(prompt_key(facts.prompt))
+                keys.append(prompt_key(facts.prompt, salt=facts.cache_salt))
             return keys[0]
 
         try:

@@ -143,6 +143,32 @@ def test_the_router_sends_a_conversation_back_to_its_replica() -> None:
     assert r.route_reasons == {("d", "no_affinity"): 1, ("d", "affinity_hit"): 2}
 
 
+def test_a_conversation_under_another_cache_salt_is_no_affinity_hit() -> None:
+    """vLLM hashes a request's ``cache_salt`` into its first block: the same prompt under another
+    salt shares nothing cached, so the router does not count it as a hit."""
+    fakes = [FakeReplica(f"r{i}") for i in range(4)]
+    dep = DeploymentRoute("d", 8, "queue", tuple(route(f) for f in fakes), policy="prefix_affinity")
+    table = RoutingTable(1, {"d": dep})
+
+    async def source(version):
+        return table if version != table.version else None
+
+    async def main() -> Router:
+        r = Router(source)
+        for salt, turns in (("a", ("hi ",)), ("a", ("hi ", "hello ", "more ")), ("b", ("hi ", "hello ", "more "))):
+            body = {**json.loads(chat(*turns).body), "cache_salt": salt}
+            request = HttpRequest("POST", "/v1/chat/completions", (), json.dumps(body).encode())
+            async for _ in r.stream(RoutingFacts.of("/v1/chat/completions", body), request):
+                pass
+        await r.aclose()
+        return r
+
+    r = asyncio.run(main())
+    assert r.route_reasons == {("d", "no_affinity"): 2, ("d", "affinity_hit"): 1}
+    salted = [key_of(json.loads(chat("hi ").body)["messages"], salt=s) for s in (None, "a", "b")]
+    assert len({k.blocks[0] for k in salted}) == 3 and len({k.conversation for k in salted}) == 3
+
+
 def test_a_match_on_the_shared_system_prompt_alone_does_not_pull_a_new_conversation() -> None:
     pool = replicas(8)
     loads = {r.actor_name: 0 for r in pool}
