@@ -45,10 +45,15 @@ _ENGINE_ARGS_FIXED = {
     **{name: (1, _ONE_NODE) for name in ("pipeline_parallel_size", "prefill_context_parallel_size",
                                          "data_parallel_size", "data_parallel_size_local", "nnodes")},
     "node_rank": (0, _ONE_NODE),
+    # A data-parallel deployment's load balancing, across ranks a replica does not have.
+    **{name: (False, _ONE_NODE) for name in ("data_parallel_hybrid_lb", "data_parallel_external_lb",
+                                             "data_parallel_multi_port_external_lb")},
 }
 # EngineArgs keys refused whatever their value, and why.
 _ENGINE_ARGS_REFUSED = {
     "device_ids": "the replica runs on the GPUs Ray reserved for it (`gpus`); vLLM would pick others: leave it out",
+    # Any value, 0 included, makes vLLM run as one rank of a data-parallel deployment.
+    **{name: f"{_ONE_NODE}; leave it out" for name in ("data_parallel_rank", "data_parallel_start_rank")},
 }
 
 class VllmConfig(Strict):

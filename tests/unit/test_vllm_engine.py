@@ -112,6 +112,9 @@ def test_a_tensor_parallel_replica_on_gpus_runs_vllms_worker_processes_in_its_ac
     ("pipeline_parallel_size", 2, 1), ("data_parallel_size", 2, 1), ("nnodes", 2, 1),
     ("prefill_context_parallel_size", 2, 1),  # vLLM multiplies it into the world size
     ("data_parallel_size_local", 2, 1), ("node_rank", 1, 0), ("distributed_executor_backend", "ray", None),
+    ("data_parallel_external_lb", True, False), ("data_parallel_hybrid_lb", True, False),
+    ("data_parallel_multi_port_external_lb", True, False), ("data_parallel_rank", 0, None),
+    ("data_parallel_start_rank", 1, None),
 ])
 def test_a_parallel_layout_beyond_one_tensor_parallel_group_is_refused(key, value, kept) -> None:
     """They took GPUs (or nodes) the replica never reserved: the budget counts ``gpus``."""
