@@ -110,7 +110,11 @@ class VllmReplica:
             self._channels.close_all(f"{kind}: {exc}")  # before the streams fail: routers move or re-run them
 
     def _open_requests(self) -> int:
-        return self._backend.open_requests()[0]
+        """Requests in the engine, or admitted and still being prepared (vLLM's serving layer
+        renders, tokenizes, fetches images first), or generating in the background: a drain that
+        counted the engine's alone let a roll stop a replica under requests it had taken."""
+        in_engine = self._backend.open_requests()[0]
+        return max(in_engine, self._channels.open_requests + self._backend.background_requests())
 
     def _check(self) -> None:
         """The watchdog: close the channels of routers that are gone; mark the replica
@@ -139,9 +143,9 @@ class VllmReplica:
         Waiting as the engine counts it, queued and not scheduled, where its metrics say: a whole
         answer (stream: false) has no output before its end, so "no token yet" counts it waiting
         until it is done."""
-        in_flight, no_token_yet = self._backend.open_requests()
+        no_token_yet = self._backend.open_requests()[1]
         engine = self._backend.stats()
-        return in_flight, no_token_yet if engine.waiting is None else engine.waiting, engine
+        return self._open_requests(), no_token_yet if engine.waiting is None else engine.waiting, engine
 
     def _publish_gauges(self) -> None:
         in_flight, waiting, engine = self._load()

@@ -296,6 +296,35 @@ def test_a_background_response_counts_toward_max_concurrent_and_one_requests_inp
     assert admitted == 1 and isinstance(refused, ReplicaBusy)
 
 
+def test_a_drain_waits_for_requests_admitted_and_still_being_prepared(replica, monkeypatch):
+    """vLLM's serving layer renders, tokenizes and fetches images before the engine sees a request
+    (seconds under a burst): the drain counted the engine's requests alone, returned 0 at once,
+    and the roll's stop then failed a request the replica had taken with a 500."""
+    from atomr_infer.wire import HttpRequest, OpenRequest
+
+    async def preparing_then_answering(request, put, tokens=None, resume=None, prefilled=None):
+        await asyncio.sleep(0.3)  # no engine stream yet
+        put(b"answer")
+
+    async def main():
+        await replica.ready()
+        monkeypatch.setattr(replica._backend, "serve", preparing_then_answering)
+        request = OpenRequest("q1", HttpRequest("POST", "/v1/chat/completions", (), b"{}"))
+        [admitted] = await replica.open_many("c1", [request])
+        batches = replica._channels.stream("c1")
+        await asyncio.sleep(0.05)
+        in_flight = (await replica.health()).in_flight
+        left = await replica.drain(timeout=5.0)
+        await replica.shutdown()  # as a roll or a scale-down does once the drain returns
+        batch = await anext(batches)
+        await batches.aclose()
+        return admitted, in_flight, left, batch
+
+    admitted, in_flight, left, batch = asyncio.run(main())
+    assert (admitted, in_flight, left) == (1, 1, 0)
+    assert batch.items == {"q1": [b"answer"]} and batch.ended == {"q1": None}  # answered, not failed
+
+
 def test_a_request_submitted_after_the_engine_was_found_wedged_fails_at_once(replica):
     """Streams open then were failed; one vLLM's serving layer was still preparing (a chat template
     rendering) registered afterwards and waited for output for good."""
