@@ -287,3 +287,88 @@ def test_an_aborted_parallel_sampling_request_leaves_nothing_in_vllms_output_pro
     assert (processor.parent_requests, processor.request_states, processor.external_req_ids) == ({}, {}, {})
     loop.stop()
     assert rec.rejected == [] and rec.errors == []
+
+
+class RegistersThenRefuses(ScriptedEngine):
+    """vLLM's ``LLMEngine.add_request``: the output processor holds the request before the core
+    is handed it, and the core may refuse it; a core in this thread steps at once when nothing
+    can run (a request waiting for its grammar)."""
+
+    engine_core = type("InprocClient", (), {"engine_core": object()})()
+
+    def add_request(self, request_id, prompt, params, **options):
+        self.running[request_id] = 0
+        if prompt == "bad":
+            raise ValueError("the core refused it")
+
+    def step(self):
+        self.steps += 1
+        return []
+
+
+def test_a_request_the_core_refused_after_vllm_registered_it_is_aborted():
+    """Left registered, it never finished: the loop stepped with no request open for the life of
+    the replica, and the engine's unfinished count skewed its admission."""
+    engine, rec = RegistersThenRefuses(), Recorder()
+    loop = rec.loop(engine)
+    loop.start()
+    loop.submit("bad-one", "bad", None)
+    wait_until(lambda: rec.rejected)
+    wait_until(lambda: not engine.has_unfinished_requests())
+    assert engine.aborted == ["bad-one"] and not rec.errors
+    loop.stop()
+
+
+def test_a_core_in_this_thread_with_nothing_to_run_is_not_spun_on():
+    """vLLM's core process sleeps 1 ms when a step runs nothing; a core in the loop's thread
+    returned at once, and the loop called step() some 400,000 times a second against the
+    thread compiling the grammar it waited for. Bounded from above only: a slow machine steps less."""
+    engine, rec = RegistersThenRefuses(), Recorder()
+    loop = rec.loop(engine)
+    loop.start()
+    loop.submit("waits", "p", None)
+    wait_until(lambda: engine.steps > 0)
+    before = engine.steps
+    time.sleep(0.5)
+    assert engine.steps - before <= 600  # 1 ms apart at most: 500
+    loop.stop()
+
+
+def test_a_call_its_caller_stopped_waiting_for_leaves_the_loop_running():
+    """An operator's call (an adapter load, a prefix-cache reset) whose caller timed out or left
+    was cancelled while it ran: its result then could not be set, which ended the loop, and the
+    replica was reported failed."""
+    import asyncio
+
+    engine, rec = ScriptedEngine(), Recorder()
+    loop = rec.loop(engine)
+    loop.start()
+    assert rec.ready.wait(5)
+
+    def slow(engine):
+        time.sleep(0.3)
+        return "loaded"
+
+    async def main():
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.wrap_future(loop.call(slow)), 0.05)
+        skipped = loop.call(slow)
+        skipped.cancel()  # cancelled before the loop reached it: never run
+        return await asyncio.wait_for(asyncio.wrap_future(loop.call(lambda engine: "answered")), 10)
+
+    assert asyncio.run(main()) == "answered"
+    assert loop.alive and not rec.errors
+    loop.stop()
+    assert not loop.alive
+
+
+def test_calls_still_queued_when_the_loop_ends_are_answered():
+    engine, rec = ScriptedEngine(tokens=100, fail_on_step=1), Recorder()
+    loop = rec.loop(engine)
+    late: list = []
+    loop._on_error = lambda exc: (rec.errors.append(exc), late.append(loop.call(lambda e: "never")))
+    loop.start()
+    loop.submit("x", "p", None)
+    wait_until(lambda: late)
+    with pytest.raises(RuntimeError, match="step loop stopped"):
+        late[0].result(timeout=5)

@@ -66,6 +66,9 @@ OnStep = Callable[[float], None]
 AfterStep = Callable[[Engine], None]
 
 
+_IDLE_STEP_S = 0.001  # a step this short computed nothing
+
+
 class StepLoop:
     def __init__(
         self,
@@ -140,8 +143,17 @@ class StepLoop:
                 try:
                     engine.add_request(item.request_id, item.prompt, item.params, **item.options)
                 except Exception as exc:  # a bad request fails alone
+                    # vLLM's LLMEngine registers it before handing it to the core, which may be
+                    # what raised: left there, it never finished and the loop stepped for good.
+                    with contextlib.suppress(Exception):
+                        _abort(engine, [item.request_id])
                     self._on_rejected(item.request_id, exc)
             elif isinstance(item, _Call):
+                # A caller that stopped waiting (a timeout, a client gone) cancelled it: skip it.
+                # Once running it cannot be cancelled, so its result always lands (a cancel
+                # landing on a running call made set_result raise here and ended the loop).
+                if not item.future.set_running_or_notify_cancel():
+                    continue
                 try:
                     item.future.set_result(item.fn(engine))
                 except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine steps on
@@ -154,6 +166,9 @@ class StepLoop:
             # Built here so one thread creates and drives the engine for its whole life.
             engine = self._engine = self._engine_factory()
             self._on_ready(engine)
+            # The core in this thread (vLLM's InprocClient holds it): a step that finds nothing
+            # to run returns at once. Over a core process, step() waits for the core instead.
+            in_process = hasattr(getattr(engine, "engine_core", None), "engine_core")
             while not self._stop:
                 # Clear before draining: a submit that lands after the drain sets it again,
                 # so the wait below returns at once instead of missing it.
@@ -169,6 +184,11 @@ class StepLoop:
                         self._on_step(self.last_step_at - started)
                     if outputs:
                         self._on_outputs(outputs)
+                    elif in_process and self.last_step_at - started < _IDLE_STEP_S:
+                        # Nothing ran (a request waits for its grammar, compiled in another
+                        # thread): yield the GIL a moment, as vLLM's core process does, rather
+                        # than spin on step() against that thread and the actor's event loop.
+                        time.sleep(_IDLE_STEP_S)
                     if self._after_step is not None:
                         self._after_step(engine)
                 else:
@@ -179,8 +199,15 @@ class StepLoop:
             self._on_error(exc)
         finally:
             self.turn_started_at = None
+            self._fail_calls(RuntimeError("the engine's step loop stopped"))
             if self._engine is not None:
                 close_engine(self._engine)
+
+    def _fail_calls(self, error: BaseException) -> None:
+        """Answer the calls still queued: their callers would wait out their timeouts."""
+        for item in list(self._inbox):
+            if isinstance(item, _Call) and item.future.set_running_or_notify_cancel():
+                item.future.set_exception(error)
 
 
 def close_engine(engine: Engine) -> None:
