@@ -82,6 +82,10 @@ def adapter_problems(
         except (OSError, ValueError) as exc:
             problems.append((field, f"{source!r} has no readable {ADAPTER_CONFIG} ({type(exc).__name__})"))
             continue
+        if not isinstance(config, dict):  # vLLM's PEFTHelper would fail on it at every replica's load
+            problems.append((field, f"{source!r} has an {ADAPTER_CONFIG} that is not a JSON object "
+                                    f"(a {type(config).__name__})"))
+            continue
         # As vLLM checks it (PEFTHelper.validate_legal): the highest rank of any module, and no bias.
         pattern = config.get("rank_pattern") if isinstance(config.get("rank_pattern"), dict) else {}
         ranks = [r for r in (config.get("r"), *pattern.values()) if isinstance(r, int)]
@@ -104,28 +108,46 @@ _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 def base_modules(model_dir: Path) -> dict[str, list[int]] | None:
     """Each weight of the base model at ``model_dir`` by module path (``model.layers.0.self_attn.
     q_proj``) -> its shape, from the safetensors headers alone; None where there are none."""
-    from atomr_infer.models.estimate import safetensors_header
-
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
-    if config.get("quantization_config") or config.get("text_config", {}).get("quantization_config"):
+    # A config of another shape is the model loader's to refuse, not this check's: read what is there.
+    config = config if isinstance(config, dict) else {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    if config.get("quantization_config") or text.get("quantization_config"):
         return None  # packed weights (GPTQ, AWQ, bitsandbytes): names and shapes are not the modules'
     modules: dict[str, list[int]] = {}
-    files = sorted(model_dir.glob("*.safetensors"))
     try:
-        for file in files:
-            for key, info in safetensors_header(file).items():
+        for file in sorted(model_dir.glob("*.safetensors")):
+            for key, info in _tensors(file).items():
                 if key.endswith((".qweight", ".weight_packed")) or info.get("dtype") not in _FLOAT_DTYPES:
                     if key.endswith(("weight", "weight_packed")):
                         return None  # quantized without saying so in its config
                     continue
                 if key.endswith(".weight"):
                     modules[key.removesuffix(".weight")] = info["shape"]
-    except (OSError, ValueError, KeyError, AttributeError):
-        return None
+    except (OSError, ValueError):
+        return None  # weights it cannot read: the base model's loader reports them, the check cannot tell
     return modules or None
+
+
+def _tensors(file: Path) -> dict[str, dict]:
+    """A safetensors file's tensors, name -> {dtype, shape, ...}; ValueError naming the first
+    entry of another shape (the header is JSON from the file: anything may be there)."""
+    from atomr_infer.models.estimate import safetensors_header
+
+    header = safetensors_header(file)
+    if not isinstance(header, dict):
+        raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    for key, info in tensors.items():
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(n, int) for n in shape) or \
+                not isinstance(info.get("dtype"), str):
+            raise ValueError(f"tensor {key!r} is not an object with a dtype and a list of sizes as its shape: "
+                             f"{info!r:.60}")
+    return tensors
 
 
 def module_mismatch(adapter_dir: Path, base: dict[str, list[int]]) -> str | None:
@@ -135,13 +157,11 @@ def module_mismatch(adapter_dir: Path, base: dict[str, list[int]]) -> str | None
     that matched nothing), as what it adapts, and refuses a module whose last name the model
     does not adapt; a module of the same name but another size fails later, at load. Both are
     told here from the headers. A ``.bin`` adapter is left to the replicas (reading it needs torch)."""
-    from atomr_infer.models.estimate import safetensors_header
-
     weights = adapter_dir / "adapter_model.safetensors"
     if not weights.is_file():
         return None
     try:
-        header = safetensors_header(weights)
+        header = _tensors(weights)
     except (OSError, ValueError) as exc:
         return f"has an unreadable adapter_model.safetensors ({exc})"
     leaves = {path.rsplit(".", 1)[-1] for path in base} | {"lm_head"}  # lm_head may be tied
@@ -152,7 +172,7 @@ def module_mismatch(adapter_dir: Path, base: dict[str, list[int]]) -> str | None
         module = key.removeprefix(_PEFT_PREFIX).split(part)[0]
         if module.rsplit(".", 1)[-1] not in leaves:
             return f"adapts {module}, a module the base model does not have (its modules: {_leaf_names(leaves)})"
-        shape, own = base.get(module), info.get("shape", [])
+        shape, own = base.get(module), info["shape"]
         if shape is None or len(shape) != 2 or len(own) != 2 or part not in (".lora_A.", ".lora_B."):
             continue
         expected, got, side = (shape[1], own[1], "inputs") if part == ".lora_A." else (shape[0], own[0], "outputs")

@@ -139,6 +139,39 @@ def test_a_local_adapter_is_checked_against_the_base_models_modules_and_sizes(tm
     assert adapter_problems(adapters, 16, base_model=packed) == []
 
 
+def test_malformed_adapter_or_base_model_files_are_one_line_problems_or_skipped(tmp_path):
+    """JSON of another shape in an adapter's or the base model's files crashed `atomr validate`
+    with an AttributeError. An adapter's is a problem naming the field and the file; the base
+    model's cannot be told apart from a model the loader will refuse, so the check reads what it can."""
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "adapter_config.json").write_text("[1]")
+    odd = lora_dir(tmp_path, "odd", {"model.layers.0.self_attn.q_proj": (576, 576)})
+    header = b'{"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": 5}'
+    (odd / "adapter_model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    fits = lora_dir(tmp_path, "fits", {"model.layers.0.self_attn.q_proj": (576, 576)})
+    gpt2 = lora_dir(tmp_path, "gpt2", {"transformer.h.0.attn.c_attn": (768, 2304)})
+    adapters = {"listed": str(listed), "odd": str(odd), "fits": str(fits), "gpt2": str(gpt2)}
+    for config in ("[]", '{"text_config": null}', '{"text_config": []}'):
+        base = tmp_path / "base"
+        base.mkdir(exist_ok=True)
+        (base / "config.json").write_text(config)
+        safetensors_file(base / "model.safetensors", {"model.layers.0.self_attn.q_proj.weight": [576, 576]})
+        problems = dict(adapter_problems(adapters, 16, base_model=base))
+        assert problems == {
+            "lora.adapters.listed": f"{str(listed)!r} has an adapter_config.json that is not a JSON object (a list)",
+            "lora.adapters.odd": f"{str(odd)!r} has an unreadable adapter_model.safetensors (tensor "
+                                 "'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' is not an object "
+                                 "with a dtype and a list of sizes as its shape: 5)",
+            "lora.adapters.gpt2": f"{str(gpt2)!r} adapts transformer.h.0.attn.c_attn, a module the base model does "
+                                  "not have (its modules: lm_head, q_proj)",
+        }, config
+    for weights in (b"[1, 2]", b'{"model.norm.weight": {"dtype": ["F32"], "shape": [4]}}'):
+        (base / "model.safetensors").write_bytes(len(weights).to_bytes(8, "little") + weights)
+        # Base weights it cannot read: only what the adapters' own files tell.
+        assert set(dict(adapter_problems(adapters, 16, base_model=base))) == {"lora.adapters.listed"}
+
+
 def test_the_spec_check_refuses_an_adapter_for_another_model_at_apply(tmp_path):
     from atomr_infer.engine.vllm.spec_check import check_spec
     from atomr_infer.errors import SpecError
