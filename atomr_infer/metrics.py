@@ -198,8 +198,11 @@ class ReplicaMetrics:
         first_token_at: float | None,
         last_token_at: float | None,
         now: float | None = None,
+        decode_tokens: int | None = None,
     ) -> None:
-        """One finished request; times are ``time.monotonic()`` readings."""
+        """One finished request; times are ``time.monotonic()`` readings. ``decode_tokens``: those
+        of its longest choice where it has n > 1 (time per output token is per sequence, as
+        vLLM's); ``completion_tokens`` otherwise."""
         m = self._m
         m["atomr_requests_finished_total"].record(1, {"finish_reason": finish_reason})
         m["atomr_prompt_tokens_total"].record(prompt_tokens)
@@ -208,8 +211,9 @@ class ReplicaMetrics:
         m["atomr_e2e_request_latency_seconds"].record(max(0.0, end - submitted_at))
         if first_token_at is not None:
             m["atomr_time_to_first_token_seconds"].record(max(0.0, first_token_at - submitted_at))
-            if last_token_at is not None and completion_tokens > 1:
-                tpot = (last_token_at - first_token_at) / (completion_tokens - 1)
+            sequence = completion_tokens if decode_tokens is None else decode_tokens
+            if last_token_at is not None and sequence > 1:
+                tpot = (last_token_at - first_token_at) / (sequence - 1)
                 m["atomr_time_per_output_token_seconds"].record(max(0.0, tpot))
 
     def request_failed(self, reason: str) -> None:

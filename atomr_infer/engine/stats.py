@@ -69,9 +69,9 @@ class StatsCollector:
         self.prompt_tokens_cached += stream.cached_tokens
         if stream.first_token_at is not None:
             self._ttft.append(stream.first_token_at - stream.submitted_at)
-            if stream.last_token_at is not None and stream.completion_tokens > 1:
+            if stream.last_token_at is not None and stream.decode_tokens > 1:  # per sequence, not per n choices
                 decode = stream.last_token_at - stream.first_token_at
-                self._tpot.append(decode / (stream.completion_tokens - 1))
+                self._tpot.append(decode / (stream.decode_tokens - 1))
 
     def snapshot(self, **live: object) -> ReplicaStats:
         return ReplicaStats(

@@ -19,7 +19,7 @@ def delta(text: str, token_ids: list[int], finish: str | None = None) -> Request
 
 
 def put(stream: RequestStream, text: str, token_ids: list[int], finish: str | None = None) -> None:
-    stream.put(delta(text, token_ids, finish), len(token_ids))
+    stream.put(delta(text, token_ids, finish))
 
 
 def collect(stream: RequestStream):
@@ -103,11 +103,49 @@ def test_a_whole_answer_times_its_first_token_by_vllms_own_stats():
     whole = delta("Paris is the capital", [1, 2, 3, 4, 5], "length")
     whole.metrics = RequestStateStats(first_token_ts=100.0, last_token_ts=100.8)
     s = RequestStream("r", prompt_tokens=4)
-    s.put(whole, 5)
+    s.put(whole)
     assert s.last_token_at is not None and s.first_token_at == pytest.approx(s.last_token_at - 0.8)
     bare = RequestStream("r", prompt_tokens=4)
-    bare.put(delta("Paris is the capital", [1, 2, 3, 4, 5], "length"), 5)  # no stats kept
+    bare.put(delta("Paris is the capital", [1, 2, 3, 4, 5], "length"))  # no stats kept
     assert bare.first_token_at is None and bare.last_token_at is None and bare.completion_tokens == 5
     one = RequestStream("r", prompt_tokens=4)  # a streamed answer of one token: its one output is its first
-    one.put(delta("Paris", [1], "stop"), 1)
+    one.put(delta("Paris", [1], "stop"))
     assert one.first_token_at is not None and one.first_token_at == one.last_token_at
+
+
+def test_time_per_output_token_is_per_sequence_when_a_request_has_n_choices(monkeypatch):
+    """vLLM steps a request's n choices side by side: one output per choice per step, all under
+    the request's id. Their tokens were summed before dividing the decode time, so time per
+    output token (and `atomr status` TOK/S) was about n times too fast; it is now per sequence,
+    as vLLM's own metric, while the token totals still count every choice."""
+    from types import SimpleNamespace
+
+    from atomr_infer.engine.stats import StatsCollector
+    from atomr_infer.engine.vllm import stream as stream_module
+    from atomr_infer.engine.vllm.open_streams import OpenStreams
+    from atomr_infer.metrics import ReplicaMetrics
+
+    clock = [100.0]
+    monkeypatch.setattr(stream_module.time, "monotonic", lambda: clock[0])
+    records: list[tuple[str, float]] = []
+    metrics = ReplicaMetrics("d", "r0", enabled=False)
+    metrics._m = {name: SimpleNamespace(record=lambda v, tags=None, name=name: records.append((name, v)))
+                  for name in metrics._m}
+    stats = StatsCollector()
+    loop = SimpleNamespace(submit=lambda *a, **k: None, abort=lambda ids: None)
+    log = SimpleNamespace(debug=lambda *a, **k: None, info=lambda *a, **k: None)
+    streams = OpenStreams(loop, stats, metrics, log)
+    s = streams.open("r", 4, "p", None)
+    n, steps, step_s = 4, 10, 0.05
+    for step in range(steps):
+        clock[0] += step_s
+        for child in range(n):
+            last = step == steps - 1 and child == n - 1
+            completion = CompletionOutput(child, "x", [step], None, None, finish_reason="length" if last else None)
+            streams.dispatch([RequestOutput("r", None, [1], None, [completion], finished=last)])
+    assert [v for name, v in records if name == "atomr_time_per_output_token_seconds"] == [pytest.approx(step_s)]
+    assert [v for name, v in records if name == "atomr_generation_tokens_total"] == [n * steps]
+    snap = stats.snapshot(phase="ready", in_flight=0, waiting=0, kv_cache_usage=None, uptime_s=1, steps=steps,
+                          engine_unfinished=0)
+    assert snap.time_per_output_token_s.p50 == pytest.approx(step_s) and snap.tokens_generated == n * steps
+    assert (s.completion_tokens, s.decode_tokens) == (n * steps, steps)

@@ -13,7 +13,7 @@ from typing import Any
 
 from atomr_infer.engine.stats import StatsCollector
 from atomr_infer.engine.vllm.step_loop import StepLoop
-from atomr_infer.engine.vllm.stream import RequestStream, finish_reason, new_tokens
+from atomr_infer.engine.vllm.stream import RequestStream, finish_reason
 from atomr_infer.errors import InvalidRequest
 from atomr_infer.metrics import ReplicaMetrics, failure_reason
 
@@ -71,14 +71,15 @@ class OpenStreams:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted meanwhile
                 continue
-            stream.put(out, new_tokens(out))
+            stream.put(out)
             if out.finished:
                 self._stats.finished(stream)
                 self._finished(stream, finish_reason(out))
 
     def _finished(self, s: RequestStream, finish: str) -> None:
         self._metrics.request_finished(
-            finish, s.prompt_tokens, s.completion_tokens, s.submitted_at, s.first_token_at, s.last_token_at
+            finish, s.prompt_tokens, s.completion_tokens, s.submitted_at, s.first_token_at, s.last_token_at,
+            decode_tokens=s.decode_tokens,
         )
         self._log.debug(
             "request_finished",

@@ -28,6 +28,7 @@ class RequestStream:
         "logged_id",
         "prompt_tokens",
         "completion_tokens",
+        "_choice_tokens",
         "cached_tokens",
         "submitted_at",
         "first_token_at",
@@ -39,7 +40,8 @@ class RequestStream:
         self.request_id = request_id  # unique on the replica: the engine's
         self.logged_id = logged_id or request_id  # as the serving layer named it (the client's id in it)
         self.prompt_tokens = prompt_tokens
-        self.completion_tokens = 0
+        self.completion_tokens = 0  # of all its choices (n > 1): what usage and the totals count
+        self._choice_tokens: dict[int, int] = {}  # by choice index
         self.cached_tokens = 0  # prompt tokens vLLM's prefix cache had (its first output says)
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
@@ -50,14 +52,25 @@ class RequestStream:
     def finished(self) -> bool:
         return self._outputs.ended
 
-    def put(self, output: Any, new_tokens: int) -> None:
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens of its longest choice: how far one sequence decoded. vLLM steps the n choices of
+        a request side by side (one output per choice per step), so time per output token divides
+        by these, not by ``completion_tokens``, as vLLM's own per-sequence metric does."""
+        return max(self._choice_tokens.values(), default=0)
+
+    def put(self, output: Any) -> None:
         """Deliver one engine step's output for this request (merged if one is pending)."""
         if self._outputs.ended:
             return
         now = time.monotonic()
         self.cached_tokens = max(self.cached_tokens, getattr(output, "num_cached_tokens", None) or 0)
+        counts = choice_tokens(output)
+        new_tokens = sum(counts.values())
         if new_tokens:
             self.completion_tokens += new_tokens
+            for index, count in counts.items():
+                self._choice_tokens[index] = self._choice_tokens.get(index, 0) + count
             if self.first_token_at is None and output.finished and new_tokens > 1:
                 self.first_token_at, self.last_token_at = whole_answer_times(output, now)
             else:
@@ -87,12 +100,17 @@ def whole_answer_times(output: Any, now: float) -> tuple[float | None, float | N
     return now - (last - first), now
 
 
-def new_tokens(output: Any) -> int:
-    """Tokens an engine step's output adds (DELTA: this step's; FINAL_ONLY: all)."""
+def choice_tokens(output: Any) -> dict[int, int]:
+    """Tokens an engine step's output adds to each choice, by its index (DELTA: this step's;
+    FINAL_ONLY: all)."""
     completions = getattr(output, "outputs", ())
     if not isinstance(completions, list):  # a pooling output: no generated tokens
-        return 0
-    return sum(len(getattr(c, "token_ids", ())) for c in completions)
+        return {}
+    counts: dict[int, int] = {}
+    for c in completions:
+        index = getattr(c, "index", 0)
+        counts[index] = counts.get(index, 0) + len(getattr(c, "token_ids", ()))
+    return counts
 
 
 def finish_reason(output: Any) -> str:
