@@ -94,3 +94,32 @@ def test_metric_names_follow_prometheus_conventions(name):
         assert name.endswith("_total")
     if kind == "histogram":
         assert name.endswith("_seconds")
+
+
+def test_the_errors_row_shows_what_clients_saw_beside_what_replicas_failed():
+    """The only error panel divided replica-side failures by replica-side starts, titled "Error
+    ratio": it counted failures the router then moved to another replica and missed the 503s and
+    429s no replica took. The replica-side ratio now says so, and panels show the API's answers
+    by status class and the migrations."""
+    dash = load_dashboard()
+    by_title = {p["title"]: p for p in dash["panels"]}
+    assert "Error ratio" not in by_title and "Replica-side failure ratio" in by_title
+    (api,) = by_title["API responses by status class"]["targets"]
+    assert metric_names(api["expr"]) == {RAY_PREFIX + "atomr_api_requests_total"}
+    # label_replace's regex is anchored; its replacement names group 1 as ${1} ("$1xx" is a group named "1xx").
+    (target, replacement, source, regex) = re.findall(r'"([^"]*)"', api["expr"].split("[$__rate_interval])", 1)[1])
+    assert (target, source) == ("class", "status")
+    assert {s: replacement.replace("${1}", re.fullmatch(regex, s)[1]) for s in ("200", "429", "503")} == {
+        "200": "2xx", "429": "4xx", "503": "5xx"}
+    (migrations,) = by_title["Stream migrations/s"]["targets"]
+    assert metric_names(migrations["expr"]) == {RAY_PREFIX + "atomr_migrations_total"}
+
+
+def test_no_two_panels_overlap():
+    taken: dict[tuple[int, int], str] = {}
+    for panel in load_dashboard()["panels"]:
+        g = panel["gridPos"]
+        assert g["x"] + g["w"] <= 24, panel["title"]
+        for cell in ((x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])):
+            assert cell not in taken, f"{panel['title']!r} overlaps {taken[cell]!r}"
+            taken[cell] = panel["title"]
