@@ -53,6 +53,7 @@ from atomr_infer.serve.answers import (
 )
 from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile, may_use_as_asked
 from atomr_infer.serve.body import MAX_BODY_BYTES, as_utf8, parse_json, read_body
+from atomr_infer.serve.catalog import health_report, model_list
 from atomr_infer.serve.cors import Cors
 from atomr_infer.serve.errors import ManagerUnreachable
 from atomr_infer.serve.listener import HttpListener, direct_posts, listen
@@ -331,12 +332,7 @@ class OpenAIIngress:
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         table = await self._fresh_table()
-        # A card per name a request may give, as vLLM lists one per served model name.
-        data = [model_card(d, name) for d in deployments if d.replicas_ready > 0
-                for name in (d.name, *_aliases(table, d.name))
-                if key is None or key.may_use(d.name) or may_use_as_asked(key, name, d.name)]
-        data += [card for d in deployments for card in adapter_cards(d) if key is None or key.may_use(card["id"])]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse(model_list(deployments, lambda name: _aliases(table, name), key))
 
     @api.get("/v1/models/{name:path}")
     async def get_model(self, name: str, request: Request) -> Response:
@@ -377,18 +373,6 @@ class OpenAIIngress:
         except Exception as exc:  # noqa: BLE001
             body = {"status": "unavailable", "manager": str(exc), "deployments": {}}
             return JSONResponse(body, status_code=503)
-        report = {
-            d.name: {
-                "replicas_ready": d.replicas_ready,
-                "replicas_desired": d.replicas_desired,
-                # A deployment scaled to 0 on purpose is not a failure.
-                "ready": d.replicas_ready > 0 or d.replicas_desired == 0,
-            }
-            for d in deployments
-        }
-        not_ready = sorted(n for n, r in report.items() if not r["ready"])
-        body = {"status": "ok" if not not_ready else "unavailable", "manager": "ready", "deployments": report}
-        if not_ready:
-            body["not_ready"] = not_ready
-        return JSONResponse(body, status_code=503 if not_ready else 200)
+        body, status = health_report(deployments)
+        return JSONResponse(body, status_code=status)
 

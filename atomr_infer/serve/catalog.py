@@ -1,0 +1,43 @@
+"""What the ingress says of the deployments themselves, from the manager's statuses: the model
+list (``GET /v1/models``) and the health report (``GET /health``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from atomr_infer.serve.answers import adapter_cards, model_card
+from atomr_infer.serve.api_keys import ApiKey, may_use_as_asked
+from atomr_infer.status import DeploymentStatus
+
+
+def model_list(
+    deployments: Iterable[DeploymentStatus], aliases: Callable[[str], tuple[str, ...]], key: ApiKey | None,
+) -> dict[str, Any]:
+    """``/v1/models``' body: a card per name a request may give (a deployment's name and its
+    ``served_model_name`` aliases, as vLLM lists one per served model name) and per loaded
+    adapter, of the deployments ``key`` may use."""
+    deployments = list(deployments)
+    data = [model_card(d, name) for d in deployments if d.replicas_ready > 0
+            for name in (d.name, *aliases(d.name))
+            if key is None or key.may_use(d.name) or may_use_as_asked(key, name, d.name)]
+    data += [card for d in deployments for card in adapter_cards(d) if key is None or key.may_use(card["id"])]
+    return {"object": "list", "data": data}
+
+
+def health_report(deployments: Iterable[DeploymentStatus]) -> tuple[dict[str, Any], int]:
+    """``/health``'s body and status: 200 when every deployment has a ready replica, else 503 saying which."""
+    report = {
+        d.name: {
+            "replicas_ready": d.replicas_ready,
+            "replicas_desired": d.replicas_desired,
+            # A deployment scaled to 0 on purpose is not a failure.
+            "ready": d.replicas_ready > 0 or d.replicas_desired == 0,
+        }
+        for d in deployments
+    }
+    not_ready = sorted(n for n, r in report.items() if not r["ready"])
+    body = {"status": "ok" if not not_ready else "unavailable", "manager": "ready", "deployments": report}
+    if not_ready:
+        body["not_ready"] = not_ready
+    return body, 503 if not_ready else 200
