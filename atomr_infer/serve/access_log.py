@@ -8,7 +8,8 @@ name no deployment has is cut to its first 128 characters (and ``…``).
 ``tokens`` is the usage the response reports (prompt plus completion), when it reports one:
 every non-streamed answer, and a stream with ``stream_options.include_usage``. A stream the client
 left before its usage is charged, and logged, an estimate: one token per event it was sent, and
-its request body's bytes / 4, less its media, for the prompt.
+its request body's bytes / 4, less its media, for the prompt; so is a stream asked for its usage
+that ended without one, and an answer not streamed that reports none is its bytes / 4 (serve/usage.py).
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ class AccessLog:
     async def stream(
         self, chunks: AsyncIterator[bytes], key: str | None, deployment: str, status: int, started: float,
         on_end: Callable[[int | None], None] = lambda tokens: None, counts_tokens: bool = True,
-        prompt: Callable[[], int] = lambda: 0,
+        prompt: Callable[[], int] = lambda: 0, usage_asked: bool = False,
     ) -> AsyncIterator[bytes]:
         """``chunks`` passed through, logged when the stream ends (or the client leaves), and
         ``on_end`` told the tokens it used (none where it does not ``counts_tokens``: a replay);
-        ``prompt``: about its prompt's tokens, for a stream the client left before its usage."""
+        ``prompt``: about its prompt's tokens, for a stream the client left before its usage, or
+        one ``usage_asked`` (for a token budget) that ended without it (audio's, unless its form
+        asked with ``stream_include_usage``)."""
         last_usage, events, whole = b"", 0, False
         try:
             async for chunk in chunks:
@@ -62,7 +65,8 @@ class AccessLog:
             # aborted in the engine at once rather than when the generator is collected.
             await chunks.aclose()  # type: ignore[attr-defined]
             tokens = usage_tokens(last_usage, sse=True) if counts_tokens else None
-            if tokens is None and counts_tokens and events and not whole:  # left before its usage: about what it cost
-                tokens = events + prompt()
+            # Left before its usage, or it has none to give: about what it cost.
+            if tokens is None and counts_tokens and (events and not whole or whole and usage_asked):
+                tokens = max(1, events + prompt())
             on_end(tokens)
             self.done(key, deployment, status, tokens, started)

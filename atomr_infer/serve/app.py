@@ -246,6 +246,7 @@ class OpenAIIngress:
             relayed = self._access.stream(
                 relay(items, facts.kind), name, model, head.status, started,
                 lambda n: self._limits.charge(token_budgets, n), runs, lambda: prompt_estimate(raw),
+                bool(token_budgets),
             )
             return SSEResponse(
                 without_usage(relayed) if hide_usage else relayed, status_code=head.status, headers=out_headers
@@ -255,7 +256,7 @@ class OpenAIIngress:
                 body = b"".join([chunk async for chunk in items])
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
             return self._refused(exc, path, key, model, started)
-        tokens = body_tokens(body, out_headers) if runs else None
+        tokens = body_tokens(body, out_headers, head.status) if runs else None
         self._limits.charge(token_budgets, tokens)
         self._access.done(name, model, head.status, tokens, started)
         return Response(body, status_code=head.status, headers=out_headers)

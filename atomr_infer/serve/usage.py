@@ -13,13 +13,15 @@ from atomr_infer.wire import RequestKind, RoutingFacts, as_vllm_reads
 
 # Anthropic's usage counts the prompt in parts (Messages): all of them, with the output.
 _ANTHROPIC_PARTS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+_COHERE_PARTS = ("input_tokens", "output_tokens")
 
 
 def usage_tokens(data: bytes, sse: bool = False) -> int | None:
     """The tokens (prompt plus output) of the last usage in a JSON body or (``sse``) an SSE chunk,
     if there is one: OpenAI's ``usage.total_tokens`` (chat, completions, embeddings, Responses,
     where a stream's usage is in its ``response``), Anthropic's parts (Messages: a stream's last
-    usage is its ``message_delta``'s), or Cohere's ``meta.billed_units`` (``/v2/embed``)."""
+    usage is its ``message_delta``'s), Cohere's ``usage.tokens`` (``/cohere/v2/chat``: a stream's
+    is its ``message-end``'s ``delta``'s) or ``meta.billed_units`` (``/v2/embed``)."""
     at = max(data.rfind(b'"usage"'), data.rfind(b'"billed_units"'))
     if at < 0:
         return None
@@ -35,8 +37,9 @@ def usage_tokens(data: bytes, sse: bool = False) -> int | None:
     if not isinstance(parsed, dict):
         return None
     usage = parsed.get("usage")
-    if not isinstance(usage, dict):  # a Responses event's usage is its response's
-        usage = (parsed.get("response") or {}).get("usage") if isinstance(parsed.get("response"), dict) else None
+    for holder in ("response", "delta"):  # a Responses event's usage is its response's, Cohere's its delta's
+        if not isinstance(usage, dict) and isinstance(parsed.get(holder), dict):
+            usage = parsed[holder].get("usage")
     if not isinstance(usage, dict) and isinstance(meta := parsed.get("meta"), dict):  # Cohere's
         billed = meta.get("billed_units")
         if isinstance(billed, dict) and isinstance(billed.get("input_tokens"), int):
@@ -46,6 +49,9 @@ def usage_tokens(data: bytes, sse: bool = False) -> int | None:
     total = usage.get("total_tokens")
     if isinstance(total, int):
         return total
+    cohere = usage.get("tokens") or usage.get("billed_units")  # Cohere chat's: numbers, floats in vLLM's
+    if isinstance(cohere, dict) and all(isinstance(cohere.get(n), (int, float)) for n in _COHERE_PARTS):
+        return round(sum(cohere[n] for n in _COHERE_PARTS))
     parts = [usage.get(name) for name in _ANTHROPIC_PARTS]
     if not isinstance(parts[0], int) or not isinstance(parts[1], int):
         return None
@@ -58,16 +64,25 @@ _MEDIA = re.compile(rb'"data:[^"]*"|"[A-Za-z0-9+/=_-]{512,}"')
 
 def prompt_estimate(body: bytes) -> int:
     """About the prompt tokens of a request ``body``: its bytes / 4, less its media (an image's
-    data URL is megabytes, which vLLM counts as a few thousand tokens at most)."""
+    data URL is megabytes, which vLLM counts as a few thousand tokens at most); 0 for a body not
+    JSON (an audio form: its file is all media)."""
+    if not body.lstrip().startswith(b"{"):
+        return 0
     return len(_MEDIA.sub(b'""', body)) // 4
 
 
-def body_tokens(body: bytes, headers: Mapping[str, str]) -> int | None:
+def body_tokens(body: bytes, headers: Mapping[str, str], status: int = 200) -> int | None:
     """``usage_tokens`` of an answer not streamed: a binary one (embeddings with
-    ``encoding_format: bytes``) carries its usage in its ``metadata`` header."""
+    ``encoding_format: bytes``) carries its usage in its ``metadata`` header. An answer that
+    reports none (audio: a transcription's usage is in seconds, a translation has none) is about
+    its bytes / 4, at least 1, so that a token budget is not bypassed; an error, None: nothing ran."""
     if headers.get("content-type", "").startswith("application/octet-stream"):
-        return usage_tokens(headers.get("metadata", "").encode())
-    return usage_tokens(body)
+        tokens = usage_tokens(headers.get("metadata", "").encode())
+    else:
+        tokens = usage_tokens(body)
+    if tokens is None and status < 400:
+        return max(1, len(body) // 4)
+    return tokens
 
 
 def refuse_uncounted(data: Any, facts: RoutingFacts) -> None:

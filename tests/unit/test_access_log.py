@@ -137,3 +137,17 @@ def test_the_prompt_estimate_leaves_out_media() -> None:
     with_media = json.dumps({"model": "d", "messages": [{**text, "content": [*text["content"], image, audio]}]})
     assert prompt_estimate(plain) == len(plain) // 4
     assert prompt_estimate(with_media.encode()) < 200
+
+
+def test_cohere_chat_usage_is_read_and_an_answer_without_usage_is_estimated() -> None:
+    """/cohere/v2/chat reports usage.tokens, as floats (a stream: in its message-end's delta);
+    audio reports seconds or nothing. Both were None: charged nothing to a token budget."""
+    usage = {"billed_units": {"input_tokens": 9.0, "output_tokens": 40.0}, "tokens": {"input_tokens": 9.0,
+                                                                                     "output_tokens": 40.0}}
+    assert usage_tokens(json.dumps({"id": "x", "usage": usage}).encode()) == 49
+    end = {"type": "message-end", "id": "x", "delta": {"finish_reason": "COMPLETE", "usage": usage}}
+    assert usage_tokens(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n", sse=True) == 49
+    transcription = json.dumps({"text": "x" * 400, "usage": {"type": "duration", "seconds": 6}}).encode()
+    assert body_tokens(transcription, {"content-type": "application/json"}) == len(transcription) // 4
+    assert body_tokens(b"{}", {"content-type": "application/json"}) == 1
+    assert body_tokens(b'{"error": {"message": "bad"}}', {"content-type": "application/json"}, 400) is None

@@ -7,9 +7,12 @@ import asyncio
 import json
 
 import pytest
+from fastapi.responses import StreamingResponse
+from starlette.requests import Request
 
 from atomr_infer.serve import rate_limit
 from atomr_infer.serve.rate_limit import Buckets, IngressLimits
+from atomr_infer.wire import HttpHead, LastBytes
 from tests.unit.ingress_app import USAGE, Limiter, ingress, post
 
 ALICE = "sk-alice-0123456789"
@@ -114,3 +117,77 @@ def test_an_unknown_name_lists_the_deployments_only_to_a_caller_with_a_key() -> 
     (status, _, body), (keyed_status, _, keyed_body) = asyncio.run(main())
     assert status == 404 and json.loads(body)["error"]["message"] == "no deployment named 'nobody'"
     assert keyed_status == 404 and "(deployments: smollm2)" in json.loads(keyed_body)["error"]["message"]
+
+
+def answering(*chunks: bytes, content_type: str = "application/json") -> object:
+    """A router's stream that answers ``chunks`` (the last one ends the answer)."""
+    async def stream(facts, http):
+        yield HttpHead(200, (("content-type", content_type),))
+        for chunk in chunks[:-1]:
+            yield chunk
+        yield LastBytes(chunks[-1])
+    return stream
+
+
+COHERE_USAGE = {"billed_units": {"input_tokens": 900.0, "output_tokens": 4000.0},
+                "tokens": {"input_tokens": 900.0, "output_tokens": 4000.0}}  # vLLM's CohereUsage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_cohere_chat_is_charged_its_usage_streamed_or_not(stream: bool) -> None:
+    """/cohere/v2/chat reports usage.tokens (a stream: its message-end's delta.usage), as floats:
+    it was charged nothing, and a key's tokens_per_minute never stopped it."""
+    answer = {"id": "x", "finish_reason": "COMPLETE", "message": {"role": "assistant", "content": []},
+              "usage": COHERE_USAGE}
+    end = {"type": "message-end", "id": "x", "delta": {"finish_reason": "COMPLETE", "usage": COHERE_USAGE}}
+    ingress_, limiter, app = ingress(keys(tokens_per_minute=1000))
+    ingress_._router.stream = answering(b'data: {"type":"message-start","id":"x"}\n\n',
+                                        b"data: " + json.dumps(end).encode() + b"\n\n",
+                                        content_type="text/event-stream") if stream else answering(
+                                            json.dumps(answer).encode())
+
+    async def main():
+        statuses = [(await post(app, "/cohere/v2/chat", {**CHAT, "stream": stream}, ALICE))[0] for _ in range(2)]
+        await asyncio.sleep(0)
+        return statuses
+
+    assert asyncio.run(main()) == [200, 429]
+    assert charged(limiter, "key:alice:tokens") == 4900
+
+
+FORM = (b'--XyZ\r\nContent-Disposition: form-data; name="model"\r\n\r\nsmollm2\r\n--XyZ\r\n'
+        b'Content-Disposition: form-data; name="file"; filename="a.wav"\r\nContent-Type: audio/wav\r\n\r\n'
+        + b"RIFF" * 4000 + b"\r\n--XyZ--\r\n")  # 16 kB of audio: not 4,000 tokens of prompt
+
+
+async def transcribe(ingress_: object) -> int:
+    scope = {"type": "http", "method": "POST", "path": "/v1/audio/transcriptions", "query_string": b"",
+             "headers": [(b"content-type", b"multipart/form-data; boundary=XyZ"),
+                         (b"authorization", f"Bearer {ALICE}".encode())]}
+    messages = [{"type": "http.request", "body": FORM, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    response = await ingress_.routed_by_form(Request(scope, receive))
+    if isinstance(response, StreamingResponse):
+        await response({"type": "http"}, receive, lambda message: asyncio.sleep(0))
+    return response.status_code
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_reporting_no_token_usage_is_charged_an_estimate(stream: bool) -> None:
+    """A transcription's usage is in seconds (a translation has none): audio was charged nothing.
+    Now its answer's bytes / 4, or a stream's events (not its form's audio bytes)."""
+    text = json.dumps({"text": "x" * 4000, "usage": {"type": "duration", "seconds": 600}}).encode()
+    event = b'data: {"object":"transcription.chunk","choices":[{"delta":{"content":"hi"}}]}\n\n'
+    ingress_, limiter, _app = ingress(keys(tokens_per_minute=1000))
+    ingress_._router.stream = answering(*[event] * 3, b"data: [DONE]\n\n", content_type="text/event-stream") \
+        if stream else answering(text)
+
+    async def main():
+        return [await transcribe(ingress_) for _ in range(2)]
+
+    statuses = asyncio.run(main())
+    assert charged(limiter, "key:alice:tokens") == (2 * 4 if stream else len(text) // 4)  # 4: [DONE] is one
+    assert statuses == ([200, 200] if stream else [200, 429])
