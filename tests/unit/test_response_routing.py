@@ -183,3 +183,28 @@ def test_a_response_and_its_input_messages_are_kept_and_dropped_together():
     messages.pop("b")
     responses["d"] = "d"  # b is held by no store: it takes no place
     assert sorted(messages) == ["c"] and sorted(responses) == ["d"]
+
+
+def test_a_response_still_being_answered_is_not_pushed_out_by_newer_ones_only_by_its_age():
+    """Its input messages are stored as it starts, the response as it ends: max_responses newer
+    ones meanwhile dropped the messages, and its next turn lost the user's earlier input (under
+    Harmony, vLLM's msg_store[id] raised KeyError: a 500). An aborted one still goes with its age."""
+    from types import SimpleNamespace
+
+    from atomr_infer.engine.vllm.response_store import configure_response_store
+    from atomr_infer.spec.serving import ResponseStore
+
+    serving = SimpleNamespace(background_tasks={})
+    configure_response_store(SimpleNamespace(openai_serving_responses=serving),
+                             ResponseStore(enabled=True, max_responses=3, max_age_s=60))
+    clock = Clock()
+    serving.msg_store._index._clock = clock
+    serving.msg_store["a"] = ["my name is Ann"]  # a starts
+    for i in range(3):  # three short ones start and end meanwhile
+        serving.msg_store[f"k{i}"], serving.response_store[f"k{i}"] = [f"q{i}"], f"answer {i}"
+    serving.response_store["a"] = "a's answer"  # a ends
+    assert serving.msg_store["a"] == ["my name is Ann"] and serving.response_store["a"] == "a's answer"
+    assert "k0" not in serving.response_store and sorted(serving.response_store) == ["a", "k1", "k2"]
+    serving.msg_store["aborted"] = ["never answered"]
+    clock.now = 61.0
+    assert "aborted" not in serving.msg_store and len(serving.msg_store) == 0

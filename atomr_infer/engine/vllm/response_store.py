@@ -7,7 +7,8 @@ from the spec (``serving.openai.response_store``) on that object, not through th
 environment, and swaps the dicts for ``BoundedStore``s over one ``StoreIndex``: at most
 ``max_responses`` response ids, each kept ``max_age_s`` after it was last written to any of the
 three, and dropped from all three at once. A response whose background task still runs is
-never dropped. Everything else of the store (what is stored when, the 404 for an id it
+never dropped; one still being answered (its input messages stored, not yet the response) is
+not pushed out by newer ones, only by its age. Everything else of the store (what is stored when, the 404 for an id it
 does not hold) is vLLM's.
 """
 
@@ -26,15 +27,17 @@ STORES = ("response_store", "msg_store", "event_store")  # keyed alike: by the r
 class StoreIndex:
     """When each response id was last written to any of its stores, and which ids go: at most
     ``max_items`` ids, each for ``max_age_s`` after its last write, oldest first, except ids
-    ``keep`` says are still in use. An id goes from every store at once: vLLM writes a response's
+    ``keep`` says are still in use, and ids ``answering`` says are still being answered, which
+    go by their age only. An id goes from every store at once: vLLM writes a response's
     input messages when it starts and the response when it ends, so stores bounded apart kept a
     response whose messages were gone (its next turn then lost the user's earlier turns)."""
 
     def __init__(
         self, max_items: int, max_age_s: float, keep: Callable[[Any], bool] = lambda key: False,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, answering: Callable[[Any], bool] = lambda key: False,
     ) -> None:
         self._max_items, self._max_age_s, self._keep, self._clock = max_items, max_age_s, keep, clock
+        self._answering = answering
         self._written: collections.OrderedDict[Any, float] = collections.OrderedDict()
         self.stores: list[BoundedStore] = []
 
@@ -59,15 +62,19 @@ class StoreIndex:
         kept: list[tuple[Any, float]] = []
         while self._written:
             key, at = next(iter(self._written.items()))
-            if at > oldest_kept and len(self._written) + len(kept) <= self._max_items:
+            fresh = at > oldest_kept
+            if fresh and len(self._written) + len(kept) <= self._max_items:
                 break
             del self._written[key]
-            if self._keep(key):
+            # Pushed out while it generated, a response was stored without its input messages: its
+            # next turn lost the user's earlier ones (a KeyError, 500, under Harmony). Its age still
+            # bounds it, so that an aborted request's messages do not stay.
+            if self._keep(key) or (fresh and self._answering(key)):
                 kept.append((key, at))
             else:
                 for store in self.stores:
                     dict.pop(store, key, None)
-        for key, at in reversed(kept):  # still running: back at the front, in their order
+        for key, at in reversed(kept):  # still running or answering: back at the front, in their order
             self._written[key] = at
             self._written.move_to_end(key, last=False)
 
@@ -117,6 +124,10 @@ def configure_response_store(state: Any, config: ResponseStore) -> None:
     def running(key: Any) -> bool:
         return key in serving.background_tasks
 
-    index = StoreIndex(config.max_responses, config.max_age_s, running)
+    def answering(key: Any) -> bool:  # its input messages are written as it starts, the response as it ends
+        return dict.__contains__(messages, key) and not dict.__contains__(responses, key)
+
+    index = StoreIndex(config.max_responses, config.max_age_s, running, answering=answering)
     for name in STORES:
         setattr(serving, name, index.store())
+    responses, messages = serving.response_store, serving.msg_store
