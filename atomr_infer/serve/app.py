@@ -53,7 +53,7 @@ from atomr_infer.serve.answers import (
 )
 from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile, may_use_as_asked
 from atomr_infer.serve.body import MAX_BODY_BYTES, as_utf8, parse_json, read_body
-from atomr_infer.serve.catalog import health_report, model_list
+from atomr_infer.serve.catalog import answering, health_report, model_list
 from atomr_infer.serve.cors import Cors
 from atomr_infer.serve.errors import ManagerUnreachable
 from atomr_infer.serve.listener import HttpListener, direct_posts, listen
@@ -349,7 +349,7 @@ class OpenAIIngress:
         status = deployments.get(dep.name if dep is not None else name)
         if status is None:
             return error_response(DeploymentNotFound(name, sorted(deployments)))
-        if status.replicas_ready < 1:
+        if not answering(status):  # one scaled to zero answers: a request starts a replica
             return error_response(NoReadyReplica(status.name))
         if adapter is None:
             return JSONResponse(model_card(status, name))

@@ -11,14 +11,22 @@ from atomr_infer.serve.api_keys import ApiKey, may_use_as_asked
 from atomr_infer.status import DeploymentStatus
 
 
+def answering(status: DeploymentStatus) -> bool:
+    """Whether a request to the deployment is answered: it has a ready replica, or it is scaled to
+    zero on purpose (the request starts one, as the router waits for a cold start) and has not
+    failed (then nothing starts until an apply)."""
+    return status.replicas_ready > 0 or (status.replicas_desired == 0 and not status.failed)
+
+
 def model_list(
     deployments: Iterable[DeploymentStatus], aliases: Callable[[str], tuple[str, ...]], key: ApiKey | None,
 ) -> dict[str, Any]:
     """``/v1/models``' body: a card per name a request may give (a deployment's name and its
     ``served_model_name`` aliases, as vLLM lists one per served model name) and per loaded
-    adapter, of the deployments ``key`` may use."""
+    adapter, of the deployments ``key`` may use that answer requests: one scaled to zero is
+    listed (a card from its status alone), as ``vllm serve`` and Ray Serve LLM always list theirs."""
     deployments = list(deployments)
-    data = [model_card(d, name) for d in deployments if d.replicas_ready > 0
+    data = [model_card(d, name) for d in deployments if answering(d)
             for name in (d.name, *aliases(d.name))
             if key is None or key.may_use(d.name) or may_use_as_asked(key, name, d.name)]
     data += [card for d in deployments for card in adapter_cards(d) if key is None or key.may_use(card["id"])]
@@ -26,14 +34,9 @@ def model_list(
 
 
 def health_report(deployments: Iterable[DeploymentStatus]) -> tuple[dict[str, Any], int]:
-    """``/health``'s body and status: 200 when every deployment has a ready replica, else 503 saying which."""
+    """``/health``'s body and status: 200 when every deployment is ``answering``, else 503 saying which."""
     report = {
-        d.name: {
-            "replicas_ready": d.replicas_ready,
-            "replicas_desired": d.replicas_desired,
-            # A deployment scaled to 0 on purpose is not a failure.
-            "ready": d.replicas_ready > 0 or d.replicas_desired == 0,
-        }
+        d.name: {"replicas_ready": d.replicas_ready, "replicas_desired": d.replicas_desired, "ready": answering(d)}
         for d in deployments
     }
     not_ready = sorted(n for n, r in report.items() if not r["ready"])

@@ -1,0 +1,58 @@
+"""What the ingress says of the deployments themselves (serve/catalog.py): the model list and
+/health, through the real ingress (tests/unit/ingress_app.py) over the manager's statuses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from starlette.requests import Request
+
+from atomr_infer.routing.table import DeploymentRoute, RoutingTable
+from atomr_infer.status import DeploymentStatus
+from tests.unit.ingress_app import ingress
+
+ALICE = "sk-alice-0123456789"
+AT_ZERO = DeploymentStatus("big", "m2", 1, 1, 0, 0, autoscaling={"min_replicas": 0, "target": 0})
+
+
+def catalog(*statuses: DeploymentStatus, keys: str | None = None) -> Any:
+    """The ingress, its manager answering ``statuses``, each in its routing table."""
+    ingress_, _limiter, _app = ingress(keys)
+    ingress_._router.table = RoutingTable(1, {s.name: DeploymentRoute(s.name, 4, "queue") for s in statuses})
+
+    async def deployments() -> list[DeploymentStatus]:
+        return list(statuses)
+
+    ingress_._deployments = deployments
+    return ingress_
+
+
+def get(path: str, key: str | None = None) -> Request:
+    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+    return Request({"type": "http", "method": "GET", "path": path, "headers": headers, "query_string": b""})
+
+
+def answer(response: Any) -> tuple[int, Any]:
+    return response.status_code, json.loads(response.body)
+
+
+def test_a_deployment_scaled_to_zero_is_listed_as_vllm_lists_its_model() -> None:
+    """It was left out of /v1/models and /v1/models/{name} answered 503, while a chat to it starts
+    a replica and /health counted it ready. A failed one at zero starts nothing: not listed."""
+    ready = DeploymentStatus("smollm2", "m", 1, 1, 1, 1)
+    failed = DeploymentStatus("broken", "m3", 1, 1, 0, 0, failed=True)
+    ingress_ = catalog(ready, AT_ZERO, failed)
+
+    async def main():
+        listed = answer(await ingress_.list_models(get("/v1/models")))
+        return listed, answer(await ingress_.get_model("big", get("/v1/models/big"))), \
+            answer(await ingress_.get_model("broken", get("/v1/models/broken")))
+
+    (status, listed), (big_status, card), (broken_status, _) = asyncio.run(main())
+    assert status == 200 and [c["id"] for c in listed["data"]] == ["smollm2", "big"]
+    assert big_status == 200 and card["id"] == "big" and card["root"] == "m2" and "endpoints" not in card
+    assert broken_status == 503
+    health_status, health = answer(asyncio.run(ingress_.health()))
+    assert health_status == 503 and health["not_ready"] == ["broken"] and health["deployments"]["big"]["ready"]
