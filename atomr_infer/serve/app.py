@@ -19,8 +19,8 @@ ingress itself answers ``GET /v1/models``, ``/v1/models/{name}`` and ``/health``
 With an API keys file (``atomr serve --api-keys FILE``, serve/api_keys.py) every routed route
 needs ``Authorization: Bearer KEY`` or ``x-api-key: KEY``: 401 without a valid key, 403 for a
 deployment the key may not use (in Anthropic's error shape on ``/v1/messages``); ``/health``
-(and, as with ``vllm serve --api-key``, ``/tokenize`` and ``/detokenize``) stay open. The key
-is never forwarded to the replica.
+(and, as with ``vllm serve --api-key``, ``/tokenize`` and ``/detokenize``) stay open, naming
+no deployment to a caller without a valid key. The key is never forwarded to the replica.
 """
 
 from __future__ import annotations
@@ -367,13 +367,22 @@ class OpenAIIngress:
             return self._router.table
 
     @api.get("/health")
-    async def health(self) -> Response:
-        """200 when the manager answers and every deployment has a ready replica, else 503 saying which."""
+    async def health(self, request: Request) -> Response:
+        """200 when the manager answers and every deployment answers requests, else 503 saying
+        which; where the API has keys, which only to a caller with a valid key: the route is open,
+        and a caller without one is told no deployment's name (as by ``_refused``), only the status."""
         try:
-            deployments = await self._deployments()
+            body, status = health_report(await self._deployments())
         except Exception as exc:  # noqa: BLE001
-            body = {"status": "unavailable", "manager": str(exc), "deployments": {}}
-            return JSONResponse(body, status_code=503)
-        body, status = health_report(deployments)
-        return JSONResponse(body, status_code=status)
+            body, status = {"status": "unavailable", "manager": str(exc), "deployments": {}}, 503
+        return JSONResponse(body if self._has_valid_key(request) else {"status": body["status"]}, status_code=status)
 
+    def _has_valid_key(self, request: Request) -> bool:
+        """Whether the caller of an open route has a valid key, or the API has none."""
+        if self._keys is None:
+            return True
+        try:
+            self._keys.ring().authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        except ApiKeyError:
+            return False
+        return True

@@ -54,5 +54,22 @@ def test_a_deployment_scaled_to_zero_is_listed_as_vllm_lists_its_model() -> None
     assert status == 200 and [c["id"] for c in listed["data"]] == ["smollm2", "big"]
     assert big_status == 200 and card["id"] == "big" and card["root"] == "m2" and "endpoints" not in card
     assert broken_status == 503
-    health_status, health = answer(asyncio.run(ingress_.health()))
+    health_status, health = answer(asyncio.run(ingress_.health(get("/health"))))
     assert health_status == 503 and health["not_ready"] == ["broken"] and health["deployments"]["big"]["ready"]
+
+
+def test_health_names_the_deployments_only_to_a_caller_with_a_key_where_the_api_has_keys() -> None:
+    """/health is open: it listed every deployment (and those not ready) to any caller, while a
+    404 on the open /tokenize hides the names from a caller without a key. The status is the same."""
+    secret = DeploymentStatus("secret-finetune", "m", 1, 1, 1, 0)
+    keyed = catalog(DeploymentStatus("smollm2", "m", 1, 1, 1, 1), secret, keys=f"keys: [{{name: alice, key: {ALICE}}}]")
+    open_api = catalog(secret)
+
+    async def main():
+        return [answer(await api.health(get("/health", key)))
+                for api, key in ((keyed, None), (keyed, "sk-wrong-0123456789"), (keyed, ALICE), (open_api, None))]
+
+    anonymous, wrong_key, alice, no_keys = asyncio.run(main())
+    assert anonymous == wrong_key == (503, {"status": "unavailable"})
+    assert alice[0] == 503 and alice[1]["not_ready"] == ["secret-finetune"] and "smollm2" in alice[1]["deployments"]
+    assert no_keys[0] == 503 and no_keys[1]["not_ready"] == ["secret-finetune"]
