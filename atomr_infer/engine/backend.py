@@ -18,6 +18,7 @@ pieces in order; ``health`` from its watchdog; ``shutdown`` once.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,6 +30,15 @@ Put = Callable[[HttpHead | bytes], None]
 # Token ids a request generated since the last call (a resumable request asked for them).
 TokenSink = Callable[[list[int]], None]
 Prefilled = Callable[[], None]  # told when the request's prompt is computed (serve says when)
+
+# An engine call between two steps (loading a LoRA adapter: read from a slow disk or share, it may
+# take minutes) runs far longer than a step may: the replica waits for it, and its watchdog
+# bounds it, by this instead of ATOMR_STEP_TIMEOUT_S. ATOMR_ENGINE_CALL_TIMEOUT_S overrides it.
+DEFAULT_ENGINE_CALL_TIMEOUT_S = 300.0
+
+
+def engine_call_timeout_s() -> float:
+    return float(os.environ.get("ATOMR_ENGINE_CALL_TIMEOUT_S", DEFAULT_ENGINE_CALL_TIMEOUT_S))
 
 
 @dataclass(frozen=True)
@@ -51,10 +61,12 @@ class EngineFacts:
 @dataclass(frozen=True)
 class EngineHealth:
     """The engine's own word on itself: ``error`` set once it failed for good; ``stuck_for`` is
-    how long its current step has run (a wedged engine never returns from one)."""
+    how long its current step has run (a wedged engine never returns from one); ``in_call_for``,
+    how long a call between steps (loading a LoRA adapter) has run, bounded on its own."""
 
     error: BaseException | None = None
     stuck_for: float = 0.0
+    in_call_for: float = 0.0
     alive: bool = True  # the thread or process that drives it still runs
 
 

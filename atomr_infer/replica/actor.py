@@ -26,7 +26,13 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from atomr_infer.engine.backend import BackendContext, EngineBackend, EngineStats, backend_class
+from atomr_infer.engine.backend import (
+    BackendContext,
+    EngineBackend,
+    EngineStats,
+    backend_class,
+    engine_call_timeout_s,
+)
 from atomr_infer.engine.device import resolve_device
 from atomr_infer.engine.stats import ReplicaStats, StatsCollector
 from atomr_infer.errors import AtomrError, EngineError, EngineStartFailed, ReplicaUnavailable
@@ -48,7 +54,8 @@ BackendFactory = Callable[[BackendContext], EngineBackend]
 # A step-loop turn (taking submissions, one engine step, handing outputs over) that has not
 # ended after this long means the engine is wedged: its streams fail and health() fails, so
 # the manager replaces the replica. ATOMR_STEP_TIMEOUT_S overrides it (for engines whose
-# single step can legitimately run longer, e.g. a huge prefill on a slow device).
+# single step can legitimately run longer, e.g. a huge prefill on a slow device). A call between
+# steps (loading a LoRA adapter) has its own, longer bound: ATOMR_ENGINE_CALL_TIMEOUT_S.
 DEFAULT_STEP_TIMEOUT_S = 30.0
 WATCHDOG_PERIOD_S = 1.0
 
@@ -65,6 +72,7 @@ class VllmReplica:
     ) -> None:
         self._deployment = parse_deployment(deployment)
         self._step_timeout_s = step_timeout_s or float(os.environ.get("ATOMR_STEP_TIMEOUT_S", DEFAULT_STEP_TIMEOUT_S))
+        self._call_timeout_s = engine_call_timeout_s()
         self._replica_id = replica_id
         self._device = self._deployment.device  # until resolved: Ray prints repr(self) if that raises
         self._device = resolve_device(self._deployment)
@@ -127,16 +135,20 @@ class VllmReplica:
         if engine.error is not None:
             self._engine_failed(engine.error)
         elif engine.stuck_for > self._step_timeout_s:
-            wedged = EngineError(
-                f"{self!r} is wedged: its engine step has not returned for {engine.stuck_for:.0f}s "
-                f"(limit {self._step_timeout_s:g}s, ATOMR_STEP_TIMEOUT_S)"
-            )
-            if self._life.to(ReplicaState.UNHEALTHY, "wedged", wedged):
-                self._log.error("engine_wedged", stuck_s=round(engine.stuck_for, 1), open=self._open_requests())
-                self._channels.close_all(str(wedged))
-                self._backend.fail_open(wedged)
+            self._wedged(f"its engine step has not returned for {engine.stuck_for:.0f}s "
+                         f"(limit {self._step_timeout_s:g}s, ATOMR_STEP_TIMEOUT_S)", engine.stuck_for)
+        elif engine.in_call_for > self._call_timeout_s:
+            self._wedged(f"its engine call (loading a LoRA adapter) has not returned for {engine.in_call_for:.0f}s "
+                         f"(limit {self._call_timeout_s:g}s, ATOMR_ENGINE_CALL_TIMEOUT_S)", engine.in_call_for)
         elif not engine.alive:
             self._engine_failed(EngineError(f"{self!r}: its step loop is not running"))
+
+    def _wedged(self, why: str, stuck_s: float) -> None:
+        wedged = EngineError(f"{self!r} is wedged: {why}")
+        if self._life.to(ReplicaState.UNHEALTHY, "wedged", wedged):
+            self._log.error("engine_wedged", stuck_s=round(stuck_s, 1), open=self._open_requests())
+            self._channels.close_all(str(wedged))
+            self._backend.fail_open(wedged)
 
     def _load(self) -> tuple[int, int, EngineStats]:
         """Requests open, those waiting, and the engine's stats, from one read of its metrics.

@@ -388,3 +388,44 @@ def test_prompt_logprobs_under_kv_sharing_fast_prefill_are_refused_as_vllm_refus
     client.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(kv_sharing_fast_prefill=True))
     with pytest.raises(VLLMValidationError, match="incorrect logprobs for prompt tokens"):
         asyncio.run(client._process("r", "hi", SamplingParams(prompt_logprobs=1)))
+
+
+def test_a_slow_adapter_load_is_no_wedged_step_and_one_past_its_bound_says_so(monkeypatch):
+    """vLLM's add_lora runs between two steps: a load longer than ATOMR_STEP_TIMEOUT_S (a large
+    adapter on a slow disk) got the replica killed as wedged, and one past the 30 s wait failed
+    with an empty reason (vLLM reports str(error), and a TimeoutError's is empty)."""
+    from atomr_infer.engine.vllm.engine_client import StepLoopEngineClient
+    from atomr_infer.errors import EngineError
+    from atomr_infer.status import ReplicaState
+
+    release = threading.Event()
+
+    class LoadingEngine(ScriptedEngine):
+        def add_lora(self, request):
+            return release.wait(5)
+
+    monkeypatch.setattr(VllmBackend, "_openai_app", no_openai_app)
+    monkeypatch.setenv("ATOMR_ENGINE_CALL_TIMEOUT_S", "0.8")
+    spec = {"name": "unitdep", "model": "bundled:smollm2-135m-instruct", "device": "cpu"}
+    rep = VllmReplica(spec, "r7", backend=VllmBackend.factory(lambda d, p: LoadingEngine()), step_timeout_s=0.2)
+    client = object.__new__(StepLoopEngineClient)  # add_lora alone: it goes through the gate
+    client._gate = rep._backend
+
+    async def main():
+        await rep.ready()
+        load = asyncio.ensure_future(client.add_lora("big"))
+        await asyncio.sleep(0.5)  # past the step's bound, within the call's
+        rep._check()
+        assert rep._life.state is ReplicaState.READY
+        with pytest.raises(EngineError, match=r"^the engine took over 0.8s to load it"):
+            await load
+        await asyncio.sleep(0.3)  # the call runs on in the step thread: past its bound the engine is wedged
+        rep._check()
+        assert rep._life.state is ReplicaState.UNHEALTHY
+        assert "engine call (loading a LoRA adapter) has not returned" in str(rep._life.error)
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        asyncio.run(rep.shutdown())

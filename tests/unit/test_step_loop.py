@@ -195,6 +195,23 @@ def test_stuck_for_grows_while_a_step_never_returns():
     loop.stop()
 
 
+def test_an_engine_call_between_steps_counts_in_in_call_for_not_stuck_for():
+    """Loading a LoRA adapter runs as an engine call: one that read a large adapter from a slow disk
+    grew stuck_for as a hung step does, and the watchdog killed the replica as wedged."""
+    release = threading.Event()
+    engine, rec = ScriptedEngine(tokens=1), Recorder()
+    loop = rec.loop(engine)
+    loop.start()
+    wait_until(rec.ready.is_set)
+    future = loop.call(lambda engine: release.wait(5))
+    wait_until(lambda: loop.in_call_for() > 0.3)
+    assert loop.stuck_for() == 0.0 and not future.done()
+    release.set()
+    assert future.result(5) is True
+    wait_until(lambda: loop.in_call_for() == 0.0 and loop.stuck_for() == 0.0)
+    loop.stop()
+
+
 def test_the_prefill_watch_tells_once_the_engine_says_a_watched_prompt_is_computed():
     """engine/vllm/prefill_watch.py, in the step thread's place: the engine knows the request by
     an id of its own (vLLM appends to ours when it adds it); a request not added yet, or gone,

@@ -193,7 +193,8 @@ class VllmBackend:
     def health(self) -> EngineHealth:
         error = self._start_error or self._loop.error
         alive = self._loop.alive or not self._started.is_set()
-        return EngineHealth(error=error, stuck_for=self._loop.stuck_for(), alive=alive)
+        return EngineHealth(error=error, stuck_for=self._loop.stuck_for(), in_call_for=self._loop.in_call_for(),
+                            alive=alive)
 
     def stats(self) -> EngineStats:
         kv_usage, waiting = self._gauges.read()
@@ -218,11 +219,12 @@ class VllmBackend:
         app = self._app or await self._openai_app()
         await adapters.unload(app.models, name)
 
-    async def engine_call(self, fn: Callable[[Engine], Any]) -> Any:
-        """``fn(engine)`` run by the step loop between two steps (the engine is its thread's)."""
+    async def engine_call(self, fn: Callable[[Engine], Any], timeout_s: float = OPERATOR_CALL_TIMEOUT_S) -> Any:
+        """``fn(engine)`` run by the step loop between two steps (the engine is its thread's);
+        ``TimeoutError`` past ``timeout_s`` (the call itself runs on: a thread is not cancelled)."""
         if not self._started.is_set() or self._start_error is not None:
             raise EngineError(f"{self._ctx.name} has no running engine")
-        return await asyncio.wait_for(asyncio.wrap_future(self._loop.call(fn)), OPERATOR_CALL_TIMEOUT_S)
+        return await asyncio.wait_for(asyncio.wrap_future(self._loop.call(fn)), timeout_s)
 
     async def shutdown(self, error: BaseException) -> None:
         self._streams.fail_all(error)

@@ -24,10 +24,12 @@ from vllm.renderers.inputs.preprocess import extract_prompt_components
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreRequest
 
+from atomr_infer.engine.backend import engine_call_timeout_s
 from atomr_infer.engine.vllm.inline_tokenize import tokenize_short_prompts_inline
 from atomr_infer.engine.vllm.prefill_watch import PREFILLED
 from atomr_infer.engine.vllm.resume import RESUME, TOKENS, CharBoundary, as_whole, extend_request
 from atomr_infer.engine.vllm.stream import RequestStream
+from atomr_infer.errors import EngineError
 
 
 class RequestGate(Protocol):
@@ -47,8 +49,8 @@ class RequestGate(Protocol):
     def queue(self) -> tuple[int, int]:
         """(sequences unfinished in the engine, prompt tokens of the requests with no output yet)."""
 
-    async def engine_call(self, fn: Callable[[Any], Any]) -> Any:
-        """``fn(engine)`` run by the step loop between two steps."""
+    async def engine_call(self, fn: Callable[[Any], Any], timeout_s: float = ...) -> Any:
+        """``fn(engine)`` run by the step loop between two steps; ``TimeoutError`` past ``timeout_s``."""
 
 
 class StepLoopEngineClient(EngineClient):
@@ -253,7 +255,13 @@ class StepLoopEngineClient(EngineClient):
         return False
 
     async def add_lora(self, lora_request: Any) -> bool:
-        return bool(await self._gate.engine_call(lambda engine: engine.add_lora(lora_request)))
+        timeout_s = engine_call_timeout_s()
+        try:
+            return bool(await self._gate.engine_call(lambda engine: engine.add_lora(lora_request), timeout_s))
+        except TimeoutError:
+            # vLLM's load_lora_adapter reports str(error): a bare TimeoutError's is empty.
+            raise EngineError(f"the engine took over {timeout_s:g}s to load it "
+                              "(ATOMR_ENGINE_CALL_TIMEOUT_S)") from None
 
     async def pause_generation(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("pausing is not available through an atomr replica")

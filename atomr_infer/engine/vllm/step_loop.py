@@ -95,6 +95,9 @@ class StepLoop:
         # Set while the thread is in a turn (taking submissions, stepping, handing outputs
         # over); None while it waits for work. A turn that never ends is a wedged engine.
         self.turn_started_at: float | None = None
+        # Set while an engine call (``call``) runs instead: loading a LoRA adapter may read it from
+        # a slow disk for far longer than any step, so it is bounded on its own, not as a turn.
+        self.call_started_at: float | None = None
         self.last_step_at = time.monotonic()
         self.error: BaseException | None = None
 
@@ -115,8 +118,9 @@ class StepLoop:
         self._wake.set()
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
-        """``fn(engine)`` run by the loop's thread before its next step (an operator's action:
-        resetting the prefix cache); the future has its result."""
+        """``fn(engine)`` run by the loop's thread before its next step (loading a LoRA adapter, an
+        operator's action: resetting the prefix cache); the future has its result. Its time shows
+        in ``in_call_for``, not ``stuck_for``."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._inbox.append(_Call(fn, future))
         self._wake.set()
@@ -134,6 +138,12 @@ class StepLoop:
         Progress, not an answer to a call: a step that never returns, an ``add_request`` that
         hangs, or outputs that cannot be handed over all show here while the thread is alive."""
         started = self.turn_started_at
+        return 0.0 if started is None else time.monotonic() - started
+
+    def in_call_for(self) -> float:
+        """Seconds the engine call running now (``call``) has run; 0 when none. Not counted in
+        ``stuck_for``: the turn's clock starts again once the call returns."""
+        started = self.call_started_at
         return 0.0 if started is None else time.monotonic() - started
 
     def _drain_inbox(self, engine: Engine) -> None:
@@ -154,10 +164,13 @@ class StepLoop:
                 # landing on a running call made set_result raise here and ended the loop).
                 if not item.future.set_running_or_notify_cancel():
                     continue
+                self.turn_started_at, self.call_started_at = None, time.monotonic()
                 try:
                     item.future.set_result(item.fn(engine))
                 except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine steps on
                     item.future.set_exception(exc)
+                finally:
+                    self.turn_started_at, self.call_started_at = time.monotonic(), None
             else:
                 _abort(engine, item.request_ids)
 
@@ -198,7 +211,7 @@ class StepLoop:
             self.error = exc
             self._on_error(exc)
         finally:
-            self.turn_started_at = None
+            self.turn_started_at = self.call_started_at = None
             self._fail_calls(RuntimeError("the engine's step loop stopped"))
             if self._engine is not None:
                 close_engine(self._engine)
