@@ -41,6 +41,11 @@ class AdapterSet:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._retry_after_s = retry_after_s
         self._retry_at: dict[str, tuple[float, int]] = {}  # failed adapter -> (when to try again, failures)
+        # adapter -> bumped by every change sync makes to it (kept once removed): only a load of the
+        # latest may set its state. Its source alone does not tell: removed and added back (A -> B ->
+        # A) while a load ran, the old load finished first and said loaded; the queued unload then
+        # dropped it from vLLM, and routers sent it requests vLLM refused.
+        self._generations: dict[str, int] = {}
 
     def full_name(self, adapter: str) -> str:
         return f"{self._deployment}:{adapter}"
@@ -55,15 +60,21 @@ class AdapterSet:
                 self._paths[name] = path
                 self._retry_at.pop(name, None)
                 self.states[name] = RELOADING if self.states.get(name) in (LOADED, RELOADING) else LOADING
-                started.append(self._run(name, self._load_one(name, path)))
+                started.append(self._run(name, self._load_one(name, path, self._change(name))))
             elif name in self._retry_at and name not in self._tasks and time.monotonic() >= self._retry_at[name][0]:
-                started.append(self._run(name, self._load_one(name, path)))  # it says failed until it loads
+                # it says failed until it loads
+                started.append(self._run(name, self._load_one(name, path, self._generations[name])))
         for name in [n for n in self._paths if n not in wanted]:
             del self._paths[name]
+            self._change(name)
             self._retry_at.pop(name, None)
             self.states.pop(name, None)
             started.append(self._run(name, self._unload(self.full_name(name))))
         return started
+
+    def _change(self, name: str) -> int:
+        self._generations[name] = generation = self._generations.get(name, 0) + 1
+        return generation
 
     def _run(self, name: str, work: Awaitable[None]) -> asyncio.Task[None]:
         previous = self._tasks.get(name)
@@ -77,17 +88,17 @@ class AdapterSet:
         task.add_done_callback(lambda done: self._tasks.pop(name, None) if self._tasks.get(name) is done else None)
         return task
 
-    async def _load_one(self, name: str, path: str) -> None:
+    async def _load_one(self, name: str, path: str, generation: int) -> None:
         try:
             await self._load(self.full_name(name), str(await asyncio.to_thread(self._resolve, path)))
         except Exception as exc:  # noqa: BLE001 - its state says why; the replica serves on
-            if self._paths.get(name) == path:
+            if self._generations.get(name) == generation:
                 self.states[name] = f"failed: {one_line(exc)}"
                 failures = self._retry_at.get(name, (0.0, 0))[1] + 1
                 wait = min(RETRY_MAX_S, self._retry_after_s * 2 ** (failures - 1))
                 self._retry_at[name] = (time.monotonic() + wait, failures)
             return
-        if self._paths.get(name) == path:
+        if self._generations.get(name) == generation:
             self.states[name] = LOADED
             self._retry_at.pop(name, None)
 

@@ -302,6 +302,41 @@ def test_a_failed_adapter_is_tried_again_with_backoff_and_says_failed_until_it_l
     assert adapters_module.RETRY_MAX_S >= adapters_module.RETRY_AFTER_S > 0
 
 
+def test_an_adapter_removed_and_added_back_while_it_loads_is_routed_only_once_vllm_has_it():
+    """Its first load, finishing after the removal and the re-add (same source), said ``loaded``;
+    the removal's queued unload then dropped it from vLLM while routers still sent it requests."""
+    vllm: set[str] = set()  # the names vLLM serves
+    gate = asyncio.Event()
+
+    async def load(name, path):
+        if not gate.is_set():
+            await gate.wait()  # the first, slow load
+        await asyncio.sleep(0.01)
+        vllm.add(name)
+
+    async def unload(name):
+        await asyncio.sleep(0.05)
+        vllm.discard(name)
+
+    async def main():
+        adapters = AdapterSet("tuned", load, unload)
+        adapters.sync({"pirate": "/a/p"})
+        await asyncio.sleep(0.01)
+        adapters.sync({})  # removed while it loads
+        tasks = adapters.sync({"pirate": "/a/p"})  # and added back
+        gate.set()
+        wrong = []
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+            if "pirate" in adapters.loaded() and "tuned:pirate" not in vllm:
+                wrong.append(dict(adapters.states))
+        await asyncio.gather(*tasks)
+        return wrong, dict(adapters.states)
+
+    wrong, states = asyncio.run(main())
+    assert wrong == [] and states == {"pirate": "loaded"}
+
+
 def test_a_loaded_adapter_given_a_new_source_stays_routable_while_it_reloads():
     """vLLM serves the old weights until the new ones replace them: it went ``loading`` on every
     replica at once, and its requests waited (up to 60 s) for nothing. ``reloading`` is routed to."""
