@@ -16,7 +16,10 @@ HTTP status codes are attached only in the ingress (``serve/``), never here.
     │   └── RequestTooLarge         the body is over the ingress's size limit
     ├── RoutingError
     │   ├── DeploymentNotFound      no deployment by that name
+    │   │   └── AdapterNotFound     the deployment has no such LoRA adapter
+    │   │       └── AdapterFailed   every ready replica failed to load it
     │   ├── NoReadyReplica          the deployment exists but nothing is ready to serve
+    │   │   └── AdapterNotLoaded    ready replicas, but none has the LoRA adapter loaded (yet)
     │   ├── RouterClosed            the router (a ``Client``'s) was closed under the request
     │   └── CapacityExhausted       serving.max_concurrent reached with on_capacity_exhausted=reject
     └── EngineError                 the engine failed; open streams receive it
@@ -225,6 +228,22 @@ class NoReadyReplica(RoutingError):
 
     def __str__(self) -> str:
         return f"deployment {self.name!r} has no ready replica (waited {self.waited_s:.1f}s)"
+
+
+class AdapterNotLoaded(NoReadyReplica):
+    """The deployment has ready replicas but none has loaded the adapter by the end of the router's
+    wait (still loading it, most often): 503 with Retry-After, as ``NoReadyReplica``."""
+
+    def __init__(self, deployment: str, adapter: str, ready: int, waited_s: float = 0.0, loading: bool = True) -> None:
+        super().__init__(f"{deployment}:{adapter}", waited_s)
+        self.deployment, self.adapter, self.ready, self.loading = deployment, adapter, ready, loading
+        self.args = (deployment, adapter, ready, waited_s, loading)  # unpickled as AdapterNotLoaded(*args)
+
+    def __str__(self) -> str:
+        where = "its ready replica" if self.ready == 1 else f"any of its {self.ready} ready replicas"
+        still = "still loading; " if self.loading else ""
+        return (f"adapter {self.adapter!r} of deployment {self.deployment!r} is not loaded on {where} "
+                f"({still}waited {self.waited_s:.0f}s)")
 
 
 class CapacityExhausted(RoutingError):

@@ -31,6 +31,7 @@ from ray.exceptions import RayError
 from atomr_infer.errors import (
     AdapterFailed,
     AdapterNotFound,
+    AdapterNotLoaded,
     AtomrError,
     CapacityExhausted,
     DeploymentNotFound,
@@ -294,6 +295,9 @@ class Router:
                 patience = max(self._wait_s, dep.cold_start_timeout_s or 0.0, ADAPTER_LOAD_WAIT_S if loading else 0.0)
                 remaining = appear_from + patience - now
                 if remaining <= 0:
+                    ready = [r for r in dep.replicas if r.actor_name not in self._excluded]
+                    if adapter is not None and ready and not any(adapter in r.adapters for r in ready):
+                        raise AdapterNotLoaded(dep.name, adapter, len(ready), now - started, loading)
                     raise NoReadyReplica(name, now - started)
                 # Wait for a slot to free up or for the table to change, whichever comes first.
                 self._released.clear()

@@ -8,7 +8,7 @@ on Anthropic's ``/v1/messages`` routes, the same statuses in Anthropic's shape.
                         403  permission_error       model_not_allowed
     RateLimited         429  rate_limit_error       rate_limit_exceeded, Retry-After, x-ratelimit-*
     CapacityExhausted   429  rate_limit_error       Retry-After header
-    NoReadyReplica      503  service_unavailable    Retry-After header
+    NoReadyReplica      503  service_unavailable    Retry-After header (AdapterNotLoaded too: ready, the adapter not)
     ManagerUnreachable  503  service_unavailable    Retry-After header
     ReplicaUnavailable  503  service_unavailable
     EngineError         500  server_error           (mid-stream: a final SSE error event, then [DONE])

@@ -568,6 +568,46 @@ def test_a_request_for_an_adapter_still_loading_waits_for_it_past_the_replica_wa
     assert gave_up_after < router_module.ADAPTER_LOAD_WAIT_S  # the replica wait, not the adapter's
 
 
+def test_an_adapter_still_loading_past_the_wait_is_named_with_its_deployment_not_as_one(monkeypatch):
+    """Every ready replica still loading it after the adapter wait: the 503 said "deployment 'robot'
+    has no ready replica" (or 'tuned:robot'), though deployment 'tuned' had two ready."""
+    from atomr_infer.errors import AdapterNotLoaded
+    from atomr_infer.routing import router as router_module
+    from atomr_infer.routing.router import Router
+    from atomr_infer.routing.table import ReplicaRoute
+    from atomr_infer.serve.errors import http_error
+    from atomr_infer.wire import HttpRequest, RoutingFacts
+
+    from .fakes import JSON, FakeReplica, answer
+
+    monkeypatch.setattr(router_module, "ADAPTER_LOAD_WAIT_S", 0.4)
+    routes = tuple(ReplicaRoute(f"r{i}", f"atomr:tuned:r{i}", FakeReplica(f"r{i}"), frozenset(), frozenset({"robot"}))
+                   for i in range(2))
+    table = RoutingTable(1, {"tuned": DeploymentRoute("tuned", 8, "queue", routes, adapters=("robot",))})
+
+    async def source(version):
+        return table if version != table.version else None
+
+    async def main():
+        router = Router(source, refresh_s=60.0, wait_for_replica_s=0.1)
+        errors = []
+        for model in ("robot", "tuned:robot"):
+            body = json.dumps({"model": model, "prompt": "hi"}).encode()
+            with pytest.raises(AdapterNotLoaded) as caught:
+                await answer(router.stream(RoutingFacts.of("/v1/completions", json.loads(body)),
+                                           HttpRequest("POST", "/v1/completions", JSON, body)))
+            errors.append(caught.value)
+        await router.aclose()
+        return errors
+
+    for error in asyncio.run(main()):
+        assert str(error).startswith("adapter 'robot' of deployment 'tuned' is not loaded on any of its 2 ready "
+                                     "replicas (still loading; waited ")
+        http = http_error(error)
+        assert http.status == 503 and "Retry-After" in http.headers
+        assert str(type(error)(*error.args)) == str(error)  # crosses Ray
+
+
 def test_an_adapter_reloaded_from_a_new_source_is_not_reloaded_on_every_step():
     """vLLM's serving layer kept the in-place reload's request, load_inplace=True, for every later
     request of the adapter, and its worker re-read the adapter from disk on every step with it."""
