@@ -180,31 +180,46 @@ class DeploymentNotFound(RoutingError):
         known = ", ".join(self.known) if self.known else "none"
         return f"no deployment named {self.name!r} (deployments: {known})"
 
+    def unlisted(self) -> DeploymentNotFound:
+        """The same error naming nothing the request did not: for a caller without an API key."""
+        return DeploymentNotFound(self.name, None)
+
 
 class AdapterNotFound(DeploymentNotFound):
-    """A ``"<deployment>:<adapter>"`` whose deployment has no such LoRA adapter (404, as a model)."""
+    """A ``"<deployment>:<adapter>"`` whose deployment has no such LoRA adapter (404, as a model).
+    ``known``: its adapters; None names none."""
 
-    def __init__(self, deployment: str, adapter: str, known: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(self, deployment: str, adapter: str, known: list[str] | tuple[str, ...] | None = ()) -> None:
         super().__init__(f"{deployment}:{adapter}", known)
         self.deployment, self.adapter = deployment, adapter
+        self.args = (deployment, adapter, self.known)  # unpickled as AdapterNotFound(*args), as the others are
 
     def __str__(self) -> str:
+        if self.known is None:
+            return f"deployment {self.deployment!r} has no adapter {self.adapter!r}"
         known = ", ".join(self.known) if self.known else "none"
         return f"deployment {self.deployment!r} has no adapter {self.adapter!r} (its adapters: {known})"
+
+    def unlisted(self) -> AdapterNotFound:
+        return AdapterNotFound(self.deployment, self.adapter, None)
 
 
 class AdapterFailed(AdapterNotFound):
     """Every ready replica of the deployment failed to load the adapter: a request for it fails at
     once, saying why (404, as vLLM answers for a model it does not serve), instead of waiting."""
 
-    def __init__(self, deployment: str, adapter: str, why: str) -> None:
+    def __init__(self, deployment: str, adapter: str, why: str | None) -> None:
         super().__init__(deployment, adapter)
-        self.why = why
+        self.why = why  # None: not said (it may name the server's paths)
         self.args = (deployment, adapter, why)  # unpickled as AdapterFailed(*args), as the others are
 
     def __str__(self) -> str:
-        return (f"adapter {self.adapter!r} of deployment {self.deployment!r} failed to load on every ready replica: "
-                f"{self.why} (hint: `atomr status {self.deployment}`; an apply with a corrected source loads it)")
+        why = "" if self.why is None else f": {self.why}"
+        return (f"adapter {self.adapter!r} of deployment {self.deployment!r} failed to load on every ready replica"
+                f"{why} (hint: `atomr status {self.deployment}`; an apply with a corrected source loads it)")
+
+    def unlisted(self) -> AdapterFailed:
+        return AdapterFailed(self.deployment, self.adapter, None)
 
 
 class ResponseNotFound(RoutingError):

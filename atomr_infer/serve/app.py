@@ -262,10 +262,11 @@ class OpenAIIngress:
         return Response(body, status_code=head.status, headers=out_headers)
 
     def _refused(self, exc: BaseException, path: str, key: ApiKey | None, model: str, started: float) -> Response:
-        """``exc`` as the API's error, logged. An unknown name does not list the deployments to a
-        caller without a key where the API has keys (tokenizing is open to them)."""
-        if type(exc) is DeploymentNotFound and self._keys is not None and key is None:
-            exc = DeploymentNotFound(exc.name, None)
+        """``exc`` as the API's error, logged. An unknown name lists neither the deployments nor a
+        deployment's adapters, nor says why an adapter failed (the server's paths), to a caller
+        without a key where the API has keys (tokenizing is open to them)."""
+        if isinstance(exc, DeploymentNotFound) and self._keys is not None and key is None:
+            exc = exc.unlisted()
         return self._logged(error_response(exc, path), key, model, started)
 
     def _logged(self, response: Response, key: ApiKey | None, model: str, started: float) -> Response:

@@ -10,6 +10,7 @@ import pytest
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
+from atomr_infer.errors import AdapterFailed, AdapterNotFound
 from atomr_infer.serve import rate_limit
 from atomr_infer.serve.rate_limit import Buckets, IngressLimits
 from atomr_infer.wire import HttpHead, LastBytes
@@ -191,3 +192,32 @@ def test_an_answer_reporting_no_token_usage_is_charged_an_estimate(stream: bool)
     statuses = asyncio.run(main())
     assert charged(limiter, "key:alice:tokens") == (2 * 4 if stream else len(text) // 4)  # 4: [DONE] is one
     assert statuses == ([200, 200] if stream else [200, 429])
+
+
+@pytest.mark.parametrize("error", [
+    AdapterNotFound("smollm2", "x", ["pirate", "robot"]),
+    AdapterFailed("smollm2", "x", "failed: adapter 'smollm2:x' from /srv/adapters/x: no adapter_config.json"),
+])
+def test_an_unknown_or_failed_adapter_lists_nothing_and_names_no_path_to_a_caller_without_a_key(error) -> None:
+    """The check matched DeploymentNotFound alone, not its adapter subclasses: /tokenize without a
+    key answered a deployment's adapters, and why one failed, with the server's paths."""
+    ingress_, _limiter, app = ingress(keys())
+
+    async def refusing(facts, http):
+        raise error
+        yield  # an async generator, as the router's stream is
+
+    ingress_._router.stream = refusing
+
+    async def main():
+        return [await post(app, path, {"model": "smollm2:x", "prompt": "hi"}, key)
+                for path, key in (("/tokenize", None), ("/v1/completions", ALICE))]
+
+    (status, _, body), (keyed_status, _, keyed_body) = asyncio.run(main())
+    anonymous, keyed = json.loads(body)["error"]["message"], json.loads(keyed_body)["error"]["message"]
+    assert status == keyed_status == 404 and anonymous.startswith("deployment 'smollm2' has no adapter 'x'"
+                                                                  if type(error) is AdapterNotFound else
+                                                                  "adapter 'x' of deployment 'smollm2' failed to load")
+    assert "pirate" not in anonymous and "/srv" not in anonymous
+    assert ("pirate" in keyed) if type(error) is AdapterNotFound else ("/srv/adapters/x" in keyed)
+    assert str(type(error)(*error.args)) == str(error)  # crosses Ray
