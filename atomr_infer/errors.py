@@ -216,7 +216,7 @@ class AdapterFailed(AdapterNotFound):
     def __str__(self) -> str:
         why = "" if self.why is None else f": {self.why}"
         return (f"adapter {self.adapter!r} of deployment {self.deployment!r} failed to load on every ready replica"
-                f"{why} (hint: `atomr status {self.deployment}`; an apply with a corrected source loads it)")
+                f"{why} (hint: `atomr status {self.deployment}`; applying the spec again tries it at once)")
 
     def unlisted(self) -> AdapterFailed:
         return AdapterFailed(self.deployment, self.adapter, None)

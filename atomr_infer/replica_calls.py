@@ -96,8 +96,8 @@ class ReplicaCalls:
     def ready(self, timeout_s: float | None = None) -> Any:
         return self.actor.ready.remote(timeout_s)
 
-    def health(self, adapters: dict[str, str] | None = None) -> Any:
-        return self.actor.health.remote(adapters)
+    def health(self, adapters: dict[str, str] | None = None, retry: int = 0) -> Any:
+        return self.actor.health.remote(adapters, retry)
 
     def stats(self) -> Any:
         return self.actor.stats.remote()

@@ -138,8 +138,8 @@ def _wait(control: ControlPlane, names: list[str], timeout: float) -> int:
             "the engine refused this spec, so it will recur: the manager tries 3 times and stops; "
             "fix the spec and deploy it again"
             if name in outcome.recurring
-            else "its replicas serve the rest and try the adapter again with backoff; fix lora.adapters and "
-            "deploy again" if name in outcome.adapters
+            else "its replicas serve the rest and try the adapter again with backoff; fix it (or lora.adapters) "
+            "and deploy again: they then try it at once" if name in outcome.adapters
             else f"the manager retries with backoff, `atomr remove {name}` stops it"
         )
         report(AtomrError(f"deployment {name!r} failed: {reason} (hint: `atomr logs {name}`; {then})"))

@@ -137,8 +137,9 @@ class ManagedDeployment:
         """Its entry in the routing table: the ready replicas and the serving limits."""
         wanted = self.spec.lora.adapters if self.spec.lora is not None else {}
         placed = [(r, r.handle.placement()) for r in self.reconciler.ready_replicas()]
+        retry = self.reconciler.adapter_retry
         ready = tuple(
-            ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor(), *adapter_routes(r.handle, wanted),
+            ReplicaRoute(r.replica_id, r.handle.actor_name, r.handle.actor(), *adapter_routes(r.handle, wanted, retry),
                          kv_events=kv_source(facts.get("kv_events")), model=self._served_model(facts, r.runtime_key),
                          renders=str((facts.get("kv_events") or {}).get("renders") or ""))
             for r, facts in placed

@@ -205,6 +205,12 @@ class DeploymentManager:
                     log.info("apply", deployment=deployment.name, actions=action)
                     return ApplyResult(deployment.name, True, current.record.generation, (action,))
                 self._metrics.applied(deployment.name, "unchanged")
+                if failed := current.reconciler.retry_adapters():  # "fix lora.adapters and deploy again"
+                    action = f"retry the adapters that failed to load ({', '.join(failed)})"
+                    self._publish()  # routers wait for them again, instead of failing their requests
+                    self._kick.set()
+                    log.info("apply", deployment=deployment.name, actions=action)
+                    return ApplyResult(deployment.name, False, current.record.generation, (action,))
                 return ApplyResult(deployment.name, False, current.record.generation, ("unchanged",))
             try:
                 others = self._budgets.others(deployment.name)

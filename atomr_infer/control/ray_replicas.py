@@ -45,6 +45,7 @@ def _poll(fut: Future[Any] | None) -> tuple[Poll, Any]:
         return Poll.failed(failure.reason, recurring), None
 
 
+Asked = tuple[dict[str, str] | None, int]  # a health check's LoRA adapters, and its retry count
 UNPLACED_AFTER_S = 30.0  # a replica Ray has not placed this long is said to wait for resources
 UNPLACED_CHECK_S = 10.0  # how often Ray is asked (one GCS read), while it waits
 
@@ -66,7 +67,8 @@ class RayReplicaHandle:
         self._info: dict[str, Any] = {}
         self._in_flight = 0
         self._adapters: dict[str, str] = {}  # LoRA adapter -> its state, as of the last health check
-        self._asked: tuple[dict[str, str] | None, dict[str, str] | None] = (None, None)  # (sent, answered)
+        # (sent, answered): the adapters a health check asked for, with the retry count it sent
+        self._asked: tuple[Asked | None, Asked | None] = (None, None)
         self.adopted = adopted
 
     def actor(self) -> Any:
@@ -111,10 +113,10 @@ class RayReplicaHandle:
             self._info = info or {}
         return poll
 
-    def poll_health(self, adapters: dict[str, str] | None = None) -> Poll:
+    def poll_health(self, adapters: dict[str, str] | None = None, retry: int = 0) -> Poll:
         if self._health is None:
-            self._health = self._calls.health(adapters).future()
-            self._asked = (adapters, self._asked[1])
+            self._health = self._calls.health(adapters, retry).future()
+            self._asked = ((adapters, retry), self._asked[1])
             return Poll.pending()
         poll, info = _poll(self._health)
         if poll.done:
@@ -128,8 +130,9 @@ class RayReplicaHandle:
     def adapters(self) -> dict[str, str]:
         return self._adapters
 
-    def adapters_asked(self) -> dict[str, str] | None:
-        return self._asked[1]
+    def adapters_asked(self, retry: int = 0) -> dict[str, str] | None:
+        answered = self._asked[1]
+        return answered[0] if answered is not None and answered[1] == retry else None
 
     def in_flight(self) -> int:
         return self._in_flight

@@ -71,6 +71,7 @@ class DeploymentReconciler:
         # last_failure stays afterwards, as history; an old one is no reason to say "failing".
         self.failing = False
         self._failed_at = -1.0  # the clock of the last failure
+        self.adapter_retry = 0  # retry_adapters' count; not persisted: replicas retry once more when it differs
         self._launcher, self._clock = launcher, clock
         self._cfg = config or ReconcileConfig()
         self._next_index = next_index
@@ -188,7 +189,8 @@ class DeploymentReconciler:
         """What routers see of the ready replicas: their ids and the adapters loaded (still
         loading, failed) on them."""
         wanted = self._wanted_adapters() or {}
-        return frozenset((r.replica_id, adapter_routes(r.handle, wanted)) for r in self.ready_replicas())
+        return frozenset((r.replica_id, adapter_routes(r.handle, wanted, self.adapter_retry))
+                         for r in self.ready_replicas())
 
     def _wanted_adapters(self) -> dict[str, str] | None:
         lora = self.spec.lora if self.spec is not None else None
@@ -213,7 +215,7 @@ class DeploymentReconciler:
                 # A replica still on an older spec (mid-roll) keeps its adapters: the new spec's may
                 # need what its engine lacks (LoRA on, a higher rank, another base model).
                 current = r.runtime_key == self.runtime_key
-                poll = r.handle.poll_health(self._wanted_adapters() if current else None)
+                poll = r.handle.poll_health(self._wanted_adapters() if current else None, self.adapter_retry)
                 if poll.done:
                     r.last_health_at = now
                     if not poll.ok:
@@ -371,12 +373,20 @@ class DeploymentReconciler:
             adapters_settled=self._adapters_settled(),
         )
 
+    def retry_adapters(self) -> list[str]:
+        """The spec's adapters a ready replica failed to load: its replicas try them again at once, not
+        after their backoff, and say ``loading`` meanwhile (an unchanged apply asks it)."""
+        wanted = self._wanted_adapters() or {}
+        failed = {n for r in self.ready_replicas() for n, _ in adapter_routes(r.handle, wanted, self.adapter_retry)[2]}
+        self.adapter_retry += bool(failed)
+        return sorted(failed)
+
     def _adapters_settled(self) -> bool:
         """Every ready replica answered a health check that asked for the spec's adapters as they
         are now, with each loaded or failed (``atomr deploy --wait`` waits for that too)."""
         wanted = self._wanted_adapters()
         return not wanted or all(
-            r.handle.adapters_asked() == wanted
+            r.handle.adapters_asked(self.adapter_retry) == wanted
             and all(state == ADAPTER_LOADED or adapter_failure(state) is not None
                     for state in (r.handle.adapters().get(n, "") for n in wanted))
             for r in self.ready_replicas()

@@ -48,17 +48,19 @@ class ReplicaHandle(Protocol):
 
     def poll_ready(self) -> Poll: ...
 
-    def poll_health(self, adapters: dict[str, str] | None = None) -> Poll:
+    def poll_health(self, adapters: dict[str, str] | None = None, retry: int = 0) -> Poll:
         """Start a health check if none is running (telling the replica the LoRA ``adapters``
-        it should serve); report the last finished one."""
+        it should serve; a ``retry`` count other than the last it heard: try the failed ones again
+        at once); report the last finished one."""
 
     def adapters(self) -> dict[str, str]:
         """Each LoRA adapter's state on the replica (loading, loaded, reloading, failed: why), as
         of the last health check."""
 
-    def adapters_asked(self) -> dict[str, str] | None:
+    def adapters_asked(self, retry: int = 0) -> dict[str, str] | None:
         """The adapters (name -> source) the last answered health check asked the replica to
-        serve: its ``adapters()`` are the answer to those (None before any answer)."""
+        serve: its ``adapters()`` are the answer to those (None before any answer, or when that
+        check sent another ``retry`` count: the answer predates the retry)."""
 
     def in_flight(self) -> int:
         """Last known number of requests in flight (refreshed with health checks)."""
@@ -116,14 +118,14 @@ class ReplicaRecord:
 AdapterRoutes = tuple[frozenset[str], frozenset[str], tuple[tuple[str, str], ...]]
 
 
-def adapter_routes(handle: ReplicaHandle, wanted: Mapping[str, str] | None = None) -> AdapterRoutes:
+def adapter_routes(handle: ReplicaHandle, wanted: Mapping[str, str] | None = None, retry: int = 0) -> AdapterRoutes:
     """The LoRA adapters loaded on the replica (requests for one are routed only where it is),
     those of ``wanted`` (name -> source) it is still loading or has not reported yet (a request
     for one waits for it to load), and those it failed to load from the source wanted now, with
     why (a request for one fails at once when every replica failed it; one whose source an apply
     just changed waits for the replica to hear of it)."""
     wanted = wanted or {}
-    states, asked = handle.adapters(), handle.adapters_asked() or {}
+    states, asked = handle.adapters(), handle.adapters_asked(retry) or {}
     # Reloading from a new source: vLLM serves the old weights until the new ones are in.
     # Only the spec's: one an apply removed is not routed while the replica unloads it, nor on a
     # replica still on an older spec (mid-roll).

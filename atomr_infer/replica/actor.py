@@ -209,16 +209,17 @@ class VllmReplica:
         return {"replica_id": self._replica_id, "device": self._device, "model": self._deployment.model,
                 "state": self._life.state.value, **self._facts, **_placement()}
 
-    async def health(self, adapters: dict[str, str] | None = None) -> ReplicaHealth:
+    async def health(self, adapters: dict[str, str] | None = None, retry: int = 0) -> ReplicaHealth:
         """The replica's health report; raises ``EngineError`` once it is unhealthy.
 
         ``adapters``: the LoRA adapters the deployment has now (name -> directory); the replica
-        loads and unloads to match, while it serves, and reports each one's state."""
+        loads and unloads to match, while it serves, and reports each one's state. ``retry``: a
+        count other than the last one heard tries those that failed again at once."""
         self._check()
         if self._life.state is ReplicaState.UNHEALTHY:
             raise EngineError(f"{self!r} is unhealthy: {self._life.error}")
         if adapters is not None and self._deployment.lora is not None and self._life.state is ReplicaState.READY:
-            self._adapters.sync(adapters)
+            self._adapters.sync(adapters, retry)
         in_flight, waiting, _ = self._load()
         return dataclasses.replace(self._life.report(in_flight, waiting), adapters=dict(self._adapters.states))
 

@@ -2,9 +2,10 @@
 
 The manager sends the deployment's adapters (name -> source) with every health check; the
 replica resolves each source to a directory (a Hugging Face repo id is fetched into the hub
-cache, in a thread), loads what is new or changed (and, with backoff, what failed) and unloads
-what is gone, in the background, and reports each adapter's state with its health: ``loading``,
-``loaded``, or ``failed: <why>``. Routers send an adapter's requests only to replicas where it
+cache, in a thread), loads what is new or changed (and, with backoff, what failed; at once when
+the manager's retry count changes: an unchanged apply) and unloads what is gone, in the
+background, and reports each adapter's state with its health: ``loading``, ``loaded``, or
+``failed: <why>``. Routers send an adapter's requests only to replicas where it
 is loaded, so a replica that is still loading it (or started later, or failed to load it) serves
 none of them; one given a new source is ``reloading`` and still routed to (vLLM serves its old
 weights) until the new one is in, or failed.
@@ -46,12 +47,19 @@ class AdapterSet:
         # A) while a load ran, the old load finished first and said loaded; the queued unload then
         # dropped it from vLLM, and routers sent it requests vLLM refused.
         self._generations: dict[str, int] = {}
+        self._retry = 0  # the manager's retry count last heard (sync's retry)
 
     def full_name(self, adapter: str) -> str:
         return f"{self._deployment}:{adapter}"
 
-    def sync(self, wanted: dict[str, str]) -> list[asyncio.Task[None]]:
-        """Start loading what ``wanted`` adds or changes and unloading what it drops; the tasks."""
+    def sync(self, wanted: dict[str, str], retry: int = 0) -> list[asyncio.Task[None]]:
+        """Start loading what ``wanted`` adds or changes and unloading what it drops; the tasks.
+        A ``retry`` other than the last one (an unchanged apply: "fix lora.adapters and deploy
+        again") tries those that failed again now, not after their backoff, ``loading`` meanwhile."""
+        if retry != self._retry:
+            self._retry = retry
+            for name in [n for n in self._retry_at if n not in self._tasks]:
+                self._retry_at[name], self.states[name] = (0.0, 0), LOADING
         started = []
         for name, path in wanted.items():
             if self._paths.get(name) != path:

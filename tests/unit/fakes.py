@@ -65,6 +65,7 @@ class FakeHandle:
     adopted: bool = False
     load: int = 0  # what its health checks say is in flight
     asked: dict | None = None  # the adapters its last health check asked for (each loaded, unless states says)
+    retry: int = 0  # the retry count its last health check sent
     states: dict = field(default_factory=dict)
     facts: dict = field(default_factory=dict)  # more of what its ready() reported (engine facts)
     ready_draining: bool = False
@@ -80,16 +81,16 @@ class FakeHandle:
     def poll_ready(self):
         return self.ready
 
-    def poll_health(self, adapters=None):
+    def poll_health(self, adapters=None, retry=0):
         if self.health.done and self.health.ok:
-            self.asked = adapters
+            self.asked, self.retry = adapters, retry
         return self.health
 
     def adapters(self):
         return {**dict.fromkeys(self.asked or {}, "loaded"), **self.states}
 
-    def adapters_asked(self):
-        return self.asked
+    def adapters_asked(self, retry=0):
+        return self.asked if retry == self.retry else None
 
     def in_flight(self):
         return self.load

@@ -366,7 +366,7 @@ def test_a_loaded_adapter_given_a_new_source_stays_routable_while_it_reloads():
 
     during, after, broken = asyncio.run(main())
     assert during == {"pirate": "reloading"} and after == {"pirate": "loaded"}
-    handle = SimpleNamespace(adapters=lambda: during, adapters_asked=lambda: {"pirate": "/a/v2"})
+    handle = SimpleNamespace(adapters=lambda: during, adapters_asked=lambda retry=0: {"pirate": "/a/v2"})
     assert adapter_routes(handle, {"pirate": "/a/v2"})[0] == {"pirate"}  # still routed
     assert broken == {"pirate": "failed: no adapter_config.json"}  # the spec's source failed: said so
 
@@ -656,7 +656,7 @@ def test_an_adapter_is_not_said_failed_everywhere_for_replicas_away_for_now_or_a
     assert failed_everywhere([r0, r1], "pirate", {"atomr:d:r0": 3}) is None  # r0 unreachable for now
     assert failed_everywhere([r0, r1], "pirate", {"atomr:d:r0": None}) == "OSError: gone"  # r0 died
     failed = SimpleNamespace(adapters=lambda: {"pirate": "failed: OSError: gone"},
-                             adapters_asked=lambda: {"pirate": "/a/v1"})
+                             adapters_asked=lambda retry=0: {"pirate": "/a/v1"})
     assert adapter_routes(failed, {"pirate": "/a/v1"})[2] == (("pirate", "OSError: gone"),)
     assert adapter_routes(failed, {"pirate": "/a/v2"})[1:] == (frozenset({"pirate"}), ())  # corrected: loading
 
@@ -694,7 +694,7 @@ def test_mid_roll_the_old_replicas_keep_their_adapters_and_the_new_specs_wait_fo
     old = launcher.started[0]
     asked = []
     checked = old.poll_health
-    old.poll_health = lambda adapters=None: asked.append(adapters) or checked(adapters)
+    old.poll_health = lambda adapters=None, retry=0: asked.append(adapters) or checked(adapters, retry)
     managed.update(spec(adapters={"french": "/srv/french"}), forced_restart=False)
     for _ in range(3):  # the replacement is still starting; the old replica's health is checked meanwhile
         reconciler.update()

@@ -425,6 +425,30 @@ def test_status_says_when_every_replica_has_the_specs_adapters_loaded_or_failed(
     assert status.adapters_settled and status.failed_adapters == {"pirate": "OSError: no such file"}
 
 
+def test_an_unchanged_apply_has_the_replicas_retry_the_adapters_they_failed_at_once() -> None:
+    """`atomr deploy` says "fix lora.adapters and deploy again"; the apply of the same spec was
+    "unchanged" and the replicas retried only after their backoff (up to 5 min)."""
+    adapters = {"pirate": "/srv/pirate", "robot": "/srv/robot"}
+    h = Harness()
+    h.call("apply", spec(replicas=2, lora={"adapters": adapters}))
+    h.converge()
+    first, second = h.launcher.started
+    first.states = {"robot": "failed: OSError: no such file"}
+    again = h.call("apply", spec(replicas=2, lora={"adapters": adapters}))
+    assert (again.changed, again.generation, again.actions) == (False, 1, ("retry the adapters that failed to load "
+                                                                            "(robot)",))
+    status = h.call("status", "demo")
+    assert not status.adapters_settled  # `deploy --wait` waits for the retry's answer, not the failure before it
+    route = next(r for r in h.manager._table.find("demo").replicas if r.actor_name == first.actor_name)
+    assert "robot" in route.adapters_loading and route.adapters_failed == ()  # routers wait for it, not fail
+    first.states = {"robot": "loading"}  # the replica heard the retry: its backoff cleared
+    h.converge()
+    assert first.retry == second.retry == 1 and not h.call("status", "demo").adapters_settled
+    first.states = {}  # loaded
+    assert h.call("status", "demo").adapters_settled
+    assert h.call("apply", spec(replicas=2, lora={"adapters": adapters})).actions == ("unchanged",)
+
+
 def test_a_roll_with_one_gpu_to_spare_keeps_surging_while_the_old_replicas_drain(monkeypatch) -> None:
     """The room for a surge was read again every pass: once the first new replica took the spare
     GPU (and the old one it replaced still held its own, draining), the roll turned stop-first and
