@@ -193,13 +193,18 @@ class DeploymentManager:
             self._metrics.applied(str(spec.get("name", "")) if isinstance(spec, dict) else "", "rejected")
             raise
         async with self._lock:
-            self._recovery.check(deployment.name)
+            try:
+                self._recovery.check(deployment.name)
+            except Exception:
+                self._metrics.applied(deployment.name, "rejected")
+                raise
             current = self._desired.get(deployment.name)
             plan = self._plan(deployment, current)
             if not plan.changed:
                 assert current is not None
                 if current.reconciler.gave_up:  # failed: applying it again is the way to retry
                     action = f"retry after failure ({current.reconciler.last_failure})"
+                    self._metrics.applied(deployment.name, "changed")
                     current.reconciler.retry()
                     self._kick.set()
                     log.info("apply", deployment=deployment.name, actions=action)

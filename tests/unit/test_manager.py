@@ -470,3 +470,30 @@ def test_a_roll_with_one_gpu_to_spare_keeps_surging_while_the_old_replicas_drain
     old = {handle.actor_name: handle for handle in h.launcher.started}
     assert old["atomr:demo:r0"].draining and not old["atomr:demo:r1"].draining  # r1 serves on
     assert "atomr:demo:r3" in old  # the next new replica waits for r0's GPU instead
+
+
+def test_every_apply_is_counted_the_retry_of_a_failed_one_too() -> None:
+    """``atomr_manager_applies_total``: applying a failed deployment again (the way to retry it)
+    changed it but was not counted, nor was an apply refused while the manager recovers."""
+    from atomr_infer.control.recovery import NotRecoveredYet
+
+    h = Harness()
+    counted: list[tuple[str, str]] = []
+    h.manager._metrics.applied = lambda name, result: counted.append((name, result))
+    h.call("apply", spec())
+    for _ in range(3):  # recurring start failures: the deployment gives up
+        h.manager.reconcile_once()
+        h.launcher.started[-1].ready = Poll.failed("ValueError: max_model_len too large", recurring=True)
+        h.manager.reconcile_once()
+        h.clock.advance(120.0)
+    assert h.call("status", "demo").state == "failed"
+    retried = h.call("apply", spec())
+    assert retried.changed and retried.actions[0].startswith("retry after failure")
+
+    def not_recovered(name: str) -> None:
+        raise NotRecoveredYet(name)
+
+    h.manager._recovery.check = not_recovered
+    with pytest.raises(NotRecoveredYet):
+        h.call("apply", spec())
+    assert counted == [("demo", "changed"), ("demo", "changed"), ("demo", "rejected")]
