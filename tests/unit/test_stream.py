@@ -45,6 +45,41 @@ def test_lagging_consumer_gets_merged_deltas():
     assert (s.prompt_tokens, s.completion_tokens) == (4, 3)
 
 
+def test_a_lagging_consumer_of_cumulative_outputs_gets_the_latest_not_a_sum():
+    """vLLM's SamplingParams default to CUMULATIVE (each output holds every token so far), which a
+    few of its serving paths keep: merged as deltas, a lagging reader got [7, 7, 8] for [7, 8], and
+    the token counts grew with the square of the length. vLLM's collector keeps the later one."""
+
+    async def main():
+        s = RequestStream("r", prompt_tokens=2, cumulative=True)
+        put(s, "a", [7])
+        put(s, "ab", [7, 8])
+        first = await anext(aiter(s))
+        put(s, "abc", [7, 8, 9], "length")
+        return first, await collect(s), s
+
+    first, rest, s = asyncio.run(main())
+    assert list(first.outputs[0].token_ids) == [7, 8] and first.outputs[0].text == "ab"
+    assert [list(o.outputs[0].token_ids) for o in rest] == [[7, 8, 9]]
+    assert (s.completion_tokens, s.decode_tokens) == (3, 3)
+
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    from atomr_infer.engine.stats import StatsCollector
+    from atomr_infer.engine.vllm.open_streams import OpenStreams
+    from atomr_infer.metrics import ReplicaMetrics
+
+    log = SimpleNamespace(debug=lambda *a, **k: None, info=lambda *a, **k: None)
+    streams = OpenStreams(SimpleNamespace(submit=lambda *a, **k: None), StatsCollector(),
+                          ReplicaMetrics("d", "r0", enabled=False), log)
+    kinds = {kind: streams.open(kind.name, 2, "p", SamplingParams(output_kind=kind))._cumulative
+             for kind in RequestOutputKind}  # the stream merges as the request's params say
+    assert kinds == {RequestOutputKind.CUMULATIVE: True, RequestOutputKind.DELTA: False,
+                     RequestOutputKind.FINAL_ONLY: False}
+
+
 def test_prompt_consumer_gets_each_step_separately():
     async def main():
         s = RequestStream("r", prompt_tokens=1)

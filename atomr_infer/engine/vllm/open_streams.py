@@ -45,7 +45,8 @@ class OpenStreams:
         """Register a stream, then submit its request to the step loop (in that order)."""
         if request_id in self._streams:
             raise InvalidRequest("request_id", f"{request_id!r} is already in flight on this replica")
-        stream = RequestStream(request_id, prompt_tokens, logged_id)
+        kind = getattr(getattr(params, "output_kind", None), "name", None)
+        stream = RequestStream(request_id, prompt_tokens, logged_id, cumulative=kind == "CUMULATIVE")
         if self.failed is not None:  # nothing would ever step it: its consumer raises at once
             stream.fail(self.failed)
             return stream

@@ -22,6 +22,11 @@ def _merge_outputs(earlier: Any, later: Any) -> Any:
     return earlier
 
 
+def _keep_later(earlier: Any, later: Any) -> Any:
+    earlier.add(later, aggregate=False)  # CUMULATIVE: the later output holds all of the earlier
+    return earlier
+
+
 class RequestStream:
     __slots__ = (
         "request_id",
@@ -33,10 +38,12 @@ class RequestStream:
         "submitted_at",
         "first_token_at",
         "last_token_at",
+        "_cumulative",
         "_outputs",
     )
 
-    def __init__(self, request_id: str, prompt_tokens: int, logged_id: str | None = None) -> None:
+    def __init__(self, request_id: str, prompt_tokens: int, logged_id: str | None = None,
+                 cumulative: bool = False) -> None:
         self.request_id = request_id  # unique on the replica: the engine's
         self.logged_id = logged_id or request_id  # as the serving layer named it (the client's id in it)
         self.prompt_tokens = prompt_tokens
@@ -46,7 +53,10 @@ class RequestStream:
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
-        self._outputs: MergingBuffer[Any] = MergingBuffer(_merge_outputs)
+        # vLLM's CUMULATIVE outputs (its SamplingParams' default, which a few of its serving
+        # paths keep) each hold every token so far: merged as vLLM's collector merges them.
+        self._cumulative = cumulative
+        self._outputs: MergingBuffer[Any] = MergingBuffer(_keep_later if cumulative else _merge_outputs)
 
     @property
     def finished(self) -> bool:
@@ -66,6 +76,8 @@ class RequestStream:
         now = time.monotonic()
         self.cached_tokens = max(self.cached_tokens, getattr(output, "num_cached_tokens", None) or 0)
         counts = choice_tokens(output)
+        if self._cumulative:  # totals so far: what this step added
+            counts = {i: max(0, n - self._choice_tokens.get(i, 0)) for i, n in counts.items()}
         new_tokens = sum(counts.values())
         if new_tokens:
             self.completion_tokens += new_tokens
