@@ -5,7 +5,10 @@ per-request streams (vLLM's ``RequestOutput``s, merged as vLLM's ``RequestOutput
 merges them), the replica's OpenAI app (body bytes), a channel's batch (each request's items)
 and the router's per-request inbox. So memory per request is bounded by its own output, never
 by how far its reader lags, and a lagging reader takes fewer, larger pieces (at most one per
-engine step). Touched from one event loop only: no locks.
+engine step). A channel's batch is the exception: Ray resumes the replica's generator as soon
+as it has sent an item, not when the router has read it, so a batch holds what one turn of the
+replica's loop gathered (Ray's generator backpressure, a private option, was measured and not
+taken: docs/performance.md). Touched from one event loop only: no locks.
 """
 
 from __future__ import annotations
