@@ -170,15 +170,21 @@ class DeploymentNotFound(RoutingError):
     """``known``: the deployments to name in the message; None names none (said to a caller
     without an API key, who may not learn them)."""
 
-    def __init__(self, name: str, known: list[str] | tuple[str, ...] | None = ()) -> None:
-        super().__init__(name, None if known is None else list(known))
+    def __init__(self, name: str, known: list[str] | tuple[str, ...] | None = (),
+                 adapter_of: list[str] | tuple[str, ...] = ()) -> None:
+        super().__init__(name, None if known is None else list(known), list(adapter_of))
         self.name, self.known = name, None if known is None else list(known)
+        self.adapter_of = list(adapter_of)  # deployments that each have an adapter of this bare name
 
     def __str__(self) -> str:
         if self.known is None:
             return f"no deployment named {self.name!r}"
         known = ", ".join(self.known) if self.known else "none"
-        return f"no deployment named {self.name!r} (deployments: {known})"
+        shared = ""
+        if self.adapter_of:  # a bare adapter name is ambiguous: which deployment's?
+            shared = (f"; {self.name!r} is an adapter of {' and '.join(self.adapter_of)}: send "
+                      + " or ".join(repr(f"{d}:{self.name}") for d in self.adapter_of))
+        return f"no deployment named {self.name!r} (deployments: {known}{shared})"
 
     def unlisted(self) -> DeploymentNotFound:
         """The same error naming nothing the request did not: for a caller without an API key."""

@@ -22,7 +22,15 @@ from atomr_infer.control.budget_checks import BudgetChecks
 from atomr_infer.control.cluster_view import ray_cluster_view
 from atomr_infer.control.managed import ManagedDeployment, budgeted, removal_record
 from atomr_infer.control.placement import GpuChoice
-from atomr_infer.control.plan import ApplyResult, Plan, PlanResult, check_names, plan_apply, plan_remove
+from atomr_infer.control.plan import (
+    ApplyResult,
+    Plan,
+    PlanResult,
+    check_names,
+    plan_apply,
+    plan_remove,
+    shared_adapter_names,
+)
 from atomr_infer.control.reconcile import DeploymentReconciler, ReconcileConfig
 from atomr_infer.control.recovery import Recovery
 from atomr_infer.control.replicas import ReplicaLauncher
@@ -231,7 +239,8 @@ class DeploymentManager:
             generation = self._desired[deployment.name].record.generation
         log.info("apply", deployment=deployment.name, generation=generation, actions=plan.summary)
         self._kick.set()
-        return ApplyResult(deployment.name, True, generation, tuple(a.summary for a in plan.actions), verdict.warnings)
+        warnings = verdict.warnings + tuple(shared_adapter_names(deployment, others))
+        return ApplyResult(deployment.name, True, generation, tuple(a.summary for a in plan.actions), warnings)
 
     async def plan(self, spec: Deployment | dict[str, Any], alongside: tuple[Any, ...] = ()) -> PlanResult:
         """What ``apply`` would do, and the budget verdict; changes nothing. Raises what apply

@@ -148,3 +148,12 @@ def check_names(spec: Deployment, others: list[Deployment]) -> None:
                 if name == adapter:
                     raise SpecError([SpecProblem(spec.name, given_by, f"{name!r} names an adapter of deployment "
                                                  f"{other.name!r}, whose requests it would take")])
+
+
+def shared_adapter_names(spec: Deployment, others: list[Deployment]) -> list[str]:
+    """Warnings for the adapters of ``spec`` another deployment also has: their bare name then
+    routes nowhere (which one would it be?), so clients that sent it must name the deployment."""
+    shared = {adapter: other.name for other in others for adapter in (other.lora.adapters if other.lora else ())}
+    return [f"lora.adapters.{a}: deployment {shared[a]!r} has an adapter {a!r} too, so model {a!r} now names "
+            f"neither: send {spec.name + ':' + a!r} or {shared[a] + ':' + a!r}"
+            for a in (spec.lora.adapters if spec.lora else ()) if a in shared]

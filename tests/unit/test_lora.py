@@ -743,6 +743,42 @@ def test_an_adapter_named_like_a_deployment_or_an_alias_is_refused_whichever_com
     check_names(spec(adapters={"pirate": "/srv/p"}), [sql])  # other names: accepted
 
 
+def test_an_adapter_a_second_deployment_also_has_is_warned_at_apply_and_named_in_the_404():
+    """The bare name of an adapter two deployments have routes to neither: clients of the first,
+    which sent 'sql', got "no deployment named 'sql'" without a word at the apply or in the 404."""
+    from atomr_infer.errors import DeploymentNotFound
+    from atomr_infer.routing.router import Router
+    from atomr_infer.wire import HttpRequest, RequestKind, RoutingFacts
+
+    from .test_manager import Harness
+
+    h = Harness()
+    first = h.call("apply", {"name": "a", "model": "org/m", "device": "cuda", "lora": {"adapters": {"sql": "/s"}}})
+    second = h.call("apply", {"name": "b", "model": "org/m", "device": "cuda",
+                              "lora": {"adapters": {"sql": "/s2", "x": "/x"}}})
+    assert first.warnings == ()
+    assert second.warnings == ("lora.adapters.sql: deployment 'a' has an adapter 'sql' too, so model 'sql' now "
+                               "names neither: send 'b:sql' or 'a:sql'",)
+    table = RoutingTable(1, {name: DeploymentRoute(name, 8, "queue", (), adapters=("sql",)) for name in ("a", "b")})
+
+    async def source(version):
+        return table if version != table.version else None
+
+    async def main():
+        router = Router(source)
+        try:
+            async for _ in router.stream(RoutingFacts("sql", RequestKind.CHAT), HttpRequest("POST", "/", (), b"{}")):
+                pass
+        finally:
+            await router.aclose()
+
+    with pytest.raises(DeploymentNotFound) as info:
+        asyncio.run(main())
+    assert str(info.value) == ("no deployment named 'sql' (deployments: a, b; 'sql' is an adapter of a and b: "
+                               "send 'a:sql' or 'b:sql')")
+    assert str(info.value.unlisted()) == "no deployment named 'sql'"
+
+
 def test_a_replica_just_ready_is_routed_its_adapters_at_the_next_pass():
     """It loaded them before it said ready, but they were reported by its first health check only,
     a health period later: a one-replica deployment had no replica for them for ~2 s per start."""
