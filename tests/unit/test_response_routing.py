@@ -196,15 +196,34 @@ def test_a_response_still_being_answered_is_not_pushed_out_by_newer_ones_only_by
 
     serving = SimpleNamespace(background_tasks={})
     configure_response_store(SimpleNamespace(openai_serving_responses=serving),
-                             ResponseStore(enabled=True, max_responses=3, max_age_s=60))
+                             ResponseStore(enabled=True, max_responses=4, max_age_s=60))
     clock = Clock()
     serving.msg_store._index._clock = clock
     serving.msg_store["a"] = ["my name is Ann"]  # a starts
-    for i in range(3):  # three short ones start and end meanwhile
+    for i in range(4):  # four short ones start and end meanwhile
         serving.msg_store[f"k{i}"], serving.response_store[f"k{i}"] = [f"q{i}"], f"answer {i}"
     serving.response_store["a"] = "a's answer"  # a ends
     assert serving.msg_store["a"] == ["my name is Ann"] and serving.response_store["a"] == "a's answer"
-    assert "k0" not in serving.response_store and sorted(serving.response_store) == ["a", "k1", "k2"]
+    assert "k0" not in serving.response_store and sorted(serving.response_store) == ["a", "k1", "k2", "k3"]
     serving.msg_store["aborted"] = ["never answered"]
     clock.now = 61.0
     assert "aborted" not in serving.msg_store and len(serving.msg_store) == 0
+
+
+def test_requests_their_clients_left_do_not_push_out_the_finished_responses():
+    """vLLM writes no response for a request whose client left (or that failed): it looks answering
+    until its age. Spared without a bound, five of them in a store of three pushed out every finished
+    response as soon as it was written. Now only the newest half of the store is spared."""
+    from types import SimpleNamespace
+
+    from atomr_infer.engine.vllm.response_store import configure_response_store
+    from atomr_infer.spec.serving import ResponseStore
+
+    serving = SimpleNamespace(background_tasks={})
+    configure_response_store(SimpleNamespace(openai_serving_responses=serving),
+                             ResponseStore(enabled=True, max_responses=4, max_age_s=3600))
+    for i in range(5):  # "stop generating", five times
+        serving.msg_store[f"left{i}"] = ["a long input"]
+    serving.msg_store["ok"], serving.response_store["ok"] = ["hi"], "hello"
+    assert serving.response_store.get("ok") == "hello" and serving.msg_store.get("ok") == ["hi"]
+    assert sorted(serving.msg_store) == ["left2", "left3", "left4", "ok"]  # the newest two spared, then by age

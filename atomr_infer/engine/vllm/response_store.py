@@ -8,8 +8,9 @@ environment, and swaps the dicts for ``BoundedStore``s over one ``StoreIndex``: 
 ``max_responses`` response ids, each kept ``max_age_s`` after it was last written to any of the
 three, and dropped from all three at once. A response whose background task still runs is
 never dropped; one still being answered (its input messages stored, not yet the response) is
-not pushed out by newer ones, only by its age. Everything else of the store (what is stored when, the 404 for an id it
-does not hold) is vLLM's.
+not pushed out by newer ones, only by its age, while it is among the newest half of the store
+(vLLM writes no response for a request its client left: those look answering until their age).
+Everything else of the store (what is stored when, the 404 for an id it does not hold) is vLLM's.
 """
 
 from __future__ import annotations
@@ -60,16 +61,19 @@ class StoreIndex:
     def evict(self) -> None:
         oldest_kept = self._clock() - self._max_age_s
         kept: list[tuple[Any, float]] = []
+        shielded: set[Any] | None = None  # the answering ids spared, found once a pass needs them
         while self._written:
             key, at = next(iter(self._written.items()))
             fresh = at > oldest_kept
             if fresh and len(self._written) + len(kept) <= self._max_items:
                 break
+            if fresh and shielded is None:
+                shielded = self._newest_answering()
             del self._written[key]
             # Pushed out while it generated, a response was stored without its input messages: its
             # next turn lost the user's earlier ones (a KeyError, 500, under Harmony). Its age still
             # bounds it, so that an aborted request's messages do not stay.
-            if self._keep(key) or (fresh and self._answering(key)):
+            if self._keep(key) or (fresh and shielded is not None and key in shielded):
                 kept.append((key, at))
             else:
                 for store in self.stores:
@@ -77,6 +81,19 @@ class StoreIndex:
         for key, at in reversed(kept):  # still running or answering: back at the front, in their order
             self._written[key] = at
             self._written.move_to_end(key, last=False)
+
+
+    def _newest_answering(self) -> set[Any]:
+        """The newest ids still being answered, up to half the store: vLLM never writes the
+        response of a request its client left (or that failed), so those look answering until
+        their age; spared without a bound, they pushed out every finished response instead."""
+        newest: set[Any] = set()
+        for key in reversed(self._written):
+            if len(newest) >= self._max_items // 2:
+                break
+            if self._answering(key):
+                newest.add(key)
+        return newest
 
 
 class BoundedStore(dict):  # type: ignore[type-arg]
