@@ -97,7 +97,10 @@ class ReplicaCalls:
         return self.actor.ready.remote(timeout_s)
 
     def health(self, adapters: dict[str, str] | None = None, retry: int = 0) -> Any:
-        return self.actor.health.remote(adapters, retry)
+        # ``retry`` only when asked: a replica a restarted manager adopts may run the atomr before
+        # it (upgraded in place), whose health takes ``adapters`` alone; a TypeError there failed
+        # and stopped every adopted replica at its first check.
+        return self.actor.health.remote(adapters, retry) if retry else self.actor.health.remote(adapters)
 
     def stats(self) -> Any:
         return self.actor.stats.remote()
