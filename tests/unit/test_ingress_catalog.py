@@ -58,6 +58,21 @@ def test_a_deployment_scaled_to_zero_is_listed_as_vllm_lists_its_model() -> None
     assert health_status == 503 and health["not_ready"] == ["broken"] and health["deployments"]["big"]["ready"]
 
 
+def test_a_deployment_that_may_scale_to_zero_stays_listed_while_its_cold_start_runs() -> None:
+    """The first request raised its desired replicas to 1 while none was ready: it left /v1/models
+    and /health said 503 for the whole cold start, just while someone used it."""
+    starting = DeploymentStatus("big", "m2", 1, 1, 1, 0, autoscaling={"min_replicas": 0, "target": 1})
+    fixed = DeploymentStatus("pinned", "m3", 1, 1, 1, 0)  # no scaling to zero: not ready until a replica is
+    ingress_ = catalog(starting, fixed)
+
+    async def main():
+        return answer(await ingress_.list_models(get("/v1/models"))), answer(await ingress_.health(get("/health")))
+
+    (status, listed), (health_status, health) = asyncio.run(main())
+    assert status == 200 and [c["id"] for c in listed["data"]] == ["big"]
+    assert health_status == 503 and health["not_ready"] == ["pinned"] and health["deployments"]["big"]["ready"]
+
+
 def test_health_names_the_deployments_only_to_a_caller_with_a_key_where_the_api_has_keys() -> None:
     """/health is open: it listed every deployment (and those not ready) to any caller, while a
     404 on the open /tokenize hides the names from a caller without a key. The status is the same."""
