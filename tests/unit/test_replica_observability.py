@@ -429,3 +429,19 @@ def test_a_slow_adapter_load_is_no_wedged_step_and_one_past_its_bound_says_so(mo
     finally:
         release.set()
         asyncio.run(rep.shutdown())
+
+
+def test_an_engine_call_on_a_step_loop_that_ended_fails_at_once(replica):
+    """Queued on a loop that had ended, a call was never answered: an adapter load waited out its
+    whole timeout (300 s) on a replica already unhealthy."""
+    from atomr_infer.errors import EngineError
+
+    async def main():
+        await replica.ready()
+        loop = replica._backend._loop
+        loop.error = RuntimeError("the core process died")
+        await asyncio.to_thread(loop.stop, 10.0)
+        with pytest.raises(EngineError, match="has no running engine"):
+            await replica._backend.engine_call(lambda engine: "never", timeout_s=2.0)
+
+    asyncio.run(main())
