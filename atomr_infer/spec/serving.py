@@ -43,6 +43,10 @@ _SERVER_ARGS_HTTP = frozenset({
     "enable_request_id_headers", "disable_fastapi_docs", "enable_offline_docs", "grpc_port", "headless",
     "api_server_count", "data_parallel_supervisor_port",
 })
+# Of those, the ones `atomr serve` (and `atomr up --serve`) has a flag for: the refusal names it.
+_SERVER_ARGS_FLAGS = {name: f"--{name.replace('_', '-')}" for name in (
+    "host", "port", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials")} | {
+    "api_key": "--api-keys"}
 
 
 class OpenAIServing(Strict):
@@ -88,6 +92,9 @@ class OpenAIServing(Strict):
         for key, value in args.items():
             if key in _SERVER_ARGS_OWNED:
                 raise ValueError(f"{key}: set {_SERVER_ARGS_OWNED[key]} instead")
+            if key in _SERVER_ARGS_FLAGS:
+                raise ValueError(f"{key}: `atomr serve` runs the HTTP server: `atomr serve {_SERVER_ARGS_FLAGS[key]}` "
+                                 "sets it, for every deployment")
             if key in _SERVER_ARGS_HTTP:
                 raise ValueError(f"{key}: `atomr serve` runs the HTTP server (its flags and docs/cli.md say what it "
                                  "takes); server_args are the options of the model's server")

@@ -46,8 +46,10 @@ def test_a_value_vllm_refuses_is_refused_on_the_replica_in_one_line():
 @pytest.mark.parametrize(("key", "says"), [
     ("chat_template", "set serving.openai.chat_template instead"),
     ("served_model_name", "set serving.openai.served_model_name instead"),
-    ("port", "`atomr serve` runs the HTTP server"),
-    ("api_key", "`atomr serve` runs the HTTP server"),
+    ("port", "`atomr serve` runs the HTTP server: `atomr serve --port` sets it"),
+    ("api_key", "`atomr serve` runs the HTTP server: `atomr serve --api-keys`"),
+    ("ssl_keyfile", "`atomr serve` runs the HTTP server \\(its flags"),
+    ("allowed_origins", "`atomr serve` runs the HTTP server: `atomr serve --allowed-origins`"),
 ])
 def test_what_the_spec_or_atomr_serve_sets_is_refused_at_parse(key, says):
     with pytest.raises(SpecError, match=f"server_args: {key}: {says}"):
