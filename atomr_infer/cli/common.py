@@ -63,6 +63,13 @@ def allow_credentials_option(prefix: str = "") -> Any:
     return typer.Option(False, "--allow-credentials", help=f"{prefix}{what}" if prefix else "L" + what[1:])
 
 
+def request_id_headers_option(prefix: str = "") -> Any:
+    """vLLM's flag, with its ``--no-`` form: None when neither is given (an API running keeps its setting)."""
+    what = "every answer carries X-Request-Id: the request's own, else a fresh uuid4 hex (default off, as vLLM)."
+    return typer.Option(None, "--enable-request-id-headers/--no-enable-request-id-headers", show_default=False,
+                        help=f"{prefix}{what}" if prefix else "E" + what[1:])
+
+
 def cors_of(origins: Any, methods: Any, headers: Any, credentials: bool) -> Cors | None:
     """The API's CORS from the flags (each parsed by its option); None when none was given."""
     from atomr_infer.serve.cors import Cors

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 # The flags of `up` that only the HTTP API (--serve) reads.
 API_PARAMETERS = ("host", "port", "api_keys", "max_body_mb", "allowed_origins", "allowed_methods", "allowed_headers",
-                  "allow_credentials")
+                  "allow_credentials", "enable_request_id_headers")
 
 
 def _line(label: str, text: str) -> None:
@@ -55,6 +55,7 @@ def up_command(
     allowed_methods: str | None = common.cors_list_option("--allowed-methods", "With --serve: "),
     allowed_headers: str | None = common.cors_list_option("--allowed-headers", "With --serve: "),
     allow_credentials: bool = common.allow_credentials_option("With --serve: "),
+    enable_request_id_headers: bool | None = common.request_id_headers_option("With --serve: "),
 ) -> None:
     """Start (or join) Ray and the atomr manager; print the dashboard URL."""
     # (by the source's name: typer runs a copy of click of its own)
@@ -90,7 +91,8 @@ def up_command(
     _line("dashboard", common.dashboard_url() or "not running")
     if serve:
         cors = common.cors_of(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
-        _start_api(host, port, api_keys, int(max_body_mb * 1024 * 1024) if max_body_mb else None, cors)
+        _start_api(host, port, api_keys, int(max_body_mb * 1024 * 1024) if max_body_mb else None, cors,
+                   enable_request_id_headers)
     code = EXIT_OK if no_gemma else _provision_gemma(control)
     if not deployments:
         _line("next", "atomr deploy deployments/smollm2.yaml")
@@ -99,10 +101,11 @@ def up_command(
 
 def _start_api(
     host: str, port: int, api_keys: str | None = None, max_body_bytes: int | None = None, cors: Cors | None = None,
+    request_id_headers: bool | None = None,
 ) -> None:
     """The API on ``host:port``: started, or reported when it already runs there (updated in
-    place when ``api_keys``, ``max_body_bytes`` or ``cors`` is given, so that they take effect;
-    what is not given stays as it runs)."""
+    place when ``api_keys``, ``max_body_bytes``, ``cors`` or ``request_id_headers`` is given, so
+    that they take effect; what is not given stays as it runs)."""
     try:
         common.import_serve()
     except AtomrError as exc:
@@ -112,11 +115,12 @@ def _start_api(
 
     try:
         current = running_server()
-        reconfigure = api_keys is not None or max_body_bytes is not None or cors is not None
+        given = (api_keys, max_body_bytes, cors, request_id_headers)
+        reconfigure = any(value is not None for value in given)
         if current is not None and (current.host, current.port) == (host, port) and not reconfigure:
             _line("api", f"{current.base_url} (OpenAI-compatible, already running)")
             return
-        settings = api_settings(current, host, port, api_keys, max_body_bytes, cors)
+        settings = api_settings(current, host, port, *given)
         _line("api", f"starting the OpenAI-compatible API on {host}:{port} …")
         server = run_server(host, port, blocking=True, **settings)
     except AtomrError as exc:  # the port is taken: the error says which

@@ -39,6 +39,7 @@ def serve_command(
     allowed_methods: str | None = common.cors_list_option("--allowed-methods"),
     allowed_headers: str | None = common.cors_list_option("--allowed-headers"),
     allow_credentials: bool = common.allow_credentials_option(),
+    enable_request_id_headers: bool | None = common.request_id_headers_option(),
 ) -> None:
     """Serve every deployment over an OpenAI-compatible HTTP API (model = deployment name)."""
     try:
@@ -56,7 +57,7 @@ def serve_command(
         max_body_bytes = int(max_body_mb * 1024 * 1024) if max_body_mb else None
         cors = common.cors_of(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
         # An API running there (`atomr up --serve` started it): what is not given stays as it runs.
-        settings = api_settings(running_server(), host, port, api_keys, max_body_bytes, cors)
+        settings = api_settings(running_server(), host, port, api_keys, max_body_bytes, cors, enable_request_id_headers)
         server = run_server(host, port, address, blocking=True, replica_wait_s=replica_wait, **settings)
     except Exception as exc:  # noqa: BLE001 - one line, the CLI's exit codes
         fail(exc)

@@ -58,6 +58,7 @@ from atomr_infer.serve.cors import Cors
 from atomr_infer.serve.errors import ManagerUnreachable
 from atomr_infer.serve.listener import HttpListener, direct_posts, listen
 from atomr_infer.serve.rate_limit import Budget, IngressLimits
+from atomr_infer.serve.request_ids import with_request_ids
 from atomr_infer.serve.routes import BY_KEY, Via, paths
 from atomr_infer.serve.table_cache import TableCache
 from atomr_infer.serve.usage import body_tokens, prompt_estimate, refuse_uncounted, without_usage
@@ -110,10 +111,11 @@ class OpenAIIngress:
     def __init__(
         self, replica_wait_s: float = 30.0, max_body_bytes: int = MAX_BODY_BYTES, api_keys_path: str | None = None,
         listen_on: tuple[str, int] | None = None, cors: Cors | None = None, keep_alive_s: int = 5,
+        request_id_headers: bool = False,
     ) -> None:
         """``listen_on``: the API's ``(host, port)``, served by this replica itself (serve/listener.py),
         with ``cors`` (serve/cors.py; vLLM's defaults when None) around every route, an idle
-        connection kept open ``keep_alive_s``."""
+        connection kept open ``keep_alive_s``, and ``X-Request-Id`` on every answer if ``request_id_headers``."""
         heavy_imports.watch("ingress")  # it must load neither torch nor vLLM (heavy_imports.py)
         self._max_body_bytes = max_body_bytes
         self._keys = KeyFile(api_keys_path, watch=True) if api_keys_path else None
@@ -129,7 +131,8 @@ class OpenAIIngress:
         if listen_on is not None:  # bound here, so that a taken port fails the replica at once
             # Model requests skip the app's routing: they are most of what it would route.
             app = direct_posts(api, paths(Via.BODY), self.routed_by_body, error_response)
-            self._listener = HttpListener((cors or Cors()).wrap(app), listen(*listen_on), keep_alive_s)
+            app = with_request_ids((cors or Cors()).wrap(app), request_id_headers)  # outside CORS, as vLLM's
+            self._listener = HttpListener(app, listen(*listen_on), keep_alive_s)
             # The routes find this instance through Serve's replica context, set after __init__.
             self._listener.start(ready=lambda: serve.get_replica_context().servable_object is not None)
         tune_serving_process()  # this process streams every response (serving_process.py)

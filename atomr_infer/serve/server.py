@@ -35,7 +35,7 @@ class Server:
     host: str
     port: int
     started_serve: bool  # whether run_server started Serve (and so stop_server may shut it down)
-    # What it runs with, as run_server recorded it: api_keys_path, max_body_bytes, cors (a dict).
+    # What it runs with, as run_server recorded it: api_keys_path, max_body_bytes, cors (a dict), request_id_headers.
     settings: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -51,7 +51,7 @@ class Server:
 
 def api_settings(
     running: Server | None, host: str, port: int, api_keys_path: str | None, max_body_bytes: int | None,
-    cors: Cors | None,
+    cors: Cors | None, request_id_headers: bool | None = None,
 ) -> dict[str, Any]:
     """run_server's settings from the CLI's flags: each given, else, for the API ``running`` at
     ``host:port`` (updated in place), the one it runs with (adding CORS to an API with keys must
@@ -63,6 +63,7 @@ def api_settings(
         "max_body_bytes": max_body_bytes if max_body_bytes is not None else was.get("max_body_bytes"),
         "cors": cors if cors is not None or not recorded_cors else Cors(**{
             k: tuple(v) if isinstance(v, list) else v for k, v in recorded_cors.items()}),
+        "request_id_headers": bool(was.get("request_id_headers")) if request_id_headers is None else request_id_headers,
     }
 
 
@@ -176,6 +177,7 @@ def run_server(
     api_keys_path: str | None = None,
     max_body_bytes: int | None = None,
     cors: Cors | None = None,
+    request_id_headers: bool = False,
 ) -> Server:
     """Deploy the API and return once it is running (``blocking``) or once it is submitted.
 
@@ -183,6 +185,7 @@ def run_server(
     ``num_replicas``: ingress replicas (each holds its own routing-table cache).
     ``max_body_bytes``: larger request bodies get 413 before routing (default 16 MiB).
     ``cors``: which web pages may call it (serve/cors.py; default: none, as ``vllm serve`` 0.32).
+    ``request_id_headers``: every answer carries ``X-Request-Id`` (serve/request_ids.py; default off, as vLLM).
     ``api_keys_path``: an API keys file (serve/api_keys.py), checked here first; the ingress
     replicas read it, and re-read it when it changes, from this path (on their node).
     """
@@ -216,7 +219,7 @@ def run_server(
     app = OpenAIIngress.options(
         num_replicas=num_replicas, ray_actor_options={"num_cpus": 0, "resources": _this_node()}, **_surge(serve)
     ).bind(replica_wait_s=replica_wait_s, api_keys_path=api_keys_path, listen_on=(host, port),
-           keep_alive_s=keep_alive, **limits)
+           keep_alive_s=keep_alive, request_id_headers=request_id_headers, **limits)
     try:
         serve._run(app, name=APP_NAME, route_prefix=None, _blocking=blocking)
     except BaseException:
@@ -224,7 +227,8 @@ def run_server(
             _shutdown_serve()
         raise
     settings = {"api_keys_path": api_keys_path, "max_body_bytes": max_body_bytes,
-                "cors": dataclasses.asdict(cors) if cors is not None else None}
+                "cors": dataclasses.asdict(cors) if cors is not None else None,
+                "request_id_headers": request_id_headers}
     server = Server(host, port, started, settings)
     _record(server)
     log.info("openai_api_running", url=server.base_url)

@@ -46,7 +46,7 @@ _SERVER_ARGS_HTTP = frozenset({
 # Of those, the ones `atomr serve` (and `atomr up --serve`) has a flag for: the refusal names it.
 _SERVER_ARGS_FLAGS = {name: f"--{name.replace('_', '-')}" for name in (
     "host", "port", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials")} | {
-    "api_key": "--api-keys"}
+    "api_key": "--api-keys", "enable_request_id_headers": "--enable-request-id-headers"}
 
 
 class OpenAIServing(Strict):

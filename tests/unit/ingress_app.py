@@ -18,6 +18,7 @@ from atomr_infer.serve.body import MAX_BODY_BYTES
 from atomr_infer.serve.cors import Cors
 from atomr_infer.serve.listener import cancel_on_hang_up, direct_posts
 from atomr_infer.serve.rate_limit import Buckets, IngressLimits
+from atomr_infer.serve.request_ids import with_request_ids
 from atomr_infer.serve.routes import Via, paths
 from atomr_infer.wire import HttpHead, LastBytes
 
@@ -76,8 +77,8 @@ class Router:
 
 
 def ingress(keys_yaml: str | None = None, requests_per_minute: int | None = None,
-            tokens_per_minute: int | None = None) -> tuple[Any, Limiter, Any]:
-    """(the ingress, its limiter, the ASGI app) for one deployment ``smollm2``."""
+            tokens_per_minute: int | None = None, request_id_headers: bool = False) -> tuple[Any, Limiter, Any]:
+    """(the ingress, its limiter, the ASGI app, wrapped as its ``__init__`` wraps it) for one deployment ``smollm2``."""
     class Ingress(OpenAIIngress.func_or_class):  # type: ignore[misc, name-defined]
         def __del__(self) -> None:  # Serve's is a coroutine, awaited by a Serve replica: there is none
             pass
@@ -93,16 +94,18 @@ def ingress(keys_yaml: str | None = None, requests_per_minute: int | None = None
     ingress._router = Router(RoutingTable(1, {"smollm2": route}))
     ingress._access = AccessLog(lambda name: True)
     app = direct_posts(api, paths(Via.BODY), ingress.routed_by_body, error_response)
-    return ingress, limiter, cancel_on_hang_up(Cors().wrap(app))
+    return ingress, limiter, cancel_on_hang_up(with_request_ids(Cors().wrap(app), request_id_headers))
 
 
-async def post(app: Any, path: str, body: dict[str, Any], key: str | None = None) -> tuple[int, dict[str, str], bytes]:
-    """One POST through the ASGI app: (status, headers, body)."""
-    return await post_raw(app, path, json.dumps(body).encode(), key)
+async def post(app: Any, path: str, body: dict[str, Any], key: str | None = None,
+               extra: tuple[tuple[str, str], ...] = ()) -> tuple[int, dict[str, str], bytes]:
+    """One POST through the ASGI app (``extra``: more request headers): (status, headers, body)."""
+    return await post_raw(app, path, json.dumps(body).encode(), key, extra)
 
 
-async def post_raw(app: Any, path: str, raw: bytes, key: str | None = None) -> tuple[int, dict[str, str], bytes]:
-    headers = [(b"content-type", b"application/json")]
+async def post_raw(app: Any, path: str, raw: bytes, key: str | None = None,
+                   extra: tuple[tuple[str, str], ...] = ()) -> tuple[int, dict[str, str], bytes]:
+    headers = [(b"content-type", b"application/json"), *((k.encode(), v.encode()) for k, v in extra)]
     if key is not None:
         headers.append((b"authorization", f"Bearer {key}".encode()))
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",

@@ -93,11 +93,11 @@ def test_an_update_in_place_keeps_what_it_is_not_given():
                                                          "allow_credentials": True}})
     cors = Cors(allowed_origins=("https://b.example",))
     assert api_settings(running, "127.0.0.1", 8000, None, None, cors) == {
-        "api_keys_path": "/keys.yaml", "max_body_bytes": 1024, "cors": cors}
+        "api_keys_path": "/keys.yaml", "max_body_bytes": 1024, "cors": cors, "request_id_headers": False}
     kept = api_settings(running, "127.0.0.1", 8000, "/other.yaml", 2048, None)
     assert kept["api_keys_path"] == "/other.yaml" and kept["max_body_bytes"] == 2048
     assert kept["cors"] == Cors(("https://a.example",), ("*",), ("*",), True)
-    nothing = {"api_keys_path": None, "max_body_bytes": None, "cors": None}
+    nothing = {"api_keys_path": None, "max_body_bytes": None, "cors": None, "request_id_headers": False}
     assert api_settings(Server("h", 1, False), "h", 1, None, None, None) == nothing
     assert api_settings(running, "127.0.0.1", 8001, None, None, None) == nothing  # another address: a new API
     assert api_settings(None, "h", 1, None, None, None) == nothing

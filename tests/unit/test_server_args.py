@@ -49,6 +49,7 @@ def test_a_value_vllm_refuses_is_refused_on_the_replica_in_one_line():
     ("port", "`atomr serve` runs the HTTP server: `atomr serve --port` sets it"),
     ("api_key", "`atomr serve` runs the HTTP server: `atomr serve --api-keys`"),
     ("ssl_keyfile", "`atomr serve` runs the HTTP server \\(its flags"),
+    ("enable_request_id_headers", "`atomr serve` runs the HTTP server: `atomr serve --enable-request-id-headers`"),
     ("allowed_origins", "`atomr serve` runs the HTTP server: `atomr serve --allowed-origins`"),
 ])
 def test_what_the_spec_or_atomr_serve_sets_is_refused_at_parse(key, says):
