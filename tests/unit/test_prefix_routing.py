@@ -120,7 +120,8 @@ def test_only_listed_replicas_with_room_are_picked() -> None:
     assert pick_prefix_affinity(pool, full, 4, key, index) == (None, "full")
 
 
-def test_the_router_sends_a_conversation_back_to_its_replica() -> None:
+def routed(requests: list[tuple[RoutingFacts, HttpRequest]]) -> tuple[Router, list[FakeReplica]]:
+    """``requests`` sent in turn through a router over four fake replicas of a prefix_affinity deployment."""
     fakes = [FakeReplica(f"r{i}") for i in range(4)]
     dep = DeploymentRoute("d", 8, "queue", tuple(route(f) for f in fakes), policy="prefix_affinity")
     table = RoutingTable(1, {"d": dep})
@@ -130,15 +131,19 @@ def test_the_router_sends_a_conversation_back_to_its_replica() -> None:
 
     async def main() -> Router:
         r = Router(source)
-        for turns in (("hi ",), ("hi ", "hello ", "more "), ("hi ", "hello ", "more ", "ok ", "and? ")):
-            messages = json.loads(chat(*turns).body)["messages"]
-            facts = RoutingFacts("d", RequestKind.CHAT, prompt=messages)
-            async for _ in r.stream(facts, chat(*turns)):
+        for facts, request in requests:
+            async for _ in r.stream(facts, request):
                 pass
         await r.aclose()
         return r
 
-    r = asyncio.run(main())
+    return asyncio.run(main()), fakes
+
+
+def test_the_router_sends_a_conversation_back_to_its_replica() -> None:
+    turns = (("hi ",), ("hi ", "hello ", "more "), ("hi ", "hello ", "more ", "ok ", "and? "))
+    r, fakes = routed([(RoutingFacts("d", RequestKind.CHAT, prompt=json.loads(chat(*t).body)["messages"]), chat(*t))
+                       for t in turns])
     assert sorted(f.calls for f in fakes) == [0, 0, 0, 3]  # all three turns on one replica
     assert r.route_reasons == {("d", "no_affinity"): 1, ("d", "affinity_hit"): 2}
 
@@ -146,24 +151,11 @@ def test_the_router_sends_a_conversation_back_to_its_replica() -> None:
 def test_a_conversation_under_another_cache_salt_is_no_affinity_hit() -> None:
     """vLLM hashes a request's ``cache_salt`` into its first block: the same prompt under another
     salt shares nothing cached, so the router does not count it as a hit."""
-    fakes = [FakeReplica(f"r{i}") for i in range(4)]
-    dep = DeploymentRoute("d", 8, "queue", tuple(route(f) for f in fakes), policy="prefix_affinity")
-    table = RoutingTable(1, {"d": dep})
-
-    async def source(version):
-        return table if version != table.version else None
-
-    async def main() -> Router:
-        r = Router(source)
-        for salt, turns in (("a", ("hi ",)), ("a", ("hi ", "hello ", "more ")), ("b", ("hi ", "hello ", "more "))):
-            body = {**json.loads(chat(*turns).body), "cache_salt": salt}
-            request = HttpRequest("POST", "/v1/chat/completions", (), json.dumps(body).encode())
-            async for _ in r.stream(RoutingFacts.of("/v1/chat/completions", body), request):
-                pass
-        await r.aclose()
-        return r
-
-    r = asyncio.run(main())
+    later = ("hi ", "hello ", "more ")
+    bodies = [{**json.loads(chat(*turns).body), "cache_salt": salt}
+              for salt, turns in (("a", ("hi ",)), ("a", later), ("b", later))]
+    r, _ = routed([(RoutingFacts.of("/v1/chat/completions", body),
+                    HttpRequest("POST", "/v1/chat/completions", (), json.dumps(body).encode())) for body in bodies])
     assert r.route_reasons == {("d", "no_affinity"): 2, ("d", "affinity_hit"): 1}
     salted = [key_of(json.loads(chat("hi ").body)["messages"], salt=s) for s in (None, "a", "b")]
     assert len({k.blocks[0] for k in salted}) == 3 and len({k.conversation for k in salted}) == 3
