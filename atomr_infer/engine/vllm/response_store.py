@@ -8,7 +8,7 @@ environment, and swaps the dicts for ``BoundedStore``s over one ``StoreIndex``: 
 ``max_responses`` response ids, each kept ``max_age_s`` after it was last written to any of the
 three, and dropped from all three at once. A response whose background task still runs is
 never dropped; one still being answered (its input messages stored, not yet the response) is
-not pushed out by newer ones, only by its age, while it is among the newest half of the store
+not pushed out by newer ones, only by its age, while those spared take at most half the store
 (vLLM writes no response for a request its client left: those look answering until their age).
 Everything else of the store (what is stored when, the 404 for an id it does not hold) is vLLM's.
 """
@@ -40,6 +40,8 @@ class StoreIndex:
         self._max_items, self._max_age_s, self._keep, self._clock = max_items, max_age_s, keep, clock
         self._answering = answering
         self._written: collections.OrderedDict[Any, float] = collections.OrderedDict()
+        # Ids still being answered that the count pushed out: kept, oldest first, by their age only.
+        self._spared: collections.OrderedDict[Any, float] = collections.OrderedDict()
         self.stores: list[BoundedStore] = []
 
     def store(self) -> BoundedStore:
@@ -49,6 +51,7 @@ class StoreIndex:
         return store
 
     def written(self, key: Any) -> None:
+        self._spared.pop(key, None)  # answered now: it goes by count again
         self._written[key] = self._clock()
         self._written.move_to_end(key)
         self.evict()
@@ -57,43 +60,39 @@ class StoreIndex:
         """``key`` was taken out of one store: forgotten once no store holds it."""
         if not any(dict.__contains__(store, key) for store in self.stores):
             self._written.pop(key, None)
+            self._spared.pop(key, None)
 
     def evict(self) -> None:
         oldest_kept = self._clock() - self._max_age_s
+        while self._spared and next(iter(self._spared.values())) <= oldest_kept:  # they go by their age
+            self._drop(self._spared.popitem(last=False)[0])
         kept: list[tuple[Any, float]] = []
-        shielded: set[Any] | None = None  # the answering ids spared, found once a pass needs them
         while self._written:
             key, at = next(iter(self._written.items()))
             fresh = at > oldest_kept
-            if fresh and len(self._written) + len(kept) <= self._max_items:
+            if fresh and len(self._written) + len(kept) + len(self._spared) <= self._max_items:
                 break
-            if fresh and shielded is None:
-                shielded = self._newest_answering()
             del self._written[key]
-            # Pushed out while it generated, a response was stored without its input messages: its
-            # next turn lost the user's earlier ones (a KeyError, 500, under Harmony). Its age still
-            # bounds it, so that an aborted request's messages do not stay.
-            if self._keep(key) or (fresh and shielded is not None and key in shielded):
+            if self._keep(key):
                 kept.append((key, at))
+            # Pushed out while it generated, a response was stored without its input messages: its
+            # next turn lost the user's earlier ones (a KeyError, 500, under Harmony). Spared, it
+            # still goes by its age, and at most half the store is spared: vLLM writes no response
+            # for a request whose client left (or that failed), which looks answering until then,
+            # and spared without a bound those pushed out every finished response.
+            elif fresh and len(self._spared) < self._max_items // 2 and self._answering(key):
+                self._spared[key] = at
             else:
-                for store in self.stores:
-                    dict.pop(store, key, None)
-        for key, at in reversed(kept):  # still running or answering: back at the front, in their order
+                self._drop(key)
+        for key, at in reversed(kept):  # still running: back at the front, in their order
             self._written[key] = at
             self._written.move_to_end(key, last=False)
+        while self._spared and len(self._written) + len(self._spared) > self._max_items:  # nothing else left
+            self._drop(self._spared.popitem(last=False)[0])
 
-
-    def _newest_answering(self) -> set[Any]:
-        """The newest ids still being answered, up to half the store: vLLM never writes the
-        response of a request its client left (or that failed), so those look answering until
-        their age; spared without a bound, they pushed out every finished response instead."""
-        newest: set[Any] = set()
-        for key in reversed(self._written):
-            if len(newest) >= self._max_items // 2:
-                break
-            if self._answering(key):
-                newest.add(key)
-        return newest
+    def _drop(self, key: Any) -> None:
+        for store in self.stores:
+            dict.pop(store, key, None)
 
 
 class BoundedStore(dict):  # type: ignore[type-arg]
