@@ -14,10 +14,11 @@ from atomr_infer.status import DeploymentStatus
 def answering(status: DeploymentStatus) -> bool:
     """Whether a request to the deployment is answered: it has a ready replica, or it is scaled to
     zero on purpose (the request starts one, as the router waits for a cold start), or may be and
-    is starting one (a model that left the list during its cold start flickered out of UIs just
-    when someone used it), and has not failed (then nothing starts until an apply)."""
-    to_zero = status.replicas_desired == 0 or (status.autoscaling or {}).get("min_replicas") == 0
-    return status.replicas_ready > 0 or (to_zero and not status.failed)
+    is starting one with no start failing (a model that left the list during its cold start
+    flickered out of UIs just when someone used it), and has not failed (then nothing starts until
+    an apply)."""
+    starting = (status.autoscaling or {}).get("min_replicas") == 0 and not status.failing  # not crash-looping
+    return status.replicas_ready > 0 or ((status.replicas_desired == 0 or starting) and not status.failed)
 
 
 def model_list(

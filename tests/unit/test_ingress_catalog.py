@@ -63,14 +63,15 @@ def test_a_deployment_that_may_scale_to_zero_stays_listed_while_its_cold_start_r
     and /health said 503 for the whole cold start, just while someone used it."""
     starting = DeploymentStatus("big", "m2", 1, 1, 1, 0, autoscaling={"min_replicas": 0, "target": 1})
     fixed = DeploymentStatus("pinned", "m3", 1, 1, 1, 0)  # no scaling to zero: not ready until a replica is
-    ingress_ = catalog(starting, fixed)
+    crashing = DeploymentStatus("loops", "m4", 1, 1, 1, 0, failing=True, autoscaling={"min_replicas": 0})
+    ingress_ = catalog(starting, fixed, crashing)
 
     async def main():
         return answer(await ingress_.list_models(get("/v1/models"))), answer(await ingress_.health(get("/health")))
 
     (status, listed), (health_status, health) = asyncio.run(main())
     assert status == 200 and [c["id"] for c in listed["data"]] == ["big"]
-    assert health_status == 503 and health["not_ready"] == ["pinned"] and health["deployments"]["big"]["ready"]
+    assert health_status == 503 and health["not_ready"] == ["loops", "pinned"] and health["deployments"]["big"]["ready"]
 
 
 def test_health_names_the_deployments_only_to_a_caller_with_a_key_where_the_api_has_keys() -> None:
