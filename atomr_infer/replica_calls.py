@@ -17,6 +17,7 @@ of these calls into what the caller does about it:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -97,10 +98,14 @@ class ReplicaCalls:
         return self.actor.ready.remote(timeout_s)
 
     def health(self, adapters: dict[str, str] | None = None, retry: int = 0) -> Any:
-        # ``retry`` only when asked: a replica a restarted manager adopts may run the atomr before
-        # it (upgraded in place), whose health takes ``adapters`` alone; a TypeError there failed
-        # and stopped every adopted replica at its first check.
-        return self.actor.health.remote(adapters, retry) if retry else self.actor.health.remote(adapters)
+        # ``retry`` only when asked, and only where taken: a replica a restarted manager adopts may
+        # run the atomr before it (upgraded in place), whose health takes ``adapters`` alone; Ray
+        # refuses the call (TypeError) and the check failed and stopped every adopted replica. Such
+        # a replica retries a failed adapter on its own backoff.
+        if retry:
+            with contextlib.suppress(TypeError):
+                return self.actor.health.remote(adapters, retry)
+        return self.actor.health.remote(adapters)
 
     def stats(self) -> Any:
         return self.actor.stats.remote()

@@ -19,15 +19,17 @@ class Recorded:
         return "ref"
 
 
-def test_a_health_check_fits_a_replica_of_the_version_before_unless_it_asks_a_retry() -> None:
+def test_a_health_check_fits_a_replica_of_the_version_before_even_when_it_asks_a_retry() -> None:
     async def health_before(self, adapters=None):  # the replica's health() of 488d216
         ...
 
     before = Recorded(inspect.signature(health_before))
     calls = ReplicaCalls(type("Actor", (), {"health": before})())
     assert calls.health({"pirate": "/p"}) == "ref" and calls.health() == "ref"
+    assert calls.health({"pirate": "/p"}, 3) == "ref"  # a retry it cannot take: asked without (its own backoff)
     assert [dict(bound.arguments) for bound in before.calls] == [
         {"self": None, "adapters": {"pirate": "/p"}}, {"self": None, "adapters": None},
+        {"self": None, "adapters": {"pirate": "/p"}},
     ]
     from atomr_infer.replica.actor import VllmReplica
 
