@@ -222,7 +222,7 @@ class VllmBackend:
     async def engine_call(self, fn: Callable[[Engine], Any], timeout_s: float = OPERATOR_CALL_TIMEOUT_S) -> Any:
         """``fn(engine)`` run by the step loop between two steps (the engine is its thread's);
         ``TimeoutError`` past ``timeout_s`` (the call itself runs on: a thread is not cancelled)."""
-        if not self._started.is_set() or self._start_error is not None or self._loop.error is not None:
+        if not self._started.is_set() or self._start_error is not None or not self._loop.alive:
             raise EngineError(f"{self._ctx.name} has no running engine")
         return await asyncio.wait_for(asyncio.wrap_future(self._loop.call(fn)), timeout_s)
 
