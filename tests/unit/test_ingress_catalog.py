@@ -89,3 +89,11 @@ def test_health_names_the_deployments_only_to_a_caller_with_a_key_where_the_api_
     assert anonymous == wrong_key == (503, {"status": "unavailable"})
     assert alice[0] == 503 and alice[1]["not_ready"] == ["secret-finetune"] and "smollm2" in alice[1]["deployments"]
     assert no_keys[0] == 503 and no_keys[1]["not_ready"] == ["secret-finetune"]
+
+
+def test_the_card_of_an_adapter_name_two_deployments_have_says_which_names_to_send() -> None:
+    ingress_ = catalog(DeploymentStatus("a", "m", 1, 1, 1, 1), DeploymentStatus("b", "m", 1, 1, 1, 1))
+    ingress_._router.table = RoutingTable(1, {n: DeploymentRoute(n, 4, "queue", adapters=("sql",)) for n in "ab"})
+    status, body = answer(asyncio.run(ingress_.get_model("sql", get("/v1/models/sql"))))
+    assert status == 404 and body["error"]["message"] == (
+        "no deployment named 'sql' (deployments: a, b; 'sql' is an adapter of a and b: send 'a:sql' or 'b:sql')")
