@@ -47,7 +47,7 @@ def test_a_value_vllm_refuses_is_refused_on_the_replica_in_one_line():
     ("chat_template", "set serving.openai.chat_template instead"),
     ("served_model_name", "set serving.openai.served_model_name instead"),
     ("port", "`atomr serve` runs the HTTP server: `atomr serve --port` sets it"),
-    ("api_key", "`atomr serve` runs the HTTP server: `atomr serve --api-keys FILE` .a YAML file of keys. sets the API.s keys"),
+    ("api_key", "`atomr serve` runs the HTTP server: `atomr serve --api-keys FILE` .a YAML file of keys."),
     ("ssl_keyfile", "`atomr serve` runs the HTTP server \\(its flags"),
     ("enable_request_id_headers", "`atomr serve` runs the HTTP server: `atomr serve --enable-request-id-headers`"),
     ("allowed_origins", "`atomr serve` runs the HTTP server: `atomr serve --allowed-origins`"),
