@@ -245,8 +245,7 @@ class Router:
             while True:
                 dep, adapter = table.resolve(name)
                 if dep is None:
-                    raise DeploymentNotFound(name, sorted(table.deployments),
-                                             sorted(d for d, r in table.deployments.items() if name in r.adapters))
+                    raise DeploymentNotFound(name, sorted(table.deployments), table.adapter_of(name))
                 if adapter is not None and adapter not in dep.adapters:
                     if not forced:  # added by an apply this router's table has not seen yet?
                         table, forced = await self.refresh(force=True), True

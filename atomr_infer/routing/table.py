@@ -66,8 +66,12 @@ class RoutingTable:
         base, colon, adapter = name.partition(":")
         if colon and (found := self._named(base)) is not None:
             return found, adapter
-        having = [d for d in self.deployments.values() if name in d.adapters]
-        return (having[0], name) if len(having) == 1 else (None, None)
+        having = self.adapter_of(name)
+        return (self.deployments[having[0]], name) if len(having) == 1 else (None, None)
+
+    def adapter_of(self, name: str) -> list[str]:
+        """The deployments with a LoRA adapter of the bare name ``name``, by name."""
+        return sorted(key for key, d in self.deployments.items() if name in d.adapters)
 
     def knows(self, name: str) -> bool:
         """Whether it has the deployment (and the adapter) ``name`` names: else a newer table may."""

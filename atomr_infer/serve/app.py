@@ -352,16 +352,14 @@ class OpenAIIngress:
             return error_response(exc)
         status = deployments.get(dep.name if dep is not None else name)
         if status is None:
-            shared = sorted(d for d, route in table.deployments.items() if name in route.adapters)
-            return error_response(DeploymentNotFound(name, sorted(deployments), shared))
+            return error_response(DeploymentNotFound(name, sorted(deployments), table.adapter_of(name)))
         if not answering(status):  # one scaled to zero answers: a request starts a replica
             return error_response(NoReadyReplica(status.name))
         if adapter is None:
             return JSONResponse(model_card(status, name))
         card = next((c for c in adapter_cards(status) if c["id"] == f"{status.name}:{adapter}"), None)
         if card is None:
-            shared = sorted(d for d, route in table.deployments.items() if name in route.adapters)
-            return error_response(DeploymentNotFound(name, sorted(deployments), shared))
+            return error_response(DeploymentNotFound(name, sorted(deployments)))
         return JSONResponse(card)
 
     async def _fresh_table(self) -> Any:
