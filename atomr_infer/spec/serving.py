@@ -44,9 +44,9 @@ _SERVER_ARGS_HTTP = frozenset({
     "api_server_count", "data_parallel_supervisor_port",
 })
 # Of those, the ones `atomr serve` (and `atomr up --serve`) has a flag for: the refusal names it.
-_SERVER_ARGS_FLAGS = {name: f"--{name.replace('_', '-')}" for name in (
-    "host", "port", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials")} | {
-    "api_key": "--api-keys FILE", "enable_request_id_headers": "--enable-request-id-headers"}
+_SERVER_ARGS_FLAGS = {name: f"--{name.replace('_', '-')}` sets it" for name in (
+    "host", "port", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials",
+    "enable_request_id_headers")} | {"api_key": "--api-keys FILE` (a YAML file of keys) sets the API's keys"}
 
 
 class OpenAIServing(Strict):
@@ -93,9 +93,8 @@ class OpenAIServing(Strict):
             if key in _SERVER_ARGS_OWNED:
                 raise ValueError(f"{key}: set {_SERVER_ARGS_OWNED[key]} instead")
             if key in _SERVER_ARGS_FLAGS:
-                what = " (a YAML file of keys) sets the API's keys" if key == "api_key" else " sets it"
-                raise ValueError(f"{key}: `atomr serve` runs the HTTP server: `atomr serve {_SERVER_ARGS_FLAGS[key]}`"
-                                 f"{what}, for every deployment")
+                raise ValueError(f"{key}: `atomr serve` runs the HTTP server: `atomr serve {_SERVER_ARGS_FLAGS[key]}, "
+                                 "for every deployment")
             if key in _SERVER_ARGS_HTTP:
                 raise ValueError(f"{key}: `atomr serve` runs the HTTP server (its flags and docs/cli.md say what it "
                                  "takes); server_args are the options of the model's server")
