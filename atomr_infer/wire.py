@@ -158,6 +158,9 @@ class RoutingFacts:
     # A chat's fields its template renders besides the messages (tools, chat_template_kwargs, …):
     # routing.policy kv_events tokenizes the prompt as vLLM renders it. None when it has none.
     template: dict[str, Any] | None = None
+    # Whether waiting for it may start a replica of a deployment scaled to zero (demand): not
+    # for a caller the API did not authenticate (tokenizing is open where it has keys).
+    wakes: bool = True
     # The body's ``cache_salt``: vLLM hashes it into the prompt's first block, so only a request
     # with the same salt reuses its cache (routing.policy kv_events matches by it). None: unsalted.
     cache_salt: str | None = None
@@ -231,15 +234,21 @@ def resumable(data: dict[str, Any]) -> str:
     prompts = isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(p, int) for p in prompt)
     if data.get("n", 1) not in (1, None) or data.get("best_of", 1) not in (1, None) or prompts:
         return ""
-    stateful = any(data.get(k) not in (None, False) for k in _STATEFUL)
+    stateful = any(_set(data.get(k)) for k in _STATEFUL)
     fmt = data.get("response_format")
     if stateful and isinstance(fmt, dict) and fmt.get("type") == "text":  # text is no format at all
-        stateful = any(data.get(k) not in (None, False) for k in _STATEFUL if k != "response_format")
+        stateful = any(_set(data.get(k)) for k in _STATEFUL if k != "response_format")
     tools = data.get("tools") and data.get("tool_choice") != "none"
     # Stop strings: vLLM holds back the text that may begin one, so the token ids a replica
     # reports run ahead of the text it sent, and one across the seam would go unseen.
     stops = data.get("stop")
     return "unstarted" if stateful or tools or stops else "anywhere"
+
+
+def _set(value: Any) -> bool:
+    """A field asked for: anything but absent, null or false. By identity: ``logprobs: 0`` (a
+    completion's chosen token's logprob) asks for logprobs, though ``0 == False``."""
+    return value is not None and value is not False
 
 
 @dataclass(slots=True)

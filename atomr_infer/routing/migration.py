@@ -71,9 +71,12 @@ def on_model(
     usable: list[ReplicaRoute], dep: DeploymentRoute, model: str, excluded: Container[str]
 ) -> list[ReplicaRoute]:
     """The replicas a moved stream may continue on: those that serve the model its tokens came
-    from (a roll may change the model). ``EngineError`` if none is left that does."""
+    from (a roll may change the model). ``EngineError`` if the live ones all serve another."""
     same = [r for r in usable if r.model == model]
-    if not same and not any(r.model == model and r.actor_name not in excluded for r in dep.replicas):
+    live = [r for r in dep.replicas if r.actor_name not in excluded]
+    # None live at all (its one replica died): wait for the replacement, as an unstarted request
+    # waits for a replica; live ones, none on its model: a roll replaced them.
+    if not same and live and not any(r.model == model for r in live):
         raise EngineError(f"its replica died mid-request, and no replica of {dep.name} serves {model} any more "
                           "to continue it on (a roll changed the model)")
     return same
@@ -96,7 +99,8 @@ def named(request: HttpRequest) -> HttpRequest:
 
 async def seam(kind: RequestKind, items: AsyncIterator[Item], body_sent: bool) -> AsyncIterator[Item]:
     """A continuation's items less what the client already has: the head, and (once the first
-    part sent body bytes) a chat's opening chunk that only names the assistant's role. A
+    part sent body bytes) a chat's opening chunk that only names the role (``response_role``, or
+    the last message's without ``add_generation_prompt``). A
     continuation that failed (its head not 200) is an ``EngineError``, not text in the stream."""
     pending = b""
     opened = kind is not RequestKind.CHAT or not body_sent
@@ -132,5 +136,5 @@ def _role_only(event: bytes) -> bool:
         return False
     return (
         len(choices) == 1 and not choices[0].get("finish_reason")
-        and {k: v for k, v in choices[0].get("delta", {}).items() if v} == {"role": "assistant"}
+        and {k for k, v in choices[0].get("delta", {}).items() if v} == {"role"}
     )

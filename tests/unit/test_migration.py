@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 
 import pytest
 from ray.exceptions import ActorDiedError, ObjectLostError
@@ -185,6 +186,10 @@ def test_which_requests_may_move():
     assert facts("/v1/chat/completions", response_format={"type": "json_schema"}) == "unstarted"
     assert facts("/v1/chat/completions", tools=[{}], tool_choice="none") == "anywhere"
     assert facts("/v1/completions", echo=True) == facts("/v1/completions", logprobs=2) == "unstarted"
+    # 0 asks for the chosen token's logprob (0 == False in Python: it moved, and the continuation
+    # failed in vLLM's logprobs of the resumed tokens)
+    assert facts("/v1/completions", logprobs=0) == facts("/v1/completions", prompt_logprobs=0) == "unstarted"
+    assert facts("/v1/chat/completions", logprobs=False) == "anywhere"
     # beam search: an engine request per beam step; prompt embeddings: no token ids to extend
     assert facts("/v1/chat/completions", use_beam_search=True) == facts("/v1/completions", prompt_embeds="e") == (
         "unstarted")
@@ -288,6 +293,47 @@ def test_a_keep_alive_before_the_continuations_role_chunk_does_not_let_it_throug
     assert failure is None
     body = b"".join(i for i in got if not isinstance(i, HttpHead))
     assert body == ROLE + event("one") + b": keep-alive\n\n" + event(" two", "length") + b"data: [DONE]\n\n"
+
+
+def test_a_stream_whose_one_replica_died_waits_for_its_replacement():
+    """One replica (or none other ready): the stream failed at once, saying a roll had changed
+    the model; it now waits for the replica the manager starts instead, as an unstarted request does."""
+    dying, replacement = Dying("r0"), Continuing("r1")
+
+    def table(version: int, *replicas: FakeReplica) -> RoutingTable:
+        routes = tuple(dataclasses.replace(route(r), model="m") for r in replicas)
+        return RoutingTable(version, {"d": DeploymentRoute("d", 8, "queue", routes, migration_tries=1)})
+
+    died: list[float] = []
+
+    async def source(version):
+        if not dying.dead.is_set():
+            current = table(1, dying)
+        else:
+            died[:] = died or [time.monotonic()]
+            current = table(2) if time.monotonic() - died[0] < 0.2 else table(3, replacement)
+        return current if version != current.version else None
+
+    got, failure, router = streamed(source, *chat())
+    assert failure is None and replacement.resumed == [[7]] and router.migrations == {("d", "dead"): 1}
+    assert b"".join(i for i in got if not isinstance(i, HttpHead)) == (
+        ROLE + event("one") + event(" two", "length") + b"data: [DONE]\n\n")
+
+
+class ContinuingAsBot(Continuing):
+    """A deployment with ``response_role: bot``: every chat stream opens with that role."""
+
+    async def _serve(self, request, put, tokens, resume=None, prefilled=None):
+        self.resumed.append(resume)
+        put(HttpHead(200, SSE))
+        put(ROLE.replace(b'"assistant"', b'"bot"') + event(" two", "length") + b"data: [DONE]\n\n")
+
+
+def test_a_continuations_opening_chunk_is_dropped_whatever_role_it_names():
+    got, failure, _ = stream_over([only(1, Dying("r0"), 2), only(2, ContinuingAsBot("r1"), 2)], chat())
+    assert failure is None
+    body = b"".join(i for i in got if not isinstance(i, HttpHead))
+    assert body == ROLE + event("one") + event(" two", "length") + b"data: [DONE]\n\n"
 
 
 def test_a_model_whose_every_chat_answer_vllm_parses_moves_its_streams_only_unstarted():
