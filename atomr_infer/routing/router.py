@@ -279,10 +279,13 @@ class Router:
                 if self._closed:
                     raise RouterClosed("the router was closed")
                 now = time.monotonic()
-                if waiting_for is None:
-                    waiting_for = dep.name
-                    self._demand.wait(dep.name)
-                self._demand.report(dep.name, now)
+                if facts.wakes:
+                    if waiting_for is None:
+                        waiting_for = dep.name
+                        self._demand.wait(dep.name)
+                    self._demand.report(dep.name, now)
+                elif not usable and dep.cold_start_timeout_s is not None:  # may start none: none may come
+                    raise NoReadyReplica(name, now - started)
                 if usable:  # all full: queue for a slot
                     appear_from = now  # replicas exist; that wait is not running
                     if queue_deadline is not None and now >= queue_deadline:

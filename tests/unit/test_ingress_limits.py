@@ -67,6 +67,22 @@ def test_what_runs_no_engine_step_spends_no_request_budget() -> None:
     assert asyncio.run(main()) == [200, 200, 429]
 
 
+def test_only_a_caller_the_api_authenticated_may_start_a_replica() -> None:
+    """/tokenize without a key was routed as demand: an anonymous caller woke a deployment scaled
+    to zero (a GPU) as often as it liked (the router then refuses it at once: test_router_demand)."""
+    ingress_, _limiter, app = ingress(keys())
+
+    async def main():
+        await post(app, "/tokenize", {"model": "smollm2", "prompt": "hi"})
+        await post(app, "/v1/chat/completions", CHAT, ALICE)
+
+    asyncio.run(main())
+    assert [facts.wakes for facts, _http in ingress_._router.seen] == [False, True]
+    ingress_, _limiter, app = ingress()  # no keys: every caller may
+    asyncio.run(post(app, "/tokenize", {"model": "smollm2", "prompt": "hi"}))
+    assert [facts.wakes for facts, _http in ingress_._router.seen] == [True]
+
+
 def test_a_request_the_deployment_refuses_does_not_spend_its_keys_budget() -> None:
     _ingress, limiter, app = ingress(keys(requests_per_minute=3), requests_per_minute=1)
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from atomr_infer.control.autoscale import Autoscaler
-from atomr_infer.errors import CapacityExhausted
+from atomr_infer.errors import CapacityExhausted, NoReadyReplica
 from atomr_infer.routing.demand import REFUSED_COUNTS_S, Demand
 from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, RoutingTable
@@ -89,3 +89,28 @@ def test_a_burst_refused_within_one_period_reaches_the_manager_whole() -> None:
 
     asyncio.run(main())
     assert reports[0] == 1 and reports[-1] == 50, reports
+
+
+def test_a_caller_the_api_did_not_authenticate_starts_no_replica_of_a_deployment_at_zero() -> None:
+    """/tokenize is open where the API has keys: a caller with no key, waiting on a deployment
+    scaled to zero, was reported as demand, and the manager started a GPU replica for it. It now
+    gets 503 at once and starts nothing; a caller the API authenticated still wakes it."""
+    reports: list[tuple[str, int]] = []
+    table = RoutingTable(1, {"d": DeploymentRoute("d", 64, "queue", (), cold_start_timeout_s=300.0)})
+
+    async def source(version):
+        return table if version != table.version else None
+
+    async def main():
+        r = Router(source, refresh_s=0.0, demand=lambda router_id, name, n: reports.append((name, n)))
+        facts, http = request()
+        facts.wakes = False
+        with pytest.raises(NoReadyReplica):
+            await asyncio.wait_for(answer(r.stream(facts, http)), 2)
+        assert reports == []
+        waking = asyncio.create_task(answer(r.stream(*request())))
+        await asyncio.sleep(0.1)
+        waking.cancel()
+
+    asyncio.run(main())
+    assert reports[0] == ("d", 1)  # (then 0, once it was cancelled)
