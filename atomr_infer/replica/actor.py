@@ -122,7 +122,7 @@ class VllmReplica:
         renders, tokenizes, fetches images first), or generating in the background: a drain that
         counted the engine's alone let a roll stop a replica under requests it had taken."""
         in_engine = self._backend.open_requests()[0]
-        return max(in_engine, self._channels.open_requests + self._backend.background_requests())
+        return max(in_engine, self._channels.in_flight(self._backend.background_requests()))
 
     def _check(self) -> None:
         """The watchdog: close the channels of routers that are gone; mark the replica

@@ -26,12 +26,13 @@ router renews it every ``KEEPALIVE_S`` (and with every call), and a channel not 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from atomr_infer.errors import AtomrError, EngineError, ReplicaBusy
 from atomr_infer.merging import join_bytes, put_merged
-from atomr_infer.wire import LEASE_S, Batch, HttpHead, HttpRequest, OpenRequest
+from atomr_infer.wire import LEASE_S, Batch, HttpHead, HttpRequest, OpenRequest, as_vllm_reads
 
 Put = Callable[[HttpHead | bytes], None]
 Tokens = Callable[[list[int]], None]
@@ -41,6 +42,18 @@ Serve = Callable[[HttpRequest, Put, "Tokens | None", "list[int] | None", "Callab
 # How long a channel id whose stream ended is remembered (a late call of its router comes
 # within a lease or so; its router never uses the id again).
 ENDED_KEEP_S = 4 * LEASE_S
+
+
+def _streams_in_background(http: HttpRequest) -> bool:
+    """A Responses request with ``background`` and ``stream``: vLLM runs it as a background task
+    and, while the request is open, streams that task's events: one place, not two."""
+    if not http.path.startswith("/v1/responses") or b"background" not in http.body:
+        return False
+    try:
+        data = json.loads(http.body)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and as_vllm_reads(data.get("background")) and as_vllm_reads(data.get("stream"))
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -54,6 +67,7 @@ class Channel:
         self._batch = Batch(0)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._uncounted: set[str] = set()  # of those, the ones that run no engine step (tokenizing)
+        self._in_background: set[str] = set()  # of those, background streams (_streams_in_background)
         self._waiting: dict[str, int] = {}  # request id -> its prefill blocks, until its first output or prefilled()
         self.waiting_prefill = 0  # their sum
         self._ready = asyncio.Event()
@@ -74,6 +88,10 @@ class Channel:
         """Its requests that run engine steps: tokenizing is neither held to nor counted in a limit."""
         return len(self._tasks) - len(self._uncounted)
 
+    @property
+    def background_streams(self) -> int:
+        return len(self._in_background)
+
     def start(self, request: OpenRequest, serve: Serve) -> None:
         """Run one request: ``serve`` puts its items and returns at its end (or raises)."""
         if self._closed:  # its router's stream ended: nobody would read it (the router fails it)
@@ -82,6 +100,8 @@ class Channel:
         self._tasks[request.request_id] = task
         if not request.runs_engine:
             self._uncounted.add(request.request_id)
+        elif _streams_in_background(request.http):
+            self._in_background.add(request.request_id)
         # _pump's finally forgets it before the batch that ends it; a task cancelled before its
         # first step never runs that finally: forget it here too (twice is harmless).
         task.add_done_callback(lambda _task, request_id=request.request_id: self._forget(request_id))
@@ -95,6 +115,7 @@ class Channel:
     def _forget(self, request_id: str) -> None:
         self._tasks.pop(request_id, None)
         self._uncounted.discard(request_id)
+        self._in_background.discard(request_id)
         self._prefilled(request_id)
 
     async def _pump(self, request: OpenRequest, serve: Serve) -> None:
@@ -172,6 +193,11 @@ class ChannelHub:
     def open_requests(self) -> int:
         return sum(c.open_requests for c in self._channels.values())
 
+    def in_flight(self, background: int) -> int:
+        """The requests open here that run engine steps and the ``background`` responses
+        generating (answered ``queued``, their requests ended), a background stream once."""
+        return self.open_requests + max(0, background - sum(c.background_streams for c in self._channels.values()))
+
     @property
     def waiting_prefill(self) -> int:
         """Blocks of prefill its requests with no output yet wait for (kv_events)."""
@@ -193,10 +219,9 @@ class ChannelHub:
     def open(self, channel: Channel, request: OpenRequest, serve: Serve, limit: int, replica: str,
              background: int = 0) -> int:
         """Start ``request`` on ``channel`` unless ``limit`` requests that run engine steps are
-        open here, over every channel, counting the ``background`` responses that run on after
-        their request (answered ``queued``) ended (``ReplicaBusy``; tokenizing is not held to
-        it); the requests open here now."""
-        if request.runs_engine and self.open_requests + background >= limit:
+        open here, over every channel, counting the ``background`` responses (``in_flight``)
+        (``ReplicaBusy``; tokenizing is not held to it); the requests open here now."""
+        if request.runs_engine and self.in_flight(background) >= limit:
             raise ReplicaBusy(replica, limit)
         channel.start(request, serve)
         return self.open_requests

@@ -296,6 +296,38 @@ def test_a_background_response_counts_toward_max_concurrent_and_one_requests_inp
     assert admitted == 1 and isinstance(refused, ReplicaBusy)
 
 
+def test_a_streamed_background_response_is_one_place_not_two(replica):
+    """``background`` and ``stream``: vLLM runs it as a background task and streams that task's
+    events while the request is open. It counted as an open request and a background response,
+    so only half of max_concurrent such streams ran (the others queued, or got 429)."""
+    from atomr_infer.errors import ReplicaBusy
+    from atomr_infer.wire import HttpRequest, OpenRequest
+
+    def request(request_id: str, **fields) -> OpenRequest:
+        body = json.dumps({"model": "d", "input": "hi", "background": True, **fields}).encode()
+        return OpenRequest(request_id, HttpRequest("POST", "/v1/responses", (), body), limit=2)
+
+    async def streaming(request, put, tokens=None, resume=None, prefilled=None):
+        await asyncio.Event().wait()  # streams its background task's events until it ends
+
+    async def main():
+        await replica.ready()
+        replica._serve = streaming
+        opened = await replica.open_many("c1", [request("s1", stream=True)])
+        replica._backend._app = SimpleNamespace(background=1)  # s1's task
+        opened += await replica.open_many("c1", [request("s2", stream="true")])
+        replica._backend._app = SimpleNamespace(background=2)
+        opened += await replica.open_many("c1", [request("s3", stream=True)])  # full now
+        try:
+            return opened, replica._open_requests()
+        finally:
+            replica._backend._app = None
+            replica._channels.cancel("c1", ["s1", "s2", "s3"])
+
+    (first, second, third), in_flight = asyncio.run(main())
+    assert (first, second) == (1, 2) and isinstance(third, ReplicaBusy) and in_flight == 2
+
+
 def test_a_drain_waits_for_requests_admitted_and_still_being_prepared(replica, monkeypatch):
     """vLLM's serving layer renders, tokenizes and fetches images before the engine sees a request
     (seconds under a burst): the drain counted the engine's requests alone, returned 0 at once,

@@ -90,7 +90,8 @@ class OpenAIApp:
 
     @property
     def background(self) -> int:
-        """Background responses generating (answered ``queued``; their requests have ended)."""
+        """Background responses generating (answered ``queued``; a streamed one's request may
+        still be open, streaming its events: the replica's channels count it once)."""
         return len(getattr(self._responses, "background_tasks", None) or ())
 
     @classmethod
