@@ -37,6 +37,7 @@ from atomr_infer.errors import (
     DeploymentNotFound,
     EngineError,
     NoReadyReplica,
+    ReplicaBusy,
     RouterClosed,
 )
 from atomr_infer.log import get_logger
@@ -342,6 +343,9 @@ class Router:
             try:
                 answer = items if resume is None else migration.seam(facts.kind, items, bool(last))
                 async for chunk in answer:
+                    if isinstance(chunk, HttpHead) and chunk.status == 503 and not sent:  # vLLM's queue is full
+                        await items.aclose()  # (max_num_queued_reqs/tokens: "retry on a different instance")
+                        raise ReplicaBusy(route.actor_name, dep.max_concurrent)
                     if work and not isinstance(chunk, HttpHead):  # its first output: its prefill is done
                         prefilled()
                         work = 0

@@ -159,3 +159,25 @@ def test_tokenizing_does_not_count_toward_the_limit_of_generation(routers):
             await tokenizing
 
     assert asyncio.run(main()) == "from r0"
+
+
+class QueueFull(FakeReplica):
+    """vLLM's own admission (``max_num_queued_reqs``) refuses its first request with a 503, which
+    vLLM sends so that "load balancers retry the request on a different instance"."""
+
+    async def _answer(self, put):
+        if self.calls == 1:
+            put(HttpHead(503, JSON))
+            put(b'{"error":{"message":"The engine is currently busy and cannot accept new requests.","code":503}}')
+        else:
+            await super()._answer(put)
+
+
+def test_a_replica_whose_engine_queue_is_full_is_routed_around_like_one_at_its_limit():
+    """The 503 went to the client as the answer, whatever room the deployment's replicas had."""
+    async def main():
+        full = QueueFull("r0")
+        r = router("queue", (full,))
+        return await text(r), full.calls
+
+    assert asyncio.run(main()) == ("from r0", 2)  # counted full, then routed again once it said otherwise
