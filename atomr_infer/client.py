@@ -167,7 +167,7 @@ class Client:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a stream collected (its finally) while this thread holds it
 
     def _router(self) -> Router:
         if self._closed:
@@ -333,9 +333,13 @@ class Client:
             # Runs on break, errors and KeyboardInterrupt (also while a chunk is awaited: the
             # wait is cancelled first, as a generator still running cannot be closed): closing
             # the async generator makes the router cancel the replica's, which aborts the request.
-            if not self._closed and self._loop is not None:  # closed: close() cancelled it
-                closing = asyncio.run_coroutine_threadsafe(close_stream(agen, step), self._loop)
-                if threading.current_thread() is not self._thread:  # never wait on the loop from itself (GC)
+            # Under the lock: a close() on another thread stops the loop only after what is queued
+            # here (it may cancel it: closed all the same); closed before, close() cancelled it.
+            with self._lock:
+                loop = None if self._closed else self._loop
+                closing = None if loop is None else asyncio.run_coroutine_threadsafe(close_stream(agen, step), loop)
+            if closing is not None and threading.current_thread() is not self._thread:  # not from itself (GC)
+                with contextlib.suppress(FutureCancelled):
                     closing.result(timeout=10)
 
     async def aclose(self) -> None:

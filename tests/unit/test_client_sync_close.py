@@ -56,3 +56,39 @@ def test_a_loop_that_breaks_closes_the_stream() -> None:
         if chunk == 2:
             break
     assert closed.wait(5)
+
+
+def test_a_stream_left_while_another_thread_closes_the_client() -> None:
+    """The stream's cleanup read the client's loop, then used it: a close() on another thread in
+    between made it None (a raw AttributeError where the stream was closed)."""
+    closer: list[threading.Thread] = []
+
+    class Racing(Client):
+        race = False
+
+        @property
+        def _loop(self):
+            loop = self.__dict__["loop"]
+            if self.race and not closer:  # right after the cleanup's first read, the other thread closes
+                closer.append(threading.Thread(target=self.close))
+                closer[0].start()
+                closer[0].join(0.5)  # (blocked on the client's lock where the cleanup holds it)
+            return loop
+
+        @_loop.setter
+        def _loop(self, loop):
+            self.__dict__["loop"] = loop
+
+    async def stream():
+        for i in range(100):
+            yield i
+
+    client = Racing(manager=object())
+    chunks = client._sync(stream())
+    for chunk in chunks:
+        if chunk == 2:
+            break
+    client.race = True
+    chunks.close()  # as leaving a `with closing(...)` or the generator's collection does
+    closer[0].join(10)
+    assert not closer[0].is_alive() and client._closed
