@@ -60,8 +60,7 @@ TablePeek = Callable[[int], "RoutingTable | None"]  # the same, read at once fro
 STALE_TABLE_WAIT_S = 0.25
 # Tries for one request that fails before its first chunk (each on a replica not yet tried).
 MAX_ATTEMPTS = 4
-# How long a request for a LoRA adapter that a replica is loading waits for it (a repo id is
-# fetched from the Hub first: tens of MB).
+# How long a request waits for a LoRA adapter a replica is loading (a Hub repo is fetched first).
 ADAPTER_LOAD_WAIT_S = 60.0
 log = get_logger(__name__)
 
@@ -280,22 +279,23 @@ class Router:
                 if self._closed:
                     raise RouterClosed("the router was closed")
                 now = time.monotonic()
-                if facts.wakes:
+                # An adapter a replica is loading is waited for as long as loading may take, and is no
+                # demand (more replicas would load it too); a deployment that may scale to zero, a start.
+                loading = adapter is not None and any(
+                    adapter in r.adapters_loading and r.actor_name not in self._excluded for r in dep.replicas)
+                if not facts.wakes:  # may start none (no key): none may come of a deployment at zero
+                    if not usable and dep.cold_start_timeout_s is not None:
+                        raise NoReadyReplica(name, now - started)
+                elif usable or not loading:
                     if waiting_for is None:
                         waiting_for = dep.name
                         self._demand.wait(dep.name)
                     self._demand.report(dep.name, now)
-                elif not usable and dep.cold_start_timeout_s is not None:  # may start none: none may come
-                    raise NoReadyReplica(name, now - started)
                 if usable:  # all full: queue for a slot
                     appear_from = now  # replicas exist; that wait is not running
                     if queue_deadline is not None and now >= queue_deadline:
                         self._demand.refused(dep.name, now)
                         raise CapacityExhausted(name, dep.max_concurrent, retry_after_s=1.0)
-                # A deployment that may scale to zero waits as long as a replica may take to start;
-                # an adapter a replica is loading, as long as loading may take.
-                loading = adapter is not None and any(
-                    adapter in r.adapters_loading and r.actor_name not in self._excluded for r in dep.replicas)
                 patience = max(self._wait_s, dep.cold_start_timeout_s or 0.0, ADAPTER_LOAD_WAIT_S if loading else 0.0)
                 remaining = appear_from + patience - now
                 if remaining <= 0:

@@ -568,6 +568,43 @@ def test_a_request_for_an_adapter_still_loading_waits_for_it_past_the_replica_wa
     assert gave_up_after < router_module.ADAPTER_LOAD_WAIT_S  # the replica wait, not the adapter's
 
 
+def test_requests_waiting_for_an_adapter_to_load_are_not_demand():
+    """Ten requests for an adapter the one replica was loading (a Hub download: tens of seconds)
+    were reported as waiting: past upscale_delay_s the deployment scaled up to more GPU replicas
+    (each loading it too) while the one it had was idle. They wait for the load, not for a replica."""
+    from atomr_infer.routing.router import Router
+    from atomr_infer.routing.table import ReplicaRoute
+    from atomr_infer.wire import HttpRequest, RoutingFacts
+
+    from .fakes import JSON, FakeReplica, answer
+
+    replica, reports = FakeReplica("r0"), []
+
+    def table(version, **state):
+        route = ReplicaRoute("r0", "atomr:d:r0", replica, **state)
+        return RoutingTable(version, {"d": DeploymentRoute("d", 16, "queue", (route,), adapters=("robot",))})
+
+    tables = [table(1, adapters_loading=frozenset({"robot"}))]
+
+    async def source(version):
+        return tables[-1] if version != tables[-1].version else None
+
+    async def main():
+        router = Router(source, refresh_s=0.0, demand=lambda router_id, name, n: reports.append(n))
+        body = json.dumps({"model": "d:robot", "prompt": "hi"}).encode()
+        asks = [asyncio.create_task(answer(router.stream(RoutingFacts.of("/v1/completions", json.loads(body)),
+                                                         HttpRequest("POST", "/v1/completions", JSON, body))))
+                for _ in range(10)]
+        await asyncio.sleep(0.7)  # past a report's period (0.5 s)
+        tables.append(table(2, adapters=frozenset({"robot"})))  # loaded
+        answers = await asyncio.wait_for(asyncio.gather(*asks), 5)
+        await router.aclose()
+        return [head.status for head, _ in answers]
+
+    assert asyncio.run(main()) == [200] * 10
+    assert not any(reports), reports
+
+
 def test_an_adapter_still_loading_past_the_wait_is_named_with_its_deployment_not_as_one(monkeypatch):
     """Every ready replica still loading it after the adapter wait: the 503 said "deployment 'robot'
     has no ready replica" (or 'tuned:robot'), though deployment 'tuned' had two ready."""
