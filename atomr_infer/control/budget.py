@@ -8,14 +8,12 @@ Three checks, each with the numbers and a hint when it fails:
 - spend:  GPU-hours x price vs ``budget.max_spend_per_hour_usd`` / ``max_spend_per_day_usd``.
 
 Pure functions over a ``ClusterView`` so they are unit-tested without Ray. Prices come from
-``DEFAULT_GPU_PRICES_USD`` (on-demand cloud list prices, rounded; override with the
-``ATOMR_GPU_PRICES`` environment variable, a JSON object of accelerator type → $/GPU-hour).
+``DEFAULT_GPU_PRICES_USD`` (on-demand cloud list prices, rounded; the ``ATOMR_GPU_PRICES``
+environment variable overrides them: ``cluster_view.prices_from_env``).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -324,19 +322,6 @@ def lora_summary(spec: Deployment) -> str | None:
         size = f"size unknown ({type(exc).__name__})"
     return (f"{len(lora.adapters)} LoRA adapters, {lora.max_loras or 1} slots of rank {lora.max_lora_rank or 16}: "
             f"{size} (in the memory check)")
-
-
-def prices_from_env(environ: dict[str, str] | None = None) -> dict[str, float]:
-    env = os.environ if environ is None else environ
-    prices = dict(DEFAULT_GPU_PRICES_USD)
-    raw = env.get("ATOMR_GPU_PRICES")
-    if raw:
-        try:
-            parsed: Any = json.loads(raw)
-            prices.update({str(k): float(v) for k, v in parsed.items()})
-        except (ValueError, AttributeError, TypeError) as exc:
-            raise ValueError(f"ATOMR_GPU_PRICES: not a JSON object of type → $/GPU-hour: {raw!r} ({exc})") from None
-    return prices
 
 
 def scaling_summary(spec: Deployment, cluster: ClusterView | None, cap: tuple[int, str | None] | None = None) -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from atomr_infer.control.budget import ClusterView, check_budget, prices_from_env
+from atomr_infer.control.budget import ClusterView, check_budget
+from atomr_infer.control.cluster_view import prices_from_env
 from atomr_infer.control.managed import runtime_key
 from atomr_infer.control.plan import plan_apply, plan_remove
 from atomr_infer.errors import BudgetExceeded, DeviceUnavailable
