@@ -97,6 +97,14 @@ def gpus_needed(spec: Deployment, cluster: ClusterView, surge: int = 0) -> float
     return float(spec.gpus * (spec.replicas + surge)) if uses_gpus(spec, cluster) else 0.0
 
 
+def _one_replica(spec: Deployment, cluster: ClusterView) -> tuple[float, str, float | None, str]:
+    """What one replica takes from one node (its GPUs, or on CPU the CPUs it reserves), the unit,
+    the most of it one node has, and the field that sets it."""
+    if uses_gpus(spec, cluster):
+        return float(spec.gpus), "GPUs", cluster.largest_node_gpus, "gpus"
+    return float(cpu_reservation(spec)), "CPUs", cluster.largest_node_cpus, "cpu_threads"
+
+
 def _autoscaled(spec: Deployment) -> str:
     return " (autoscaled)" if spec.autoscaling is not None else ""
 
@@ -109,16 +117,20 @@ def _lower(spec: Deployment) -> str:
 def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: ClusterView, raise_on_fail: bool = True,
                  weights_bytes: int | None = None, kv_bytes_per_token: int | None = None,
                  max_model_len: int | None = None, held: HeldMemory | None = None,
-                 log_warnings: bool = True) -> BudgetVerdict:
+                 log_warnings: bool = True, before: Deployment | None = None) -> BudgetVerdict:
     """Run every check for ``spec`` given the other deployments' desired state; ``held``: its
-    own replicas already running on CPU (``HeldMemory``; None: none).
+    own replicas already running on CPU (``HeldMemory``; None: none); ``before``: the deployment
+    as applied now, at its replica count (None: new). Over the cluster's GPUs, or a replica over
+    every node's, a change that asks no more than ``before`` is admitted with a warning: the
+    cluster shrank under it (a node lost), and refusing would block an in-place change or a scale down.
 
     Raises ``DeviceUnavailable`` / ``BudgetExceeded`` on the first failing check unless
     ``raise_on_fail`` is False (``plan`` reports the verdict instead).
     """
     checks: list[Check] = []
     warnings: list[str] = []
-    if spec.device == "cuda" and cluster.total_gpus == 0:
+    need, had = gpus_needed(spec, cluster), gpus_needed(before, cluster) if before is not None else 0.0
+    if spec.device == "cuda" and cluster.total_gpus == 0 and (before is None or need > had):
         if raise_on_fail:
             raise DeviceUnavailable(
                 spec.name,
@@ -130,10 +142,14 @@ def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: Cluste
 
     # GPUs
     others_need = sum(gpus_needed(o, cluster) for o in others if o.name != spec.name)
-    need = gpus_needed(spec, cluster)
     ok = others_need + need <= cluster.total_gpus
     checks.append(Check("gpus", ok, f"{others_need + need:g} of {cluster.total_gpus:g} GPUs"))
-    if not ok and raise_on_fail:
+    if not ok and need <= had:
+        warnings.append(f"the cluster has {cluster.total_gpus:g} GPUs, fewer than the {others_need + need:g} the "
+                        f"deployments hold (a node lost?): applied, as {spec.name!r} asks for "
+                        + (f"no more than it held ({need:g})" if need else "none")
+                        + "; replicas that do not fit wait until GPUs are added or replicas lowered")
+    elif not ok and raise_on_fail:
         raise BudgetExceeded(
             spec.name, "gpus", others_need + need, cluster.total_gpus, "GPUs",
             f"this deployment needs {need:g} (gpus {spec.gpus} x replicas {spec.replicas}{_autoscaled(spec)}), others "
@@ -142,15 +158,16 @@ def check_budget(spec: Deployment, others: Iterable[Deployment], cluster: Cluste
 
     # One replica's GPUs (a CPU replica's reserved CPUs) are one actor's: Ray takes them from one
     # node, so a replica larger than every node is never placed, whatever the cluster's total.
-    if uses_gpus(spec, cluster):
-        one, largest, unit, knob = float(spec.gpus), cluster.largest_node_gpus, "GPUs", "gpus"
-    else:
-        one, largest, unit, knob = float(cpu_reservation(spec)), cluster.largest_node_cpus, "CPUs", "cpu_threads"
+    one, unit, largest, knob = _one_replica(spec, cluster)
     if largest is not None and one > largest:
         check = unit.lower()
         detail = f"a replica's {one:g} {unit} must be on one node; the largest has {largest:g}"
         checks.append(Check(check, False, detail))
-        if raise_on_fail:
+        was, was_unit, _, _ = _one_replica(before, cluster) if before is not None else (0.0, "", None, "")
+        if was_unit == unit and one <= was:  # a node that held it was lost
+            warnings.append(f"{detail} (a node lost?): applied, as a replica asks for no more than before; "
+                            f"replicas wait for a node with {one:g} {unit}")
+        elif raise_on_fail:
             raise BudgetExceeded(spec.name, check, one, largest, f"{unit} on one node",
                                  f"lower {knob}, or add a node with {one:g} {unit}")
 

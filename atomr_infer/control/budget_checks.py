@@ -37,9 +37,13 @@ class BudgetChecks:
         scaled to zero at one: its next request starts one, which must still fit), those of
         ``alongside`` as they would be applied."""
         batch = {d.name: budgeted(d, self._desired.get(d.name)) for d in alongside if d.name != name}
-        kept = [budgeted(d.spec.model_copy(update={"replicas": d.reconciler.want}), None)
-                for n, d in self._desired.items() if n != name and n not in batch]
+        kept = [self._as_counted(d) for n, d in self._desired.items() if n != name and n not in batch]
         return kept + list(batch.values())
+
+    @staticmethod
+    def _as_counted(managed: ManagedDeployment) -> Deployment:
+        """A deployment's spec at its replica target now, as the budget counts it."""
+        return budgeted(managed.spec.model_copy(update={"replicas": managed.reconciler.want}), None)
 
     def check(self, spec: Deployment, current: ManagedDeployment | None, restart: bool, others: list[Deployment],
               raise_on_fail: bool) -> BudgetVerdict:
@@ -48,7 +52,8 @@ class BudgetChecks:
         cluster = self._cluster_view()
         weights, kv, max_len = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
         held = self.held(current, restart, cluster)
-        return check_budget(spec, others, cluster, raise_on_fail, weights, kv, max_len, held)
+        before = None if current is None else self._as_counted(current)
+        return check_budget(spec, others, cluster, raise_on_fail, weights, kv, max_len, held, before=before)
 
     def held(self, current: ManagedDeployment | None, restart: bool, cluster: ClusterView) -> HeldMemory:
         """What ``current``'s ready CPU replicas of its spec hold (nothing on GPUs): kept, or

@@ -497,3 +497,31 @@ def test_every_apply_is_counted_the_retry_of_a_failed_one_too() -> None:
     with pytest.raises(NotRecoveredYet):
         h.call("apply", spec())
     assert counted == [("demo", "changed"), ("demo", "changed"), ("demo", "rejected")]
+
+
+def test_while_a_node_is_down_an_apply_that_asks_no_more_gpus_goes_ahead_and_plan_says_so() -> None:
+    """4 replicas on 4 GPUs, then a 2-GPU node is lost: applying only serving.max_concurrent was
+    refused (needs 4 GPUs, 2 available), and so was any other deployment's apply, exactly when an
+    operator wants to change rate limits. An apply that asks for more GPUs is still refused."""
+    h = Harness()
+    h.call("apply", spec(replicas=4))
+    h.call("apply", spec(name="cpu", device="cpu"))
+    h.converge()
+    h.manager._cluster_override = ClusterView(total_gpus=2, accelerator_type="L4", gpu_memory_bytes=24 << 30)
+    in_place = spec(replicas=4, serving={"max_concurrent": 8})
+    plan = h.call("plan", in_place)
+    assert plan.error is None and "the cluster has 2 GPUs, fewer than the 4" in plan.budget, plan  # warn, not refuse
+    applied = h.call("apply", in_place)
+    assert applied.changed and applied.actions == ("update in place (serving.max_concurrent: 32 → 8)",)
+    assert "asks for no more than it held (4)" in applied.warnings[0], applied
+    other = h.call("apply", spec(name="cpu", device="cpu", serving={"max_concurrent": 8}))
+    assert other.changed and "the cluster has 2 GPUs" in other.warnings[0]
+    assert h.call("apply", spec(replicas=3, serving={"max_concurrent": 8})).actions == ("scale 4 → 3",)
+    more = spec(replicas=4, serving={"max_concurrent": 8})
+    assert "needs 4 GPUs, 2 GPUs available" in h.call("plan", more).error
+    with pytest.raises(BudgetExceeded, match="needs 4 GPUs, 2 GPUs available"):
+        h.call("apply", more)
+    with pytest.raises(BudgetExceeded, match="needs 4 GPUs"):  # a new GPU deployment asks for more
+        h.call("apply", spec(name="new"))
+    assert h.call("status", "demo").generation == 3  # the refused ones changed nothing
+

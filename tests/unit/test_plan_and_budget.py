@@ -112,6 +112,27 @@ def test_a_replica_larger_than_every_node_is_refused_whatever_the_total():
     assert check_budget(spec(device="cuda", gpus=8), [], ClusterView(total_gpus=8)).ok  # nodes unknown: not checked
 
 
+def test_a_change_that_asks_no_more_than_before_goes_ahead_on_a_cluster_that_lost_a_node():
+    """2 replicas x 2 GPUs, then a node is lost (1 GPU left, or none): the GPU and one-node checks
+    refused any apply of the deployment, an in-place one too; it is let through with a warning.
+    A replica asking for more GPUs than before is still refused."""
+    before = spec(device="cuda", gpus=2, replicas=2)
+    same = spec(device="cuda", gpus=2, replicas=2, serving={"max_concurrent": 8})
+    shrunk = ClusterView(total_gpus=1, largest_node_gpus=1, largest_node_cpus=8)
+    verdict = check_budget(same, [], shrunk, before=before)
+    assert not verdict.ok and len(verdict.warnings) == 2, verdict
+    assert "the cluster has 1 GPUs, fewer than the 4" in verdict.warnings[0]
+    assert "a replica's 2 GPUs must be on one node; the largest has 1 (a node lost?)" in verdict.warnings[1]
+    with pytest.raises(BudgetExceeded, match="needs 4 GPUs on one node"):
+        check_budget(spec(device="cuda", gpus=4, replicas=1), [], shrunk, before=before)
+    with pytest.raises(BudgetExceeded, match="needs 4 GPUs, 1 GPUs available"):
+        check_budget(same, [], shrunk)  # new, it asks for them all
+    none_left = ClusterView(total_gpus=0, largest_node_gpus=0, largest_node_cpus=8)
+    assert check_budget(same, [], none_left, before=before).warnings
+    with pytest.raises(DeviceUnavailable):
+        check_budget(spec(device="cuda", gpus=2, replicas=3), [], none_left, before=before)
+
+
 def test_cpu_and_auto_on_gpu_less_cluster_need_no_gpus():
     cluster = ClusterView(total_gpus=0)
     assert check_budget(spec(device="cpu", replicas=3), [], cluster).ok
