@@ -211,7 +211,7 @@ class DeploymentManager:
             if not plan.changed:
                 assert current is not None
                 if current.reconciler.gave_up:  # failed: applying it again is the way to retry
-                    action = f"retry after failure ({current.reconciler.last_failure})"
+                    action = _retry_action(current)
                     self._metrics.applied(deployment.name, "changed")
                     current.reconciler.retry()
                     self._kick.set()
@@ -252,6 +252,7 @@ class DeploymentManager:
         others = self._budgets.others(deployment.name, batch)
         current = self._desired.get(deployment.name)
         plan = self._plan(deployment, current)
+        failed = current if not plan.changed and current is not None and current.reconciler.gave_up else None
         if plan.changed:
             check_names(deployment, others)
             self._check_engine_args(deployment)
@@ -262,7 +263,7 @@ class DeploymentManager:
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             error = str(exc)
             verdict = self._budgets.check(checked, current, plan.restart, others, False)
-        actions = tuple(a.summary for a in plan.actions)
+        actions = (_retry_action(failed),) if failed else tuple(a.summary for a in plan.actions)  # apply retries it
         scaling = ""
         if deployment.autoscaling is not None:
             cluster = self._cluster_view()
@@ -270,8 +271,8 @@ class DeploymentManager:
             cap = self._budgets.scale_cap(deployment, checked.replicas, deployment.autoscaling.max_replicas, cluster,
                                           held, batch)
             scaling = scaling_summary(deployment, cluster, cap)
-        return PlanResult(deployment.name, plan.changed, actions, verdict.ok and error is None, str(verdict), error,
-                          scaling)
+        return PlanResult(deployment.name, plan.changed or failed is not None, actions, verdict.ok and error is None,
+                          str(verdict), error, scaling)
 
     async def remove(self, name: str) -> ApplyResult:
         """Drain and stop a deployment's replicas. Unknown names are a no-op that says so."""
@@ -385,3 +386,8 @@ class DeploymentManager:
             status, removing=d is None, spec_hash=spec_hash(d.spec) if d else None, autoscaling=scaling,
             placement=d.spec.placement if d else None,
         )
+
+
+def _retry_action(failed: ManagedDeployment) -> str:
+    """What applying a failed deployment's spec again does (``plan`` says it too)."""
+    return f"retry after failure ({failed.reconciler.last_failure})"

@@ -525,3 +525,22 @@ def test_while_a_node_is_down_an_apply_that_asks_no_more_gpus_goes_ahead_and_pla
         h.call("apply", spec(name="new"))
     assert h.call("status", "demo").generation == 3  # the refused ones changed nothing
 
+
+def test_plan_of_a_failed_deployment_applied_again_says_it_retries_as_apply_does() -> None:
+    """``atomr deploy --dry-run`` said 'unchanged' for the same spec of a failed deployment, while
+    the deploy itself retries it."""
+    h = Harness()
+    h.call("apply", spec())
+    for _ in range(3):  # recurring start failures: the deployment gives up
+        h.manager.reconcile_once()
+        h.launcher.started[-1].ready = Poll.failed("ValueError: max_model_len too large", recurring=True)
+        h.manager.reconcile_once()
+        h.clock.advance(120.0)
+    assert h.call("status", "demo").state == "failed"
+    plan = h.call("plan", spec())
+    assert plan.changed and plan.actions == ("retry after failure (r2 failed to start: ValueError: max_model_len too "
+                                             "large)",), plan
+    assert h.call("status", "demo").state == "failed"  # the plan changed nothing
+    applied = h.call("apply", spec())
+    assert (applied.changed, applied.actions) == (plan.changed, plan.actions)
+    assert h.call("plan", spec()).actions == ("unchanged",)  # retrying now: nothing more to do
