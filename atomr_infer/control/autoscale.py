@@ -1,11 +1,16 @@
 """Autoscaling decisions for one deployment: how many replicas its load calls for.
 
-Ray Serve's rule (``serve/autoscaling_policy.py``) without its smoothing: the load is the
-requests in flight on the ready replicas (each replica's last health answer) plus those waiting
-in routers for a replica (routers report them while they wait); the deployment wants
-``ceil(load / target_ongoing_requests)`` replicas within ``[min_replicas, max_replicas]`` and
-moves there once that want has held for ``upscale_delay_s`` (more) or ``downscale_delay_s``
-(fewer). From zero replicas a waiting request scales up at once: nothing can serve it.
+Ray Serve's default policy (``serve/autoscaling_policy.py``, its scaling factors at 1): the load
+is the requests in flight on the ready replicas (each replica's last health answer) plus those
+waiting in routers for a replica (routers report them while they wait), looked at every pass and
+averaged over ``look_back_period_s``, each look holding until the next (``LoadWindow``, as Ray
+Serve's time-weighted mean of its metrics). The deployment wants ``ceil(mean / target_ongoing_requests)``
+replicas within ``[min_replicas, max_replicas]`` and moves to what the mean wants then once it has
+wanted more for ``upscale_delay_s``, or fewer for ``downscale_delay_s``, pass after pass (Ray
+Serve's decision counter: a pass that wants the current count, or the other way, starts it over).
+One look alone never decides: a burst or a dip shorter than the window moves the mean by its share.
+From zero replicas a waiting request scales up at once, to what the requests waiting now want:
+nothing can serve them, and the mean still holds the idle past.
 
 Scaling up never breaks the budget: ``cap(n)`` answers how many of ``n`` replicas the budget
 allows and why not more; the decision stops there and the reason stays visible in status (a
@@ -16,6 +21,7 @@ Pure: the clock and the budget come in as arguments, so tests drive it step by s
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -34,6 +40,39 @@ def within_bounds(replicas: int, cfg: Autoscaling) -> int:
     return min(max(replicas, cfg.min_replicas), cfg.max_replicas)
 
 
+class LoadWindow:
+    """The load as a step function of time (each look holds until the next), and its mean."""
+
+    def __init__(self) -> None:
+        self._looks: deque[tuple[float, float]] = deque()  # (at, load), a new entry only where it changed
+
+    def add(self, now: float, load: float) -> None:
+        if self._looks and now <= self._looks[-1][0]:  # the same instant (or a clock set back): the newer look
+            self._looks.pop()
+        if not self._looks or self._looks[-1][1] != load:
+            self._looks.append((now, load))
+
+    def mean(self, now: float, period_s: float) -> float:
+        """The time-weighted mean over the last ``period_s`` seconds, or since the first look where
+        that is more recent (nothing is assumed before it); the last look where no time passed."""
+        start = now - period_s
+        while len(self._looks) > 1 and self._looks[1][0] <= start:
+            self._looks.popleft()  # the one before the window still holds at its start
+        if not self._looks:
+            return 0.0
+        begin = max(start, self._looks[0][0])
+        if now <= begin:
+            return self._looks[-1][1]
+        ends = [at for at, _ in self._looks][1:] + [now]
+        looks = zip(self._looks, ends, strict=True)
+        total = sum(load * max(0.0, min(end, now) - max(at, begin)) for (at, load), end in looks)
+        return total / (now - begin)
+
+
+def _num(x: float) -> str:
+    return f"{round(x, 2):g}"
+
+
 @dataclass(frozen=True)
 class ScaleDecision:
     at: float  # epoch seconds
@@ -49,13 +88,14 @@ class ScaleDecision:
 class Autoscaler:
     def __init__(self, target: int) -> None:
         self.target = target  # the replica count the reconciler converges to
-        self.load = 0.0  # as of the last decision
+        self.load = 0.0  # what the last decision read: the mean over the look-back window
         self.wanted = target  # what the load called for, before delays and the budget
         self.limited: str | None = None  # why the budget stopped scaling short of ``wanted``
         self.last: ScaleDecision | None = None
         self._up_since: float | None = None
         self._down_since: float | None = None
         self._waiting: dict[str, tuple[float, int]] = {}  # router id -> (reported at, waiting)
+        self._window = LoadWindow()
 
     def report_waiting(self, router_id: str, waiting: int, now: float) -> None:
         self._waiting[router_id] = (now, waiting)
@@ -76,10 +116,14 @@ class Autoscaler:
     def decide(self, cfg: Autoscaling, in_flight: int, now: float, cap: BudgetCap) -> ScaleDecision | None:
         """One look at the load; a decision when the target changes."""
         waiting = self.waiting(now)
-        self.load = float(in_flight + waiting)
-        wanted = math.ceil(self.load / cfg.target_ongoing_requests)
-        self.wanted = wanted = within_bounds(wanted, cfg)
+        self._window.add(now, float(in_flight + waiting))
+        mean = self._window.mean(now, cfg.look_back_period_s)  # (every pass: it drops the looks past the window)
         current = self.target
+        # At zero the requests waiting now decide (a cold start); else the mean over the window.
+        self.load = float(in_flight + waiting) if current == 0 else mean
+        # (- 1e-9: a mean summed to 4.0000000001 wants 2 replicas at 2 each, not 3)
+        wanted = math.ceil(self.load / cfg.target_ongoing_requests - 1e-9)
+        self.wanted = wanted = within_bounds(wanted, cfg)
         if wanted > current:
             self._down_since = None
             self._up_since = now if self._up_since is None else self._up_since
@@ -92,8 +136,8 @@ class Autoscaler:
                 return None
             reason = (
                 f"cold start: {waiting} request(s) waiting" if current == 0
-                else f"load {self.load:g} over {current} replica(s) above target {cfg.target_ongoing_requests:g} "
-                f"each for {delay:g}s"
+                else f"load {_num(self.load)} over {current} replica(s) above target {cfg.target_ongoing_requests:g} "
+                f"each for {delay:g}s (mean over {cfg.look_back_period_s:g}s)"
             )
             if why and allowed < wanted:
                 reason += f"; stopped short of {wanted}: {why}"
@@ -106,7 +150,7 @@ class Autoscaler:
             self._down_since = now if self._down_since is None else self._down_since
             if now - self._down_since < cfg.downscale_delay_s:
                 return None
-            idle = "no load" if self.load == 0 else f"load {self.load:g}"
+            idle = "no load" if self.load == 0 else f"load {_num(self.load)} (mean over {cfg.look_back_period_s:g}s)"
             return self._move(
                 current, wanted, f"{idle} for {cfg.downscale_delay_s:g}s, target {cfg.target_ongoing_requests:g} "
                 f"per replica", now,
@@ -128,7 +172,7 @@ class Autoscaler:
             "target_ongoing_requests": cfg.target_ongoing_requests,
             "target_replicas": self.target,
             "wanted_replicas": self.wanted,
-            "load": self.load,
+            "load": round(self.load, 2),
             "waiting": self.waiting(now),
             "limited_by_budget": self.limited,
             "last_decision": asdict(self.last) if self.last else None,

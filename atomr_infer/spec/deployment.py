@@ -162,8 +162,9 @@ class Autoscaling(Strict):
     """Replicas from load, within bounds (Ray Serve's names and defaults where they mean the same).
 
     The manager sums the requests in flight on the ready replicas and those waiting in routers,
-    wants ``ceil(load / target_ongoing_requests)`` replicas within ``[min_replicas,
-    max_replicas]``, and moves there once that want has held for the delay. Scaling stops at the
+    averages that load over ``look_back_period_s``, wants ``ceil(load / target_ongoing_requests)``
+    replicas within ``[min_replicas, max_replicas]``, and moves there once that want has held for
+    the delay. Scaling stops at the
     deployment's budget (GPUs, memory, spend) and says so in ``atomr status``."""
 
     min_replicas: Annotated[StrictInt, Field(ge=0, le=1024)] = Field(
@@ -178,6 +179,11 @@ class Autoscaling(Strict):
     )
     downscale_delay_s: Annotated[Number, Field(ge=0, le=86_400)] = Field(
         600, description="How long the load must call for fewer replicas before they drain and stop."
+    )
+    look_back_period_s: Annotated[Number, Field(gt=0, le=3_600)] = Field(
+        30,
+        description="The load the decisions read is its time-weighted mean over this many seconds (as Ray "
+        "Serve's), not one look: a burst or a dip shorter than this moves it only by its share.",
     )
     cold_start_timeout_s: Annotated[Number, Field(gt=0, le=86_400)] = Field(
         300, description="With min_replicas 0: how long a request waits for the first replica to start."

@@ -31,12 +31,52 @@ def test_scales_up_only_once_the_load_held_for_the_delay() -> None:
     assert "load 16" in decision.reason and a.target == 4
 
 
-def test_a_dip_restarts_the_delay() -> None:
+def test_a_want_that_falls_back_restarts_the_delay() -> None:
+    """Ray Serve's decision counter: a pass whose mean wants the current count starts it over."""
+    cfg = CFG.model_copy(update={"look_back_period_s": 1})  # the mean is about the last look
     a = Autoscaler(1)
-    a.decide(CFG, in_flight=9, now=0.0, cap=unlimited)
-    a.decide(CFG, in_flight=2, now=2.0, cap=unlimited)  # the want fell back: the timer resets
-    assert a.decide(CFG, in_flight=9, now=4.0, cap=unlimited) is None
-    assert a.decide(CFG, in_flight=9, now=7.0, cap=unlimited).to_replicas == 3
+    a.decide(cfg, in_flight=9, now=0.0, cap=unlimited)
+    a.decide(cfg, in_flight=2, now=2.0, cap=unlimited)
+    a.decide(cfg, in_flight=9, now=3.0, cap=unlimited)  # the mean of the last second was 2: wants 1
+    assert a.decide(cfg, in_flight=9, now=4.0, cap=unlimited) is None  # it wants 3 again: from here
+    assert a.decide(cfg, in_flight=9, now=7.0, cap=unlimited).to_replicas == 3
+
+
+def drive(a: Autoscaler, cfg: Autoscaling, loads: list[int]) -> list[tuple[int, int, int]]:
+    """One look a second at ``loads``; the decisions as (second, from, to)."""
+    moves = []
+    for t, load in enumerate(loads):
+        d = a.decide(cfg, in_flight=load, now=float(t), cap=unlimited)
+        if d is not None:
+            moves.append((t, d.from_replicas, d.to_replicas))
+    return moves
+
+
+def test_a_dip_does_not_restart_the_delay() -> None:
+    """One look of an idle moment in a steady load (a health answer between two bursts) started
+    the delay over: under a noisy load it never ran out, and the deployment never scaled up."""
+    cfg = CFG.model_copy(update={"upscale_delay_s": 30})  # look_back_period_s: 30, Ray Serve's default
+    loads = [16] * 40
+    loads[20] = 0
+    assert drive(Autoscaler(1), cfg, loads) == [(30, 1, 4)]
+
+
+def test_a_noisy_load_scales_to_what_its_mean_wants() -> None:
+    """Looks of 12 and 2 by turns, a mean of 7 on 1 replica at 4 each: 2 replicas after the delay.
+    One look at a time wanted 3, then 1: the delay started over every second and it stayed at 1
+    (and where a delay ran out, it went to whatever the last look wanted)."""
+    cfg = CFG.model_copy(update={"upscale_delay_s": 10})
+    a = Autoscaler(1)
+    assert drive(a, cfg, [12, 2] * 30) == [(10, 1, 2)]
+    assert "load 7 over 1 replica(s)" in a.last.reason and a.report(cfg, now=59.0)["load"] == 7
+
+
+def test_a_burst_does_not_hold_off_a_scale_down() -> None:
+    """3 replicas idle but for one busy second: they go down to 1 after the downscale delay; the
+    burst's one look wanted 4 and started the delay over."""
+    loads = [0] * 15
+    loads[5] = 20
+    assert drive(Autoscaler(3), CFG, loads) == [(10, 3, 1)]
 
 
 def test_scales_down_after_the_downscale_delay_never_below_min() -> None:
@@ -82,8 +122,9 @@ def test_scale_cap_counts_gpus_and_spend() -> None:
 
 
 def autoscaled(**kw) -> Deployment:
+    # A look-back of one pass: these tests are about the manager's part, the smoothing is above.
     scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4, "upscale_delay_s": 2,
-               "downscale_delay_s": 5, **kw}
+               "downscale_delay_s": 5, "look_back_period_s": 1, **kw}
     return spec(autoscaling=scaling)
 
 

@@ -54,6 +54,7 @@ FULL: dict[str, Any] = {
         "target_ongoing_requests": 8.0,
         "upscale_delay_s": 5.0,
         "downscale_delay_s": 120.0,
+        "look_back_period_s": 10.0,
         "cold_start_timeout_s": 60.0,
     },
     "placement": "pack",

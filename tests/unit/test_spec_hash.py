@@ -93,7 +93,7 @@ _OTHER_VALUE: dict[str, Any] = {
     "lora.adapters": {"french": "/srv/adapters/other"},
     "autoscaling": {
         "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 2.0, "upscale_delay_s": 30.0,
-        "downscale_delay_s": 600.0, "cold_start_timeout_s": 300.0,
+        "downscale_delay_s": 600.0, "look_back_period_s": 30.0, "cold_start_timeout_s": 300.0,
     },
 }
 
