@@ -25,7 +25,7 @@ from typing import Any
 from atomr_infer.control.replicas import AdapterRoutes, ReplicaLauncher, ReplicaRecord, adapter_routes
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
-from atomr_infer.status import ADAPTER_LOADED, DeploymentStatus, ReplicaState, ReplicaStatus, adapter_failure
+from atomr_infer.status import ADAPTER_LOADED, DeploymentStatus, ReplicaState, adapter_failure
 
 log = get_logger(__name__)
 
@@ -342,20 +342,8 @@ class DeploymentReconciler:
     def status(self) -> DeploymentStatus:
         spec = self.spec
         wanted_names = self._wanted_adapters() or {}  # one an apply removed is not listed while it unloads
-        replicas = tuple(
-            ReplicaStatus(
-                replica_id=r.replica_id,
-                actor_name=r.handle.actor_name,
-                state=r.state,
-                generation=r.generation,
-                reason=r.reason or (r.handle.waiting_for() if r.state == ReplicaState.STARTING else None) or None,
-                in_flight=r.handle.in_flight(),
-                started_at=r.started_at,
-                adapters={n: state for n, state in r.handle.adapters().items() if n in wanted_names},
-                **{k: tuple(v) if k == "gpu_ids" else v for k, v in r.handle.placement().items()},
-            )
-            for r in sorted(self.replicas, key=lambda r: int(r.replica_id.lstrip("r") or 0))
-        )
+        replicas = tuple(r.status(wanted_names)
+                         for r in sorted(self.replicas, key=lambda r: int(r.replica_id.lstrip("r") or 0)))
         return DeploymentStatus(
             name=self.name,
             model=spec.model if spec else None,

@@ -8,12 +8,12 @@ returns at once: the reconciler polls, it never blocks on a slow replica.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from atomr_infer.spec import Deployment
-from atomr_infer.status import ADAPTER_ROUTED, ReplicaState, adapter_failure
+from atomr_infer.status import ADAPTER_ROUTED, ReplicaState, ReplicaStatus, adapter_failure
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,22 @@ class ReplicaRecord:
     def live(self) -> bool:
         """Counts toward the replica set (not on its way out)."""
         return self.state.live
+
+    def status(self, adapters_wanted: Collection[str]) -> ReplicaStatus:
+        """What ``atomr status`` shows of it: the LoRA adapters among ``adapters_wanted`` (one an
+        apply removed is not listed while it unloads), and while it starts why it waits, where known."""
+        handle = self.handle
+        return ReplicaStatus(
+            replica_id=self.replica_id,
+            actor_name=handle.actor_name,
+            state=self.state,
+            generation=self.generation,
+            reason=self.reason or (handle.waiting_for() if self.state == ReplicaState.STARTING else None) or None,
+            in_flight=handle.in_flight(),
+            started_at=self.started_at,
+            adapters={n: state for n, state in handle.adapters().items() if n in adapters_wanted},
+            **{k: tuple(v) if k == "gpu_ids" else v for k, v in handle.placement().items()},
+        )
 
 
 AdapterRoutes = tuple[frozenset[str], frozenset[str], tuple[tuple[str, str], ...]]
