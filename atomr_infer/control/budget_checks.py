@@ -84,10 +84,10 @@ class BudgetChecks:
 
         return cap
 
-    def room_for_one_more(self, managed: ManagedDeployment) -> bool:
+    def room_for_one_more(self, managed: ManagedDeployment, cluster: ClusterView | None = None) -> bool:
         """Room for a roll's surge replica (else the roll is stop-first): in the budget, and on GPUs
         on a node now (the budget counts the old replicas at the new spec's GPUs: 2 → 1 on a full
         cluster started one no node could take, and the old replicas waited for it for good)."""
-        want, cluster = managed.reconciler.want, self._cluster_view()
+        want, cluster = managed.reconciler.want, cluster or self._cluster_view()
         cap, _why = self.scale_cap(managed.spec, want, want + 1, cluster)
         return cap > want and (not uses_gpus(managed.spec, cluster) or node_has_room({"GPU": managed.spec.gpus}))

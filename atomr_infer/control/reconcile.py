@@ -61,7 +61,7 @@ class DeploymentReconciler:
         # replica): a roll then stops an old replica before it starts its replacement. The
         # manager sets it from the budget while a roll is under way.
         self.surge_allowed = True
-        self.surge_checked_for = ""  # the runtime key whose roll surge_allowed was decided for
+        self.surge_checked_for: tuple[str, int, float] | None = None  # (runtime key, want, cluster GPUs) decided for
         self.failures = 0
         self.recurring_failures = 0  # start failures that will recur, since the last success
         self.failure_kind = ""  # "recurring" | "transient", of the last failure

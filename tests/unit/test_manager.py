@@ -544,3 +544,45 @@ def test_plan_of_a_failed_deployment_applied_again_says_it_retries_as_apply_does
     applied = h.call("apply", spec())
     assert (applied.changed, applied.actions) == (plan.changed, plan.actions)
     assert h.call("plan", spec()).actions == ("unchanged",)  # retrying now: nothing more to do
+
+
+def placed_on(h: Harness, gpus: int) -> None:
+    """Ray's side of a pass on a cluster of ``gpus`` one-GPU slots: a starting replica is placed
+    (and is ready) while a GPU is free, else it says it is not placed (``waiting_for``, as the Ray
+    handle says it); a draining replica holds its GPU until it is stopped."""
+    used = sum(1 for x in h.launcher.started if not x.stopped and x.ready.done and x.ready.ok)
+    for x in h.launcher.started:
+        if x.stopped or x.ready.done:
+            continue
+        if used < gpus:
+            x.ready, x.unplaced, used = Poll.success(), None, used + 1
+        else:
+            x.unplaced = "not placed by Ray for 31s: no node has 1 GPU free"
+    for x in h.launcher.started:
+        if x.draining:
+            x.drained = Poll.success()
+
+
+def test_a_scale_up_mid_roll_that_takes_the_spare_gpu_turns_the_roll_stop_first() -> None:
+    """4 GPUs, 3 replicas rolling with a surge replica; the autoscaler went to 4 (4 <= 4 GPUs, its
+    cap was right), and the roll still wanted its surge on top: a 5th replica waited for a GPU for
+    good, the old replicas held theirs, and the roll never finished (observed_generation stayed 1)."""
+    h = Harness()  # four GPUs
+    scaling = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 4, "upscale_delay_s": 2,
+               "downscale_delay_s": 600}
+    h.call("apply", spec(replicas=3, autoscaling=scaling))
+    h.converge()
+    h.call("apply", spec(replicas=3, autoscaling=scaling, model="org/other"))
+    h.manager.reconcile_once()
+    assert h.live() == ["atomr:demo:r0", "atomr:demo:r1", "atomr:demo:r2", "atomr:demo:r3"]  # the surge replica
+    for _ in range(30):
+        placed_on(h, 4)
+        for x in h.launcher.started:
+            x.load = 5  # 15 and more in flight over 3 replicas: the autoscaler wants 4
+        h.clock.advance(1.0)
+        h.manager.reconcile_once()
+        assert sum(1 for x in h.launcher.started if not x.stopped) <= 4  # no replica started without a GPU
+    status = h.call("status", "demo")
+    assert status.replicas_desired == 4 and status.observed_generation == status.generation == 2
+    assert [r.generation for r in status.replicas if r.state == "ready"] == [2, 2, 2, 2]
+
