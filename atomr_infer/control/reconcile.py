@@ -7,7 +7,9 @@ Nothing here blocks or touches Ray directly: replica calls go through ``ReplicaL
 
 Rolling replacement: replicas running an old ``runtime_key`` are replaced with at most
 ``max_surge`` extra replicas at a time; an old replica is drained only once enough new ones
-are ready, so the deployment keeps serving. Scale-down stops the newest replicas first, so
+are ready, so the deployment keeps serving; with no room for one more (``surge_allowed``,
+the manager's answer), it is stop-first, and a new replica Ray cannot place has an old replica
+stopped for it. Scale-down stops the newest replicas first, so
 the original replicas survive a 1 → 3 → 1 round trip. A replica that fails to start or dies
 is replaced after an exponential backoff (1 s, 2 s, 4 s … 60 s), reset by the next success.
 A start failure that will recur (the engine itself raised: a bad config, too little memory)
@@ -249,12 +251,16 @@ class DeploymentReconciler:
             new = [r for r in self.replicas if r.live and r.runtime_key == self.runtime_key]
 
         # No surge allowed (e.g. no spare GPU): replace one old replica at a time, stop-first.
-        starting_new = any(r.state == ReplicaState.STARTING for r in new)
+        starting_new = [r for r in new if r.state == ReplicaState.STARTING]
         if room <= 0 and len(new) < want and not starting_new:
-            victims = sorted((r for r in old if r.state == ReplicaState.READY), key=lambda r: r.started_at)
-            if victims:
-                self._retire(victims[0], now)
-                old.remove(victims[0])
+            self._retire_oldest(old, now)
+        # A new replica Ray cannot place waits for what old replicas hold (the spare GPU a scale-up or
+        # a lost node took): an old one stops for it and the roll goes stop-first; one at a time, once
+        # no other new replica is loading and none draining (it frees what a waiting one needs).
+        waiting = [r for r in starting_new if not r.made_room and r.handle.waiting_for()]
+        draining = any(r.state == ReplicaState.DRAINING for r in self.replicas)
+        if waiting and len(waiting) == len(starting_new) and not draining and self._retire_oldest(old, now):
+            waiting[0].made_room, self.surge_allowed = True, False
 
         # Old ready replicas leave only once the new ones can carry the load.
         ready_new = sum(1 for r in new if r.state == ReplicaState.READY)
@@ -268,6 +274,14 @@ class DeploymentReconciler:
             order = sorted(new, key=lambda r: (r.state != ReplicaState.STARTING, -r.started_at))
             for r in order[: len(new) - want]:
                 self._retire(r, now)
+
+    def _retire_oldest(self, old: list[ReplicaRecord], now: float) -> bool:
+        """Retire the longest-running ready replica of ``old`` (and drop it from the list)."""
+        victims = sorted((r for r in old if r.state == ReplicaState.READY), key=lambda r: r.started_at)
+        if victims:
+            self._retire(victims[0], now)
+            old.remove(victims[0])
+        return bool(victims)
 
     def _start(self, spec: Deployment, now: float) -> bool:
         replica_id = f"r{self._next_index}"

@@ -107,6 +107,7 @@ class ReplicaRecord:
     state_since: float = 0.0
     last_health_at: float = 0.0
     drain_deadline: float = 0.0
+    made_room: bool = False  # a new replica Ray could not place, for which an old one was stopped
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -586,3 +586,29 @@ def test_a_scale_up_mid_roll_that_takes_the_spare_gpu_turns_the_roll_stop_first(
     assert status.replicas_desired == 4 and status.observed_generation == status.generation == 2
     assert [r.generation for r in status.replicas if r.state == "ready"] == [2, 2, 2, 2]
 
+
+def test_a_roll_that_loses_a_node_finishes_stop_first_on_the_gpus_left() -> None:
+    """2 nodes x 2 GPUs, 3 replicas rolling with a surge replica; the node holding an old replica
+    and the surge replica was lost. The roll kept surging (decided once, on 4 GPUs), its new
+    replicas waited for GPUs the old ones held, and it stayed stuck while the node was gone."""
+    h = Harness()  # four GPUs
+    h.call("apply", spec(replicas=3))
+    h.converge()
+    h.call("apply", spec(replicas=3, model="org/other"))
+    h.manager.reconcile_once()
+    by_name = {x.actor_name: x for x in h.launcher.started}
+    assert list(by_name) == ["atomr:demo:r0", "atomr:demo:r1", "atomr:demo:r2", "atomr:demo:r3"]
+    h.manager._cluster_override = ClusterView(total_gpus=2, accelerator_type="L4", gpu_memory_bytes=24 << 30)
+    by_name["atomr:demo:r1"].health = Poll.failed("actor died: node lost")
+    by_name["atomr:demo:r3"].ready = Poll.failed("actor died: node lost")
+    for _ in range(60):
+        h.clock.advance(1.0)
+        h.manager.reconcile_once()
+        placed_on(h, 2)
+        assert sum(1 for x in h.launcher.started if x.draining and not x.stopped) <= 1  # one old replica at a time
+        assert h.call("status", "demo").replicas_ready >= 1  # it serves throughout
+    status = h.call("status", "demo")
+    live = [r for r in status.replicas if r.state in ("starting", "ready")]
+    assert all(r.generation == 2 for r in live)  # the roll finished: no old replica is left
+    assert [r.state for r in live] == ["ready", "ready", "starting"]  # the third waits for the node
+    assert live[2].reason.startswith("not placed by Ray")

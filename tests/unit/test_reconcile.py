@@ -307,3 +307,29 @@ def test_a_starting_replica_says_what_it_waits_for_where_its_handle_knows():
     assert rec.status().replicas[0].reason == "not placed by Ray for 31s: no node has 2 GPU free"
     converge(clock, launcher, rec)
     assert rec.status().replicas[0].reason is None  # ready: no longer said
+
+
+def test_a_rolls_new_replica_ray_cannot_place_has_one_old_replica_stopped_for_it():
+    """The surge replica waited for a GPU the old replicas held (the spare one gone since the roll
+    began): it waited for good. One old replica now stops for it, and one only (Ray's answer may
+    say "not placed" a while after the GPU freed), and the roll goes on stop-first: no other new
+    replica starts, and the last old one serves, until it is ready."""
+    clock, launcher, rec = setup(replicas=2)
+    converge(clock, launcher, rec)
+    s = spec(replicas=2, model="org/other")
+    rec.set_desired(s, 2, runtime_key(s, 0))
+    rec.update()
+    surge = launcher.started[-1]
+    assert [h.actor_name for h in launcher.started if not h.draining] == [
+        "atomr:demo:r0", "atomr:demo:r1", "atomr:demo:r2"]
+    surge.unplaced = "not placed by Ray for 31s: no node has 1 GPU free"
+    for _ in range(3):
+        clock.advance(1.0)
+        rec.update()
+        for h in launcher.started:
+            h.drained = Poll.success() if h.draining else h.drained
+    assert [h.actor_name for h in launcher.started if h.stopped] == ["atomr:demo:r0"]  # r1 serves on
+    assert len(launcher.started) == 3  # r2 has r0's GPU; nothing else starts meanwhile
+    surge.ready, surge.unplaced = Poll.success(), None
+    converge(clock, launcher, rec)
+    assert ids(rec) == ["r2", "r3"] and rec.observed_generation == 2
