@@ -24,7 +24,10 @@ from atomr_infer.control.budget import (
 )
 from atomr_infer.control.managed import ManagedDeployment, budgeted
 from atomr_infer.control.placement import node_has_room
+from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
+
+log = get_logger(__name__)
 
 
 class BudgetChecks:
@@ -91,3 +94,23 @@ class BudgetChecks:
         want, cluster = managed.reconciler.want, cluster or self._cluster_view()
         cap, _why = self.scale_cap(managed.spec, want, want + 1, cluster)
         return cap > want and (not uses_gpus(managed.spec, cluster) or node_has_room({"GPU": managed.spec.gpus}))
+
+    def check_surges(self) -> None:
+        """Whether each roll may start a replica beyond its target: decided when it starts, and
+        again when its target or the cluster's GPUs change (a scale-up took the spare GPU, a node
+        was lost), not every pass: mid-roll, the replicas it drains still hold their GPUs."""
+        cluster: ClusterView | None = None
+        for name, managed in self._desired.items():
+            rec = managed.reconciler
+            if not rec.rolling:
+                continue
+            try:
+                cluster = cluster or self._cluster_view()
+                key = (rec.runtime_key, rec.want, cluster.total_gpus)
+                if rec.surge_checked_for != key:
+                    rec.surge_allowed, rec.surge_checked_for = self.room_for_one_more(managed, cluster), key
+                    log.info("roll_surge", deployment=name, allowed=rec.surge_allowed, replicas=rec.want,
+                             cluster_gpus=cluster.total_gpus)
+            except Exception as exc:  # noqa: BLE001 - without an answer the roll surges as before
+                rec.surge_allowed = True
+                log.error("surge_check_failed", deployment=name, error=repr(exc))

@@ -145,7 +145,7 @@ class DeploymentManager:
                 self._autoscale(name, managed)
             except Exception as exc:  # noqa: BLE001 - a failed look at the load never stops the loop
                 log.error("autoscale_failed", deployment=name, error=repr(exc))
-        self._check_surge()
+        self._budgets.check_surges()
         for name, rec in [(n, d.reconciler) for n, d in self._desired.items()] + list(self._removing.items()):
             try:
                 routes_changed |= rec.update()
@@ -167,26 +167,6 @@ class DeploymentManager:
             log.error("state_save_failed", error=repr(exc))
         self.last_reconcile_s = time.perf_counter() - started
         self._metrics.reconcile_pass(self.last_reconcile_s)
-
-    def _check_surge(self) -> None:
-        """Whether each roll may start a replica beyond its target: decided when it starts, and
-        again when its target or the cluster's GPUs change (a scale-up took the spare GPU, a node
-        was lost), not every pass: mid-roll, the replicas it drains still hold their GPUs."""
-        cluster: ClusterView | None = None
-        for name, managed in self._desired.items():
-            rec = managed.reconciler
-            if not rec.rolling:
-                continue
-            try:
-                cluster = cluster or self._cluster_view()
-                key = (rec.runtime_key, rec.want, cluster.total_gpus)
-                if rec.surge_checked_for != key:
-                    rec.surge_allowed, rec.surge_checked_for = self._budgets.room_for_one_more(managed, cluster), key
-                    log.info("roll_surge", deployment=name, allowed=rec.surge_allowed, replicas=rec.want,
-                             cluster_gpus=cluster.total_gpus)
-            except Exception as exc:  # noqa: BLE001 - without an answer the roll surges as before
-                rec.surge_allowed = True
-                log.error("surge_check_failed", deployment=name, error=repr(exc))
 
     def _autoscale(self, name: str, managed: ManagedDeployment) -> None:
         decision = managed.autoscale(self._clock(), self._budgets.autoscale_cap(managed))
