@@ -143,6 +143,9 @@ class Autoscaler:
                 reason += f"; stopped short of {wanted}: {why}"
             elif why:
                 reason += f"; {why}"
+            if current == 0:  # the idle window before it is no load to scale the start back down on
+                self._window = LoadWindow()
+                self._window.add(now, self.load)
             return self._move(current, allowed, reason, now)
         self._up_since = None
         self.limited = None

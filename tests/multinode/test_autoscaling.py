@@ -39,7 +39,7 @@ def ready(status) -> int:
 
 def test_scales_up_under_load_and_back_down_after_the_delay(manager):
     scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4,
-               "upscale_delay_s": UP_S, "downscale_delay_s": DOWN_S}
+               "upscale_delay_s": UP_S, "downscale_delay_s": DOWN_S, "look_back_period_s": 1.0}
     dep = spec("elastic", autoscaling=scaling)
     began = time.monotonic()
     deploy(manager, dep)
@@ -79,7 +79,8 @@ def test_scales_up_under_load_and_back_down_after_the_delay(manager):
 
 
 def test_scales_to_zero_and_serves_the_first_request_after(manager):
-    scaling = {"min_replicas": 0, "max_replicas": 1, "downscale_delay_s": 3.0, "cold_start_timeout_s": 120.0}
+    scaling = {"min_replicas": 0, "max_replicas": 1, "downscale_delay_s": 3.0, "look_back_period_s": 1.0,
+               "cold_start_timeout_s": 120.0}
     dep = spec("sleepy", replicas=0, autoscaling=scaling)
     cp, client = ControlPlane(manager), Client(manager=manager)
     try:

@@ -98,6 +98,22 @@ def test_from_zero_a_waiting_request_starts_one_at_once() -> None:
     assert a.waiting(now=6.0) == 1 and a.waiting(now=8.0) == 0
 
 
+def test_a_cold_start_is_not_undone_by_the_idle_time_before_it() -> None:
+    """The mean after a cold start still held the idle look-back before it: with downscale_delay_s
+    under look_back_period_s, the replicas still starting for the requests waiting were scaled
+    down again (0 -> 5, then 5 -> 2 at 11 s, then back to 5)."""
+    cfg = CFG.model_copy(update={"min_replicas": 0, "max_replicas": 8, "target_ongoing_requests": 2,
+                                 "downscale_delay_s": 10, "look_back_period_s": 30})
+    a = Autoscaler(0)
+    decisions = []
+    for t in range(0, 60):  # ten requests wait for replicas that take a minute to start
+        if t >= 20:
+            a.report_waiting("router-1", 10, now=float(t))
+        decisions.append(a.decide(cfg, in_flight=0, now=float(t), cap=unlimited))
+    moves = [(d.from_replicas, d.to_replicas) for d in decisions if d is not None]
+    assert moves == [(0, 5)] and a.target == 5
+
+
 def test_the_budget_stops_scaling_short_and_says_why() -> None:
     a = Autoscaler(1)
     a.decide(CFG, in_flight=16, now=0.0, cap=lambda n: (2, "3 replicas would exceed the budget: gpus 3 of 2 GPUs"))
