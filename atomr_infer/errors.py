@@ -299,6 +299,12 @@ class ReplicaBusy(RoutingError):
         return f"{self.replica} is at its limit of {self.limit} concurrent requests (serving.max_concurrent)"
 
 
+class EngineQueueFull(ReplicaBusy):
+    """A replica's engine refused a request with vLLM's 503 (its queue full: ``max_num_queued_reqs``
+    or ``max_num_queued_tokens``): routed again like ``ReplicaBusy``, but as a try of its own (a
+    request vLLM refuses every time, more choices than the queue holds, gets its 503 in the end)."""
+
+
 class EngineError(AtomrError):
     """The engine failed. Every open stream of the replica receives this error."""
 

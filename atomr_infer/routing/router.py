@@ -36,8 +36,8 @@ from atomr_infer.errors import (
     CapacityExhausted,
     DeploymentNotFound,
     EngineError,
+    EngineQueueFull,
     NoReadyReplica,
-    ReplicaBusy,
     RouterClosed,
 )
 from atomr_infer.log import get_logger
@@ -343,9 +343,9 @@ class Router:
             try:
                 answer = items if resume is None else migration.seam(facts.kind, items, bool(last))
                 async for chunk in answer:
-                    if isinstance(chunk, HttpHead) and chunk.status == 503 and not sent:  # vLLM's queue is full
-                        await items.aclose()  # (max_num_queued_reqs/tokens: "retry on a different instance")
-                        raise ReplicaBusy(route.actor_name, dep.max_concurrent)
+                    if isinstance(chunk, HttpHead) and chunk.status == 503 and not sent and not last_try:
+                        await items.aclose()  # vLLM's queue is full: "retry on a different instance"
+                        raise EngineQueueFull(route.actor_name, dep.max_concurrent)
                     if work and not isinstance(chunk, HttpHead):  # its first output: its prefill is done
                         prefilled()
                         work = 0
@@ -381,7 +381,7 @@ class Router:
                     elif sent or last_try:
                         raise EngineError(f"replica {route.actor_name} died mid-request: {exc}") from None
                 elif failure.kind is Failure.BUSY and not sent_here:
-                    attempt -= 1  # full, not failed: route again (it counts as full for a while)
+                    attempt -= not isinstance(failure.cause, EngineQueueFull)  # full, not failed: route again
                     self._channel(route).note_full(failure.cause.limit)  # type: ignore[attr-defined]
                 elif failure.kind is Failure.UNAVAILABLE and not sent_here:
                     self.exclude(route.actor_name, permanent=True)  # draining or stopped

@@ -13,7 +13,7 @@ from atomr_infer.routing.router import Router
 from atomr_infer.routing.table import DeploymentRoute, RoutingTable
 from atomr_infer.wire import HttpHead, HttpRequest, RequestKind, RoutingFacts
 
-from .fakes import JSON, FakeReplica, GatedReplica, answer, route, text_of
+from .fakes import JSON, FakeReplica, GatedReplica, answer, request, route, text_of
 
 
 def router(mode: str = "queue", replicas=(), **kw) -> Router:
@@ -162,11 +162,13 @@ def test_tokenizing_does_not_count_toward_the_limit_of_generation(routers):
 
 
 class QueueFull(FakeReplica):
-    """vLLM's own admission (``max_num_queued_reqs``) refuses its first request with a 503, which
-    vLLM sends so that "load balancers retry the request on a different instance"."""
+    """vLLM's own admission (``max_num_queued_reqs``) refuses its first ``refusals`` requests with a
+    503, which vLLM sends so that "load balancers retry the request on a different instance"."""
+
+    refusals = 1
 
     async def _answer(self, put):
-        if self.calls == 1:
+        if self.calls <= self.refusals:
             put(HttpHead(503, JSON))
             put(b'{"error":{"message":"The engine is currently busy and cannot accept new requests.","code":503}}')
         else:
@@ -181,3 +183,20 @@ def test_a_replica_whose_engine_queue_is_full_is_routed_around_like_one_at_its_l
         return await text(r), full.calls
 
     assert asyncio.run(main()) == ("from r0", 2)  # counted full, then routed again once it said otherwise
+
+
+def test_a_request_the_engine_refuses_every_time_gets_its_503_after_the_tries():
+    """More choices than vLLM's queue holds: it refuses them on every replica, every time. The
+    request was routed again for good, reported as demand all the while (scaling up replicas that
+    refused it too); it now gets vLLM's 503 after MAX_ATTEMPTS tries, as before the retry."""
+    from atomr_infer.routing.router import MAX_ATTEMPTS
+
+    async def main():
+        full = QueueFull("r0")
+        full.refusals = 1_000
+        r = router("queue", (full,))
+        head, body = await asyncio.wait_for(answer(r.stream(*request())), 10)
+        return head.status, body, full.calls
+
+    status, body, calls = asyncio.run(main())
+    assert status == 503 and b"currently busy" in body and calls == MAX_ATTEMPTS
