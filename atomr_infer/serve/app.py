@@ -214,7 +214,7 @@ class OpenAIIngress:
             key = self._authenticate(request)
             raw = await read_body(request.stream(), request.headers.get("content-length"), self._max_body_bytes)
             facts, data = await read_facts(raw, request)
-            facts.wakes = key is not None or self._keys is None  # an open path's caller starts no GPU
+            facts.wakes = key is not None or self._has_valid_key(request)  # no key: an open path's caller starts no GPU
             raw = raw if data is None else as_utf8(raw)
             model = self._canonical(facts.deployment)
             if facts.kind is not RequestKind.STORED or not self._by_any_name(key, model):

@@ -74,10 +74,12 @@ def test_only_a_caller_the_api_authenticated_may_start_a_replica() -> None:
 
     async def main():
         await post(app, "/tokenize", {"model": "smollm2", "prompt": "hi"})
+        await post(app, "/tokenize", {"model": "smollm2", "prompt": "hi"}, ALICE)  # open, but a valid key
+        await post(app, "/tokenize", {"model": "smollm2", "prompt": "hi"}, "sk-not-a-key-0123456789")
         await post(app, "/v1/chat/completions", CHAT, ALICE)
 
     asyncio.run(main())
-    assert [facts.wakes for facts, _http in ingress_._router.seen] == [False, True]
+    assert [facts.wakes for facts, _http in ingress_._router.seen] == [False, True, False, True]
     ingress_, _limiter, app = ingress()  # no keys: every caller may
     asyncio.run(post(app, "/tokenize", {"model": "smollm2", "prompt": "hi"}))
     assert [facts.wakes for facts, _http in ingress_._router.seen] == [True]
