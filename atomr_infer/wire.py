@@ -195,7 +195,7 @@ class RoutingFacts:
             response_id=previous if isinstance(previous, str) else None,
             names_response=kind is RequestKind.RESPONSES and "request_id" not in data,
             named=isinstance(data.get("request_id"), str),
-            resumable=resumable(data) if stream and kind in _RESUMABLE else "",
+            resumable=resumable(data, kind is RequestKind.CHAT) if stream and kind in _RESUMABLE else "",
             prompt=messages if isinstance(messages, list) else text if isinstance(text, str) else None,
             template={k: data[k] for k in _TEMPLATE_FIELDS if k in data} or None if kind is RequestKind.CHAT else None,
             cache_salt=salt if isinstance(salt, str) and salt else None,
@@ -224,8 +224,8 @@ _STATEFUL = ("response_format", "structured_outputs", "guided_json", "guided_reg
              "use_beam_search", "prompt_embeds")
 
 
-def resumable(data: dict[str, Any]) -> str:
-    """``RoutingFacts.resumable`` of a chat or completion stream's body: "anywhere" where a
+def resumable(data: dict[str, Any], chat: bool = False) -> str:
+    """``RoutingFacts.resumable`` of a chat (``chat``) or completion stream's body: "anywhere" where a
     continuation after the generated token ids is the same answer; "unstarted" where it is not
     but a start elsewhere before the first token is (one choice); "" otherwise."""
     # Several prompts: one engine request and one choice each, whose token ids one stream cannot
@@ -234,10 +234,10 @@ def resumable(data: dict[str, Any]) -> str:
     prompts = isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(p, int) for p in prompt)
     if data.get("n", 1) not in (1, None) or data.get("best_of", 1) not in (1, None) or prompts:
         return ""
-    stateful = any(_set(data.get(k)) for k in _STATEFUL)
+    stateful = any(_asked(k, data.get(k), chat) for k in _STATEFUL)
     fmt = data.get("response_format")
     if stateful and isinstance(fmt, dict) and fmt.get("type") == "text":  # text is no format at all
-        stateful = any(_set(data.get(k)) for k in _STATEFUL if k != "response_format")
+        stateful = any(_asked(k, data.get(k), chat) for k in _STATEFUL if k != "response_format")
     tools = data.get("tools") and data.get("tool_choice") != "none"
     # Stop strings: vLLM holds back the text that may begin one, so the token ids a replica
     # reports run ahead of the text it sent, and one across the seam would go unseen.
@@ -245,10 +245,19 @@ def resumable(data: dict[str, Any]) -> str:
     return "unstarted" if stateful or tools or stops else "anywhere"
 
 
-def _set(value: Any) -> bool:
-    """A field asked for: anything but absent, null or false. By identity: ``logprobs: 0`` (a
-    completion's chosen token's logprob) asks for logprobs, though ``0 == False``."""
-    return value is not None and value is not False
+_FLAGS = frozenset({"echo", "return_token_ids", "use_beam_search"})
+
+
+def _asked(key: str, value: Any, chat: bool) -> bool:
+    """Whether a ``_STATEFUL`` field asks for what it names, as vLLM reads it: a flag (a chat's
+    ``logprobs`` too) as a boolean, ``0`` false; ``top_logprobs: 0`` is vLLM's default, none; a
+    completion's ``logprobs`` and ``prompt_logprobs`` as a number, where ``0`` asks for the chosen
+    token's logprob (though ``0 == False``); a format or a grammar whenever set."""
+    if value is None or value is False:
+        return False
+    if key in _FLAGS or (key == "logprobs" and chat):
+        return as_vllm_reads(value)
+    return value != 0 if key == "top_logprobs" else True
 
 
 @dataclass(slots=True)

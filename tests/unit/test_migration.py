@@ -190,6 +190,10 @@ def test_which_requests_may_move():
     # failed in vLLM's logprobs of the resumed tokens)
     assert facts("/v1/completions", logprobs=0) == facts("/v1/completions", prompt_logprobs=0) == "unstarted"
     assert facts("/v1/chat/completions", logprobs=False) == "anywhere"
+    # ... but where vLLM reads 0 as none (a flag, or top_logprobs' default), it moves as ever
+    assert facts("/v1/chat/completions", top_logprobs=0) == facts("/v1/chat/completions", logprobs=0) == "anywhere"
+    assert facts("/v1/completions", echo=0) == "anywhere"
+    assert facts("/v1/chat/completions", logprobs=1) == facts("/v1/chat/completions", top_logprobs=2) == "unstarted"
     # beam search: an engine request per beam step; prompt embeddings: no token ids to extend
     assert facts("/v1/chat/completions", use_beam_search=True) == facts("/v1/completions", prompt_embeds="e") == (
         "unstarted")
