@@ -55,8 +55,15 @@ class BudgetChecks:
         cluster = self._cluster_view()
         weights, kv, max_len = size_estimates(spec, on_cpu=not uses_gpus(spec, cluster))
         held = self.held(current, restart, cluster)
-        before = None if current is None else self._as_counted(current)
+        before = self._as_counted(current) if current is not None and self._on_gpus(current) else None
         return check_budget(spec, others, cluster, raise_on_fail, weights, kv, max_len, held, before=before)
+
+    @staticmethod
+    def _on_gpus(managed: ManagedDeployment) -> bool:
+        """Whether its replicas hold GPUs: what it held that a lost node took (a ``device: auto``
+        one ran on CPUs until a GPU node joined: its next apply asks for GPUs it never held)."""
+        return managed.spec.device == "cuda" or any(r.handle.placement().get("gpu_ids")
+                                                    for r in managed.reconciler.ready_replicas())
 
     def held(self, current: ManagedDeployment | None, restart: bool, cluster: ClusterView) -> HeldMemory:
         """What ``current``'s ready CPU replicas of its spec hold (nothing on GPUs): kept, or

@@ -526,6 +526,18 @@ def test_while_a_node_is_down_an_apply_that_asks_no_more_gpus_goes_ahead_and_pla
     assert h.call("status", "demo").generation == 3  # the refused ones changed nothing
 
 
+def test_a_cpu_deployment_that_a_gpu_node_joining_would_move_onto_gpus_is_refused_as_before() -> None:
+    """device: auto on 4 CPU replicas, then a one-GPU node joins: a model change asks for 4 GPUs it
+    never held; it went ahead as if a node had been lost (3 replicas waiting for GPUs for good)."""
+    h = Harness()
+    h.manager._cluster_override = ClusterView(total_gpus=0)
+    h.call("apply", spec(replicas=4, device="auto"))
+    h.converge()
+    h.manager._cluster_override = ClusterView(total_gpus=1, accelerator_type="L4", gpu_memory_bytes=24 << 30)
+    with pytest.raises(BudgetExceeded, match="needs 4 GPUs, 1 GPUs available"):
+        h.call("apply", spec(replicas=4, device="auto", model="org/other"))
+
+
 def test_plan_of_a_failed_deployment_applied_again_says_it_retries_as_apply_does() -> None:
     """``atomr deploy --dry-run`` said 'unchanged' for the same spec of a failed deployment, while
     the deploy itself retries it."""
