@@ -480,13 +480,7 @@ def test_every_apply_is_counted_the_retry_of_a_failed_one_too() -> None:
     h = Harness()
     counted: list[tuple[str, str]] = []
     h.manager._metrics.applied = lambda name, result: counted.append((name, result))
-    h.call("apply", spec())
-    for _ in range(3):  # recurring start failures: the deployment gives up
-        h.manager.reconcile_once()
-        h.launcher.started[-1].ready = Poll.failed("ValueError: max_model_len too large", recurring=True)
-        h.manager.reconcile_once()
-        h.clock.advance(120.0)
-    assert h.call("status", "demo").state == "failed"
+    failed(h)
     retried = h.call("apply", spec())
     assert retried.changed and retried.actions[0].startswith("retry after failure")
 
@@ -538,17 +532,22 @@ def test_a_cpu_deployment_that_a_gpu_node_joining_would_move_onto_gpus_is_refuse
         h.call("apply", spec(replicas=4, device="auto", model="org/other"))
 
 
-def test_plan_of_a_failed_deployment_applied_again_says_it_retries_as_apply_does() -> None:
-    """``atomr deploy --dry-run`` said 'unchanged' for the same spec of a failed deployment, while
-    the deploy itself retries it."""
-    h = Harness()
+def failed(h: Harness) -> None:
+    """``demo`` applied, then failed for good: recurring start failures, three in a row."""
     h.call("apply", spec())
-    for _ in range(3):  # recurring start failures: the deployment gives up
+    for _ in range(3):
         h.manager.reconcile_once()
         h.launcher.started[-1].ready = Poll.failed("ValueError: max_model_len too large", recurring=True)
         h.manager.reconcile_once()
         h.clock.advance(120.0)
     assert h.call("status", "demo").state == "failed"
+
+
+def test_plan_of_a_failed_deployment_applied_again_says_it_retries_as_apply_does() -> None:
+    """``atomr deploy --dry-run`` said 'unchanged' for the same spec of a failed deployment, while
+    the deploy itself retries it."""
+    h = Harness()
+    failed(h)
     plan = h.call("plan", spec())
     assert plan.changed and plan.actions == ("retry after failure (r2 failed to start: ValueError: max_model_len too "
                                              "large)",), plan
