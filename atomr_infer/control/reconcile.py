@@ -41,6 +41,7 @@ class ReconcileConfig:
     backoff_max_s: float = 60.0
     linger_s: float = 120.0  # stopped/unhealthy records stay visible in status this long
     max_start_failures: int = 3  # recurring start failures before the deployment is failed
+    freed_wait_s: float = 15.0  # after a replica stops, Ray's "not placed" may be old (10 s) or about to change
 
 
 class DeploymentReconciler:
@@ -63,6 +64,7 @@ class DeploymentReconciler:
         # replica): a roll then stops an old replica before it starts its replacement. The
         # manager sets it from the budget while a roll is under way.
         self.surge_allowed = True
+        self._freed_at = -1e9  # when a replica of it last stopped (what it held is free)
         self.surge_checked_for: tuple[str, int, float] | None = None  # (runtime key, want, cluster GPUs) decided for
         self.failures = 0
         self.recurring_failures = 0  # start failures that will recur, since the last success
@@ -259,6 +261,7 @@ class DeploymentReconciler:
         # no other new replica is loading and none draining (it frees what a waiting one needs).
         waiting = [r for r in starting_new if not r.made_room and r.handle.waiting_for()]
         draining = any(r.state == ReplicaState.DRAINING for r in self.replicas)
+        draining |= now - self._freed_at < self._cfg.freed_wait_s  # or one just stopped: Ray's answer lags
         if waiting and len(waiting) == len(starting_new) and not draining and self._retire_oldest(old, now):
             waiting[0].made_room, self.surge_allowed = True, False
 
@@ -329,6 +332,7 @@ class DeploymentReconciler:
 
     def _set_state(self, r: ReplicaRecord, state: ReplicaState, now: float, reason: str = "") -> None:
         r.state, r.reason, r.state_since = state, reason, now
+        self._freed_at = now if state == ReplicaState.STOPPED else self._freed_at
         level = "warning" if state == ReplicaState.UNHEALTHY else "info"
         getattr(self._log, level)("replica_state", replica=r.replica_id, state=state, reason=reason or None)
 

@@ -333,3 +333,25 @@ def test_a_rolls_new_replica_ray_cannot_place_has_one_old_replica_stopped_for_it
     surge.ready, surge.unplaced = Poll.success(), None
     converge(clock, launcher, rec)
     assert ids(rec) == ["r2", "r3"] and rec.observed_generation == 2
+
+
+def test_a_stop_first_replacement_is_not_taken_for_unplaced_once_its_gpu_frees():
+    """Stop-first (no spare GPU): the replacement waits for the GPU the old replica draining holds,
+    and Ray's "not placed" (read every 10 s) still said so just after the drain ended: a second old
+    replica was stopped for it, and none served until the replacement was ready."""
+    clock, launcher, rec = setup(replicas=2)
+    converge(clock, launcher, rec)
+    s = spec(replicas=2, model="org/other")
+    rec.set_desired(s, 2, runtime_key(s, 0))
+    rec.surge_allowed = False
+    for _ in range(40):  # r0 drains 40 s of long answers; its replacement waits for its GPU
+        rec.update()
+        for h in launcher.started[2:]:
+            h.unplaced = "not placed by Ray for 31s: no node has 1 GPU free"
+        clock.advance(1.0)
+    assert [h.actor_name for h in launcher.started if h.draining] == ["atomr:demo:r0"]
+    launcher.started[0].drained = Poll.success()
+    for _ in range(10):  # the GPU is free; Ray's answer is up to 10 s old
+        rec.update()
+        clock.advance(1.0)
+    assert [h.actor_name for h in launcher.started if h.draining or h.stopped] == ["atomr:demo:r0"]  # r1 serves
