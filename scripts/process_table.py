@@ -48,7 +48,8 @@ def engine_side(name: str) -> bool:
 
 def table(procs: list[psutil.Process]) -> tuple[dict[str, float], list[str]]:
     """Prints one row per process (the engines' last) and the two totals; returns them, and
-    the processes other than the engines' that map torch, vLLM or libcuda."""
+    the processes other than the engines' that map torch or vLLM (the target, issue 31). libcuda
+    alone is shown, not counted: on a GPU node Ray's dashboard agent maps it (seen on an H200)."""
     rows = []
     for proc in procs:
         with contextlib.suppress(psutil.Error):
@@ -60,11 +61,13 @@ def table(procs: list[psutil.Process]) -> tuple[dict[str, float], list[str]]:
         totals["engines" if engine_side(name) else "rest"] += pss
         print(f"{name[:40]:<40} {pid:>8} {pss:>8.3f}  {libs}")
     rest = [r for r in rows if not engine_side(r[0])]
-    loaded = [f"{name} ({libs})" for name, _, _, libs in rest if libs]
+    loaded = [f"{name} ({libs})" for name, _, _, libs in rest if {"torch", "vllm"} & set(libs.split(","))]
+    cuda = [name for name, _, _, libs in rest if libs == "cuda"]
     idle = sum(1 for r in rest if r[0] == "ray::IDLE")
     print(f"replicas and engine cores: {totals['engines']:.2f} GiB; everything else: {totals['rest']:.2f} GiB "
           f"(target <= 1.0) in {len(rest)} processes, {idle} of them idle Ray workers")
-    print("torch/vLLM outside the replicas: " + (", ".join(loaded) if loaded else "none"))
+    print("torch/vLLM outside the replicas: " + (", ".join(loaded) if loaded else "none")
+          + (f" (libcuda alone: {', '.join(cuda)})" if cuda else ""))
     return totals, loaded
 
 
