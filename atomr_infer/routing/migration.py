@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Container
 
-from atomr_infer.errors import EngineError
+from atomr_infer.errors import EngineError, EngineQueueFull
 from atomr_infer.log import get_logger
 from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
 from atomr_infer.wire import HttpHead, HttpRequest, RequestKind, RoutingFacts
@@ -97,15 +97,21 @@ def named(request: HttpRequest) -> HttpRequest:
                        request.body)
 
 
-async def seam(kind: RequestKind, items: AsyncIterator[Item], body_sent: bool) -> AsyncIterator[Item]:
+async def seam(
+    kind: RequestKind, items: AsyncIterator[Item], body_sent: bool, retry: tuple[str, int] | None = None
+) -> AsyncIterator[Item]:
     """A continuation's items less what the client already has: the head, and (once the first
     part sent body bytes) a chat's opening chunk that only names the role (``response_role``, or
     the last message's without ``add_generation_prompt``). A
-    continuation that failed (its head not 200) is an ``EngineError``, not text in the stream."""
+    continuation that failed (its head not 200) is an ``EngineError``, not text in the stream; one
+    that a replica's vLLM refused with 503 (its queue full), where ``retry`` (the replica, its limit)
+    says tries are left, ``EngineQueueFull``: the router continues it on another."""
     pending = b""
     opened = kind is not RequestKind.CHAT or not body_sent
     async for item in items:
         if isinstance(item, HttpHead):
+            if item.status == 503 and retry is not None:
+                raise EngineQueueFull(*retry)
             if item.status != 200:
                 body = b"".join([b async for b in items if isinstance(b, bytes)])[:300]
                 raise EngineError(f"its replica died mid-request, and the continuation on another failed: "

@@ -222,9 +222,8 @@ class Router:
     async def _route(
         self, facts: RoutingFacts, model: str = ""
     ) -> tuple[DeploymentRoute, ReplicaRoute, str | None, int]:
-        """The deployment, the replica and the LoRA adapter for ``facts`` (waiting for a
-        replica if need be), and the blocks of prefill it queued there (kv_events). ``model``:
-        only a replica that serves it (a moved stream continues on the model it began on)."""
+        """The deployment, replica and LoRA adapter for ``facts`` (waiting for a replica if need be), and
+        the prefill blocks it queued there (kv_events); ``model``: a moved stream's, the one it began on."""
         name = facts.deployment
         started = appear_from = time.monotonic()  # the wait for a ready replica runs from appear_from
         queue_deadline = None if self._queue_timeout_s is None else started + self._queue_timeout_s
@@ -341,7 +340,8 @@ class Router:
             items = self._channel(route).request(opening, generated if want else None, prefilled)
             sent_here = finished = False
             try:
-                answer = items if resume is None else migration.seam(facts.kind, items, bool(last))
+                retry = None if last_try else (route.actor_name, dep.max_concurrent)  # a continuation's 503
+                answer = items if resume is None else migration.seam(facts.kind, items, bool(last), retry)
                 async for chunk in answer:
                     if isinstance(chunk, HttpHead) and chunk.status == 503 and not sent and not last_try:
                         await items.aclose()  # vLLM's queue is full: "retry on a different instance"

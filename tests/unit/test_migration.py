@@ -353,3 +353,24 @@ def test_a_model_whose_every_chat_answer_vllm_parses_moves_its_streams_only_unst
     h.launcher.started[0].facts = {"parses_output": True}
     h.call("apply", spec(serving={"max_concurrent": 4}))  # any change publishes the table again
     assert h.call("routing_table", -1).deployments["demo"].parses_output
+
+
+class BusyOnce(Continuing):
+    """Its vLLM refuses the first continuation with a 503 (its queue full), then takes it."""
+
+    async def _serve(self, request, put, tokens, resume=None, prefilled=None):
+        if not self.resumed:
+            self.resumed.append(None)
+            put(HttpHead(503, JSON))
+            put(b'{"error":{"message":"The engine is currently busy and cannot accept new requests.","code":503}}')
+            return
+        await super()._serve(request, put, tokens, resume, prefilled)
+
+
+def test_a_continuation_a_replica_refuses_with_503_is_tried_again():
+    """The stream ended with "the continuation on another failed: HTTP 503", with tries left."""
+    busy = BusyOnce("r1")
+    got, failure, _ = stream_over([only(1, Dying("r0"), 2), only(2, busy, 2)], chat())
+    assert failure is None and busy.resumed == [None, [7]]
+    assert b"".join(i for i in got if not isinstance(i, HttpHead)) == (
+        ROLE + event("one") + event(" two", "length") + b"data: [DONE]\n\n")
