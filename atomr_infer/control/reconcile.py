@@ -236,7 +236,7 @@ class DeploymentReconciler:
         old = [r for r in self.replicas if r.live and r.runtime_key != self.runtime_key]
 
         # Old replicas that are not serving yet go at once; they would only delay the roll.
-        for r in [r for r in old if r.state == ReplicaState.STARTING]:
+        for r in [r for r in old if r.state == ReplicaState.STARTING and not r.unheard]:
             self._retire(r, now)
             old.remove(r)
 
@@ -274,7 +274,7 @@ class DeploymentReconciler:
 
         # Plain scale-down: stop starting replicas first, then the newest ready ones.
         if len(new) > want:
-            order = sorted(new, key=lambda r: (r.state != ReplicaState.STARTING, -r.started_at))
+            order = sorted(new, key=lambda r: (r.state != ReplicaState.STARTING or r.unheard, -r.started_at))
             for r in order[: len(new) - want]:
                 self._retire(r, now)
 
@@ -306,7 +306,7 @@ class DeploymentReconciler:
         return True
 
     def _retire(self, r: ReplicaRecord, now: float) -> None:
-        if r.state == ReplicaState.READY:
+        if r.state == ReplicaState.READY or r.unheard:
             self._drain(r, now)
         elif r.state == ReplicaState.STARTING:
             r.handle.stop()

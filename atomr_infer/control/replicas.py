@@ -115,6 +115,12 @@ class ReplicaRecord:
         """Counts toward the replica set (not on its way out)."""
         return self.state.live
 
+    @property
+    def unheard(self) -> bool:
+        """Adopted by a restarted manager and not heard ready yet: it may be serving (routers'
+        cached tables list it), so it is neither stopped as a replica still starting nor passed over."""
+        return self.state == ReplicaState.STARTING and bool(getattr(self.handle, "adopted", False))
+
     def status(self, adapters_wanted: Collection[str]) -> ReplicaStatus:
         """What ``atomr status`` shows of it: the LoRA adapters among ``adapters_wanted`` (one an
         apply removed is not listed while it unloads), and while it starts why it waits, where known."""

@@ -156,6 +156,33 @@ def test_a_restarted_manager_adopts_the_live_replicas_from_the_store() -> None:
     assert second.live() == ["atomr:demo:r0", "atomr:demo:r1", "atomr:demo:r2"]
 
 
+def test_a_manager_restarted_mid_roll_keeps_the_old_replicas_serving_until_new_ones_are_ready() -> None:
+    """An adopted replica is 'starting' until it answers its new manager, and the first pass came
+    first: mid-roll the old replicas, serving, were stopped at once as old replicas not serving
+    yet, and nothing served until the new ones had loaded their model (minutes on a GPU)."""
+    first = Harness()
+    first.call("apply", spec(replicas=2))
+    first.converge()
+    first.call("apply", spec(replicas=2, model="org/other"))  # a roll: r2 starts beside r0 and r1
+    first.manager.reconcile_once()
+    adopt = first.launcher.adopt
+
+    def adopted_unheard(deployment, replica_id):
+        h = adopt(deployment, replica_id)
+        if h is not None:
+            h.ready = Poll.pending()  # a new handle's ready() has not answered yet
+        return h
+
+    first.launcher.adopt = adopted_unheard
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.manager.reconcile_once()
+    second.manager.reconcile_once()
+    old = first.launcher.started[:2]
+    assert not any(h.stopped or h.draining for h in old)  # serving on
+    second.converge()  # they answer; r2 and r3 load: then the old ones drain, as in any roll
+    assert all(h.draining and h.stopped for h in old) and second.live() == ["atomr:demo:r2", "atomr:demo:r3"]
+
+
 def test_the_routing_table_lists_ready_replicas_and_takes_serving_limits_in_place() -> None:
     h = Harness()
     h.call("apply", spec(replicas=2))
