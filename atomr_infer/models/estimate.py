@@ -11,6 +11,7 @@ the language model only (no vision tower), so they are a lower bound for multimo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -162,14 +163,16 @@ def _layer_kinds(text: dict[str, Any], layers: int) -> list[str]:
 
 
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
-                "max_sequence_length", "max_seq_length", "seq_len")
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
 
 
-def context_limit(model_dir: Path) -> tuple[int, str] | None:
-    """The longest context vLLM derives for the model in ``model_dir`` and the key it comes from:
-    the smallest of the config's length keys and the tokenizer's ``model_max_length``, as vLLM
-    0.32 takes it. None where it is not known here, or where RoPE scaling multiplies it (vLLM's
-    rules for that differ by type: left to vLLM)."""
+def context_limit(model_dir: Path, generates: bool = False) -> tuple[int, str] | None:
+    """The longest context vLLM 0.32 derives for the model in ``model_dir`` and the key it comes
+    from: the smallest of the config's length keys, or its ``model_max_length`` where it has one
+    (Command-R: it overrides the others); the tokenizer's ``model_max_length`` too for a pooling
+    model with absolute position embeddings (unless ``generates``: ``runner: generate``). None
+    where it is not known here, or where RoPE scaling multiplies it (vLLM's rules for that differ
+    by type: left to vLLM)."""
     try:
         text = _text_config(_read_json(model_dir / "config.json"))
     except (OSError, ValueError):
@@ -177,10 +180,12 @@ def context_limit(model_dir: Path) -> tuple[int, str] | None:
     if any(isinstance(rope := text.get(k), dict) and rope.get("factor") for k in ("rope_scaling", "rope_parameters")):
         return None
     found = [(value, key) for key in _LENGTH_KEYS if isinstance(value := text.get(key), int) and value > 0]
-    try:
-        tokenizer = _read_json(model_dir / "tokenizer_config.json").get("model_max_length")
-    except (OSError, ValueError):
-        tokenizer = None
+    if isinstance(own := text.get("model_max_length"), int) and own > 0:
+        found = [(own, "model_max_length")]
+    tokenizer = None
+    if not generates and text.get("position_embedding_type") == "absolute":  # a BERT-like encoder: pooling
+        with contextlib.suppress(OSError, ValueError):
+            tokenizer = _read_json(model_dir / "tokenizer_config.json").get("model_max_length")
     if isinstance(tokenizer, int) and tokenizer > 0:
         found.append((tokenizer, "model_max_length in tokenizer_config.json"))
     return min(found) if found else None

@@ -169,15 +169,28 @@ def test_max_model_len_above_the_models_context_is_refused_at_apply(tmp_path, mo
 
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "num_hidden_layers": 2,
                                                       "rope_parameters": {"rope_type": "default"}}))  # no factor
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}))
     spec = {"name": "d", "model": str(tmp_path), "device": "cpu"}
-    with pytest.raises(SpecError, match=r"runtime_config.max_model_len: 8192 is above the model's context length, "
-                                        r"4096 \(model_max_length in tokenizer_config.json\)"):
-        check_spec(parse_deployment({**spec, "runtime_config": {"max_model_len": 8192}}))
-    check_spec(parse_deployment({**spec, "runtime_config": {"max_model_len": 4096}}))
-    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # as vLLM: allowed when told
+    with pytest.raises(SpecError, match=r"runtime_config.max_model_len: 16384 is above the model's context length, "
+                                        r"8192 \(max_position_embeddings\)"):
+        check_spec(parse_deployment({**spec, "runtime_config": {"max_model_len": 16384}}))
     check_spec(parse_deployment({**spec, "runtime_config": {"max_model_len": 8192}}))
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # as vLLM: allowed when told
+    check_spec(parse_deployment({**spec, "runtime_config": {"max_model_len": 16384}}))
     monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    # As vLLM 0.32 derives it: the tokenizer's model_max_length counts only for a pooling model with
+    # absolute position embeddings (it refused 8192 for a generating model whose tokenizer says 4096)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}))
+    check_spec(parse_deployment({**spec, "runtime_config": {"max_model_len": 8192}}))
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192,
+                                                      "position_embedding_type": "absolute"}))  # BERT-like
+    with pytest.raises(SpecError, match=r"4096 \(model_max_length in tokenizer_config.json\)"):
+        check_spec(parse_deployment({**spec, "runtime_config": {"max_model_len": 8192}}))
+    # a config's own model_max_length overrides the other keys (Command-R); hf_overrides: vLLM's to judge
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "model_max_length": 131072}))
+    check_spec(parse_deployment({**spec, "runtime_config": {"max_model_len": 16384}}))
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    check_spec(parse_deployment({**spec, "runtime_config": {
+        "max_model_len": 16384, "extra_engine_args": {"hf_overrides": {"max_position_embeddings": 16384}}}}))
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192,
                                                       "rope_scaling": {"rope_type": "linear", "factor": 4.0}}))
     check_spec(parse_deployment({**spec, "runtime_config": {"max_model_len": 16384}}))  # scaled: vLLM's to judge

@@ -175,8 +175,10 @@ def _context_problems(deployment: Deployment) -> list[SpecProblem]:
     cfg = deployment.runtime_config
     if not cfg.max_model_len or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").lower() in ("1", "true"):
         return []
+    if cfg.extra_engine_args.get("hf_overrides"):  # it may change the length keys: vLLM's to judge
+        return []
     directory = local_model_dir(deployment.model, cfg.hf_cache_dir)
-    limit = context_limit(directory) if directory is not None else None
+    limit = context_limit(directory, cfg.runner == "generate") if directory is not None else None
     if limit is None or cfg.max_model_len <= limit[0]:
         return []
     return [SpecProblem(deployment.name, "runtime_config.max_model_len", f"{cfg.max_model_len} is above the model's "
