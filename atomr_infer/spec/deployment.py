@@ -17,6 +17,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator, m
 from atomr_infer.models.registry import BUNDLED_MODELS, HF_REPO_ID_RE, LOCAL_PREFIXES, bundled_name
 from atomr_infer.spec.base import FieldValueError, Number, Strict, int_choice
 from atomr_infer.spec.lora import Lora
+from atomr_infer.spec.multimodal import check_mm_limits
 from atomr_infer.spec.serving import Serving
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -122,15 +123,7 @@ class VllmConfig(Strict):
     @field_validator("limit_mm_per_prompt")
     @classmethod
     def _mm_limits(cls, limits: dict[str, Any] | None) -> dict[str, Any] | None:
-        for modality, limit in (limits or {}).items():
-            field = modality  # (under the field's own path)
-            if isinstance(limit, dict):  # vLLM's per-modality options: count and the sizes it profiles
-                for key, value in limit.items():
-                    if type(value) is not int or value < 0:
-                        raise FieldValueError(f"{field}.{key}", f"should be a whole number of 0 or more, got {value!r}")
-            elif type(limit) is not int or not 0 <= limit <= 1024:
-                raise FieldValueError(field, f"should be a count of 0 to 1024 (or {{count: N, ...}}), got {limit!r}")
-        return limits
+        return check_mm_limits(limits)
 
     @model_validator(mode="after")
     def _no_shadowing(self) -> VllmConfig:

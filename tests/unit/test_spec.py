@@ -249,6 +249,19 @@ def test_wrong_type_inside_a_mapping_names_the_key() -> None:
     assert "should be a count of 0 to 1024" in problem.message and "got '1'" in problem.message
 
 
+@pytest.mark.parametrize(("limits", "field", "expected"), [
+    ({"image": {"count": 2, "widht": 512}}, "image.widht", "is not an option of image (its options: count, width"),
+    ({"video": {"count": 1, "num_frames": 0}}, "video.num_frames", "should be a whole number of 1 or more"),
+    ({"image": {"count": 2000}}, "image.count", "should be a count of 0 to 1024"),
+])
+def test_a_modalitys_profiling_options_are_checked_as_vllm_does(limits, field, expected) -> None:
+    """vLLM refuses unknown keys and sizes of 0 there: each replica failed after loading the model."""
+    problem = one_problem(spec(**{"runtime_config.limit_mm_per_prompt": limits}))
+    assert problem.field == f"runtime_config.limit_mm_per_prompt.{field}" and expected in problem.message
+    parse_deployment(spec(**{"runtime_config.limit_mm_per_prompt": {"video": {"count": 1, "num_frames": 8},
+                                                                     "audio": {"count": 1, "length": 16000}}}))
+
+
 def test_null_for_a_section_reads_as_left_out_but_not_for_a_setting() -> None:
     # ``serving:`` with nothing after it in YAML is None: every key under it commented out.
     assert parse_deployment(with_field("serving", None)).serving.max_concurrent == 32
