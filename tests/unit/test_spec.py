@@ -24,7 +24,7 @@ FULL: dict[str, Any] = {
     "name": "full-spec-1",
     "model": "google/gemma-4-E4B-it",
     "runtime": "vllm",
-    "device": "cuda",
+    "device": "auto",  # (cuda refuses the CPU settings it sets too)
     "runtime_config": {
         "dtype": "bfloat16",
         "tensor_parallel_size": 2,
@@ -260,6 +260,13 @@ def test_a_modalitys_profiling_options_are_checked_as_vllm_does(limits, field, e
     assert problem.field == f"runtime_config.limit_mm_per_prompt.{field}" and expected in problem.message
     parse_deployment(spec(**{"runtime_config.limit_mm_per_prompt": {"video": {"count": 1, "num_frames": 8},
                                                                      "audio": {"count": 1, "length": 16000}}}))
+
+
+@pytest.mark.parametrize("name", ["cpu_kvcache_space_gb", "cpu_threads"])
+def test_a_cpu_replicas_settings_on_device_cuda_are_refused_not_ignored(name) -> None:
+    problem = one_problem(spec(**{"device": "cuda", f"runtime_config.{name}": 4}))
+    assert problem.field == f"runtime_config.{name}" and "device is cuda, where it does nothing" in problem.message
+    parse_deployment(spec(**{"device": "auto", f"runtime_config.{name}": 4}))  # auto may run on CPUs
 
 
 def test_null_for_a_section_reads_as_left_out_but_not_for_a_setting() -> None:
