@@ -347,10 +347,12 @@ class Deployment(Strict):
                 f"is {tp} but gpus is {self.gpus}: one replica shards over its GPUs, "
                 "so set them equal (or leave tensor_parallel_size unset)",
             )
-        for name in ("cpu_kvcache_space_gb", "cpu_threads"):  # a CPU replica's: read nowhere on a GPU
+        # A CPU replica's settings, read nowhere on a GPU: said, not refused (a restarted manager
+        # stops the replicas of a stored spec it refuses, and these ran).
+        for name in ("cpu_kvcache_space_gb", "cpu_threads"):
             if self.device == "cuda" and getattr(self.runtime_config, name) is not None:
-                raise FieldValueError(f"runtime_config.{name}", "is set but device is cuda, where it does nothing "
-                                      "(a CPU replica's setting): leave it out, or use device: auto")
+                warnings.warn(f"runtime_config.{name} is set but device is cuda, where it does nothing (a CPU "
+                              "replica's setting): leave it out, or use device: auto", FutureWarning, stacklevel=2)
         policy = self.routing.policy
         if policy != "power_of_two" and self.runtime_config.enable_prefix_caching is False:
             raise FieldValueError(

@@ -38,7 +38,7 @@ FULL: dict[str, Any] = {
     "name": "full",
     "model": "google/gemma-4-E4B-it",
     "runtime": "vllm",
-    "device": "auto",  # (cuda refuses the CPU settings it sets too)
+    "device": "auto",  # (on cuda the CPU settings it sets too would be warned of)
     "runtime_config": {
         "dtype": "bfloat16",
         "gpu_memory_utilization": 0.8,
@@ -87,7 +87,7 @@ _OTHER_VALUE: dict[str, Any] = {
     "runtime_config.tensor_parallel_size": FULL["gpus"],  # unset in FULL; only gpus' value is valid
     "serving.openai.served_model_name": ["gemma", "gemma-4"],
     "runtime_config.cpu_threads": 2,
-    "device": "cpu",  # (cuda refuses FULL's CPU settings)
+    "device": "cpu",  # (on cuda FULL's CPU settings would be warned of)
     "routing.load_bound": 2.0,
     "runtime_config.block_size": 64,  # one of the sizes vLLM allows
     "lora.max_lora_rank": 32,  # one of the ranks vLLM allows
