@@ -20,8 +20,8 @@ def check_mm_limits(limits: dict[str, Any] | None) -> dict[str, Any] | None:
                 if key != "count" and sizes is not None and key not in sizes:
                     raise FieldValueError(f"{field}.{key}", f"is not an option of {modality} (its options: count, "
                                           f"{', '.join(sizes)})")
-                if key == "count" and (type(value) is not int or not 0 <= value <= 1024):
-                    raise FieldValueError(f"{field}.{key}", f"should be a count of 0 to 1024, got {value!r}")
+                if key == "count" and (type(value) is not int or value < 0):  # (uncapped: as vLLM, and as before)
+                    raise FieldValueError(f"{field}.{key}", f"should be a whole number of 0 or more, got {value!r}")
                 if key != "count" and (type(value) is not int or value < 1):
                     raise FieldValueError(f"{field}.{key}", f"should be a whole number of 1 or more, got {value!r}")
         elif type(limit) is not int or not 0 <= limit <= 1024:

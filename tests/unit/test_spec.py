@@ -253,7 +253,7 @@ def test_wrong_type_inside_a_mapping_names_the_key() -> None:
 @pytest.mark.parametrize(("limits", "field", "expected"), [
     ({"image": {"count": 2, "widht": 512}}, "image.widht", "is not an option of image (its options: count, width"),
     ({"video": {"count": 1, "num_frames": 0}}, "video.num_frames", "should be a whole number of 1 or more"),
-    ({"image": {"count": 2000}}, "image.count", "should be a count of 0 to 1024"),
+    ({"image": {"count": -1}}, "image.count", "should be a whole number of 0 or more"),
 ])
 def test_a_modalitys_profiling_options_are_checked_as_vllm_does(limits, field, expected) -> None:
     """vLLM refuses unknown keys and sizes of 0 there: each replica failed after loading the model."""
