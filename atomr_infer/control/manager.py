@@ -110,6 +110,14 @@ class DeploymentManager:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
 
+    def _save(self) -> None:
+        """Save the state now, or (the store not answering: a GCS blip) on a later pass: every pass
+        saves. An apply or remove is done once in memory; its caller is not told it failed."""
+        try:
+            self._persist()
+        except Exception as exc:  # noqa: BLE001
+            log.error("state_save_failed", error=repr(exc))
+
     def _persist(self) -> None:
         removing = {name: removal_record(r) for name, r in self._removing.items()}
         self._recovery.save({**removing, **{name: d.synced_record() for name, d in self._desired.items()}})
@@ -161,10 +169,7 @@ class DeploymentManager:
             reap.reap()
         if routes_changed:
             self._publish()
-        try:
-            self._persist()
-        except Exception as exc:  # noqa: BLE001
-            log.error("state_save_failed", error=repr(exc))
+        self._save()
         self.last_reconcile_s = time.perf_counter() - started
         self._metrics.reconcile_pass(self.last_reconcile_s)
 
@@ -280,7 +285,7 @@ class DeploymentManager:
             current.reconciler.set_desired(None, generation, "")
             self._metrics.target(name, None)
             self._removing[name] = current.reconciler
-            self._persist()
+            self._save()
             self._publish()  # stop routing to it at once
         log.info("remove", deployment=name, actions=plan.summary)
         self._kick.set()
@@ -366,7 +371,7 @@ class DeploymentManager:
             self._desired[spec.name] = ManagedDeployment.create(spec, reconciler, generation)
         else:
             current.update(spec, plan.restart and spec.restart_on_apply, self._clock())
-        self._persist()
+        self._save()
         self._publish()  # serving limits take effect at once
 
     def _status(self, name: str) -> DeploymentStatus:

@@ -227,3 +227,33 @@ def test_records_read_across_versions() -> None:
     assert second.call("status", "demo").replicas_ready == 1 and first.launcher.started[0].adopted
     removing = DeploymentRecord({}, 3, "", removing=True)
     assert encoded(removing)["removing"] is True and decoded(encoded(removing)) == removing
+
+
+def test_an_apply_or_remove_whose_save_failed_is_done_and_saved_by_the_next_pass() -> None:
+    """The save after an apply or a remove failed (a GCS blip): the caller got the raw error, as
+    if nothing were done, while the deployment was created (or removed) in memory and saved later;
+    a failed remove did not even stop routing to it at once."""
+    from atomr_infer.control.store import MemoryStore
+
+    class Failing(MemoryStore):
+        fail = False
+
+        def save(self, records):
+            if self.fail:
+                raise TimeoutError("internal_kv_put: GCS did not answer")
+            super().save(records)
+
+    store = Failing()
+    h = Harness(store=store)
+    store.fail = True
+    assert h.call("apply", spec()).changed
+    store.fail = False
+    h.converge()
+    assert list(store.load()) == ["demo"] and h.call("status", "demo").replicas_ready == 1
+    table = h.call("routing_table", -1)
+    store.fail = True
+    h.call("remove", "demo")
+    assert "demo" not in h.call("routing_table", table.version).deployments  # routed to no more
+    store.fail = False
+    h.converge()
+    assert list(store.load()) == [] and all(x.stopped for x in h.launcher.started)
