@@ -7,7 +7,8 @@ this host can run it, and with ``--serve`` starts the OpenAI-compatible API on t
 every deployment, waits for the replicas to stop, stops the manager, and stops Ray only if
 ``atomr`` started it (the marker file says so, and the head on that port is older than the
 marker) — by its own processes, never ``ray stop``, which would take every other Ray on the
-machine with it.
+machine with it. A manager that restarts, or has not read its stored state back yet, is waited
+for (up to ``--timeout``); one that still cannot list its deployments then stops nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import typer
 
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
 # The flags of `up` that only the HTTP API (--serve) reads.
 API_PARAMETERS = ("host", "port", "api_keys", "max_body_mb", "allowed_origins", "allowed_methods", "allowed_headers",
                   "allow_credentials", "enable_request_id_headers")
+RETRY_S = 1.0  # how often `down` asks again a manager that restarts or recovers its state
+T = TypeVar("T")
 
 
 def _line(label: str, text: str) -> None:
@@ -186,9 +190,12 @@ def down_command(
             _stop_stale_head()
         _line("Ray", f"no cluster is running{f' at {target}' if target else ''}; nothing to stop")
         raise typer.Exit(EXIT_OK) from None
+    deadline = time.monotonic() + timeout
     try:
+        control = _manager_listing(deadline)  # before anything stops: one that cannot list stops nothing
         _stop_api()
-        _remove_everything(timeout)
+        if control is not None:
+            _remove_everything(control, deadline, timeout)
     except AtomrError as exc:
         fail(exc)
     gcs = ray.get_runtime_context().gcs_address
@@ -228,26 +235,58 @@ def _stop_api() -> None:
     _line("api", f"stopped ({current.base_url})")
 
 
-def _remove_everything(timeout: float) -> None:
-    import ray
+def _retrying(call: Callable[[], T], deadline: float) -> T:
+    """``call()``, asked again while the manager restarts or recovers its stored state (a
+    retryable error: it does not know its deployments yet), until ``deadline``."""
+    said = False
+    while True:
+        try:
+            return call()
+        except AtomrError as exc:
+            if not exc.retryable or time.monotonic() >= deadline:
+                raise
+            if not said:
+                _line("manager", f"not ready: {one_line(exc)}; waiting for it")
+                said = True
+        time.sleep(RETRY_S)
 
-    from atomr_infer import cluster
+
+def _manager_listing(deadline: float) -> ControlPlane | None:
+    """The manager, once it can list its deployments (None: not running). One that cannot by
+    ``deadline`` is an error, and nothing is stopped: killing it would leave its replicas running."""
     from atomr_infer.control.client import ControlPlane
 
     try:
         control = ControlPlane.connect(None, start=False)  # connect() above chose the cluster
     except AtomrError:
         _line("manager", "not running")
-        return
-    statuses = control.list()
+        return None
+    try:
+        _retrying(control.list, deadline)
+    except AtomrError as exc:
+        if not exc.retryable:
+            raise
+        why = one_line(exc)
+        raise AtomrError(f"nothing was stopped, as the manager cannot list its deployments yet: {why}") from None
+    return control
+
+
+def _remove_everything(control: ControlPlane, deadline: float, timeout: float) -> None:
+    import ray
+
+    from atomr_infer import cluster
+
+    statuses = _retrying(control.list, deadline)
     actors = {r.actor_name for s in statuses for r in s.replicas}
     for s in statuses:
         if not s.removing:
-            result = control.remove(s.name)
+            result = _retrying(lambda name=s.name: control.remove(name), deadline)
             _line(s.name, "; ".join(result.actions))
-    deadline = time.monotonic() + timeout
-    while control.list() and time.monotonic() < deadline:
+    listed = _retrying(control.list, deadline)
+    while listed and time.monotonic() < deadline:
+        actors |= {r.actor_name for s in listed for r in s.replicas}  # (one recovering was listed without them)
         time.sleep(0.5)
+        listed = _retrying(control.list, deadline)
     # The manager's reaper kills stopped replicas after their engine shut down; wait for that
     # too, or a killed manager could leave detached replica actors behind.
     while _alive(actors) and time.monotonic() < deadline:

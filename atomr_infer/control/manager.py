@@ -292,12 +292,17 @@ class DeploymentManager:
         return ApplyResult(name, True, generation, tuple(a.summary for a in plan.actions))
 
     async def list(self) -> list[DeploymentStatus]:
+        """Every deployment (those being removed too); ``NotRecoveredYet`` while a restarted
+        manager cannot read its stored state (it does not know them yet)."""
         self._ensure_loop()
+        self._recovery.check_read()
         held = [self._status(n) for n in set(self._desired) | set(self._removing)]
         return sorted(held + self._recovery.statuses(), key=lambda s: s.name)
 
     async def status(self, name: str) -> DeploymentStatus | None:
+        """``name``'s status, None if there is no such deployment; ``NotRecoveredYet`` as ``list``."""
         self._ensure_loop()
+        self._recovery.check_read()
         return self._status(name) if name in self._desired or name in self._removing else self._recovery.status(name)
 
     async def routing_table(self, since_version: int = -1, timeout_s: float = 0.0) -> RoutingTable | None:
@@ -317,10 +322,14 @@ class DeploymentManager:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             status = self._status(name) if name in self._desired else None
-            if status is None or (status.converged and status.adapters_settled) or status.failed:
+            if status is None:
+                if self._recovery.unread is None and name not in self._recovery.pending:  # (not recovered yet: waited)
+                    return None
+            elif (status.converged and status.adapters_settled) or status.failed:
                 return status
             await asyncio.sleep(0.2)
-        return self._status(name) if name in self._desired else None
+        self._recovery.check_read()
+        return self._status(name) if name in self._desired else self._recovery.status(name)
 
     async def report_demand(self, router_id: str, name: str, waiting: int) -> None:
         """A router's requests waiting for a replica of ``name`` (a name or an alias): load for

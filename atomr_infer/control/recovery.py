@@ -5,7 +5,7 @@ deployment's replicas by name may fail with a Ray error other than "no such acto
 nothing is given up: what has not been recovered keeps its stored record, which every save
 writes back as it was (a save of what the manager holds would drop it, and its replicas would
 run on unmanaged: a re-apply then collides with their names); an apply or remove of it is refused
-as retryable; and every reconcile pass tries again.
+as retryable (as is a listing, while the store is unread); and every reconcile pass tries again.
 """
 
 from __future__ import annotations
@@ -60,11 +60,16 @@ class Recovery:
             return True
         return False
 
-    def check(self, name: str) -> None:
-        """``NotRecoveredYet`` unless ``name`` may be applied or removed now."""
+    def check_read(self) -> None:
+        """``NotRecoveredYet`` while the store is unread: the manager cannot say what is deployed
+        (an empty answer would read as "nothing": ``atomr down`` then stopped none of the replicas)."""
         if self.unread is not None:
             raise NotRecoveredYet(f"the atomr manager restarted and cannot read its stored state yet ({self.unread}); "
                                   "it tries again every second: try again shortly")
+
+    def check(self, name: str) -> None:
+        """``NotRecoveredYet`` unless ``name`` may be applied or removed now."""
+        self.check_read()
         if name in self.pending:
             raise NotRecoveredYet(f"the atomr manager restarted and has not recovered deployment {name!r} yet (its "
                                   "replicas could not be looked up); it tries again every second: try again shortly")

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from atomr_infer import heavy_imports
-from atomr_infer.errors import AtomrError, DeploymentNotFound, InvalidRequest, NoReadyReplica
+from atomr_infer.errors import AtomrError, DeploymentNotFound, InvalidRequest, NoReadyReplica, one_line, unwrap
 from atomr_infer.log import get_logger
 from atomr_infer.routing import response_ids
 from atomr_infer.routing.router import Router
@@ -55,7 +55,7 @@ from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile, may_use_as_
 from atomr_infer.serve.body import MAX_BODY_BYTES, as_utf8, parse_json, read_body
 from atomr_infer.serve.catalog import answering, health_report, model_list
 from atomr_infer.serve.cors import Cors
-from atomr_infer.serve.errors import ManagerUnreachable
+from atomr_infer.serve.errors import ManagerRecovering, ManagerUnreachable
 from atomr_infer.serve.listener import HttpListener, direct_posts, listen
 from atomr_infer.serve.rate_limit import Budget, IngressLimits
 from atomr_infer.serve.request_ids import with_request_ids
@@ -325,7 +325,9 @@ class OpenAIIngress:
     async def _deployments(self) -> list[DeploymentStatus]:
         try:
             statuses = await asyncio.wait_for(self._list(), MANAGER_CALL_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - not started, restarting, or timed out
+        except Exception as exc:  # noqa: BLE001 - not started, restarting, recovering, or timed out
+            if isinstance(cause := unwrap(exc), AtomrError) and cause.retryable:  # NotRecoveredYet: it answers
+                raise ManagerRecovering(one_line(cause)) from None
             self._tables.forget_manager()
             raise ManagerUnreachable(f"{type(exc).__name__}: {exc}") from None
         return [s for s in statuses if not s.removing]

@@ -10,6 +10,7 @@ on Anthropic's ``/v1/messages`` routes, the same statuses in Anthropic's shape.
     CapacityExhausted   429  rate_limit_error       Retry-After header
     NoReadyReplica      503  service_unavailable    Retry-After header (AdapterNotLoaded too: ready, the adapter not)
     ManagerUnreachable  503  service_unavailable    Retry-After header
+    ManagerRecovering   503  service_unavailable    manager_recovering, Retry-After header
     ReplicaUnavailable  503  service_unavailable
     EngineError         500  server_error           (mid-stream: a final SSE error event, then [DONE])
     anything else       500  server_error           logged with its traceback
@@ -48,6 +49,14 @@ class ManagerUnreachable(RoutingError):
 
     def __str__(self) -> str:
         return f"the atomr manager is unreachable ({self.reason}); hint: `atomr up`, or check `atomr status`"
+
+
+class ManagerRecovering(ManagerUnreachable):
+    """The manager answers, but restarted and cannot say what is deployed yet (its stored state
+    not read back): the catalog has no answer, which is not "no deployments"."""
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 # Anthropic's error types by status (docs.anthropic.com "Errors").
@@ -105,6 +114,8 @@ def http_error(exc: BaseException) -> HttpError:
         )
     if isinstance(exc, NoReadyReplica):
         return HttpError(503, str(exc), "service_unavailable", None, "no_ready_replica", _retry_after(1))
+    if isinstance(exc, ManagerRecovering):
+        return HttpError(503, str(exc), "service_unavailable", None, "manager_recovering", _retry_after(1))
     if isinstance(exc, ManagerUnreachable):
         return HttpError(503, str(exc), "service_unavailable", None, "manager_unreachable", _retry_after(1))
     if isinstance(exc, ReplicaUnavailable):

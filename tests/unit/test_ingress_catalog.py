@@ -97,3 +97,32 @@ def test_the_card_of_an_adapter_name_two_deployments_have_says_which_names_to_se
     status, body = answer(asyncio.run(ingress_.get_model("sql", get("/v1/models/sql"))))
     assert status == 404 and body["error"]["message"] == (
         "no deployment named 'sql' (deployments: a, b; 'sql' is an adapter of a and b: send 'a:sql' or 'b:sql')")
+
+
+def test_while_the_manager_cannot_list_its_deployments_the_catalog_says_it_is_recovering() -> None:
+    """A restarted manager that has not read its stored state back answered an empty list: /v1/models
+    said nothing was deployed. Refused now (NotRecoveredYet), which the catalog took for a manager
+    that is unreachable, with Ray's traceback text and an `atomr up` hint, and dropped its handle."""
+    from ray.exceptions import RayTaskError
+
+    from atomr_infer.control.recovery import NotRecoveredYet
+
+    why = ("the atomr manager restarted and cannot read its stored state yet (ConnectionError: GCS unavailable); "
+           "it tries again every second: try again shortly")
+    ingress_, _limiter, _app = ingress()
+    forgotten = []
+    ingress_._tables = type("Tables", (), {"forget_manager": lambda self: forgotten.append(1)})()
+
+    async def refused() -> None:  # as Ray raises what the manager raised
+        raise RayTaskError("list", "Traceback (most recent call last):\n  File manager.py", NotRecoveredYet(why)
+                           ).as_instanceof_cause()
+
+    ingress_._list = refused
+
+    async def main():
+        return answer(await ingress_.list_models(get("/v1/models"))), answer(await ingress_.health(get("/health")))
+
+    (status, listed), (health_status, health) = asyncio.run(main())
+    assert (status, listed["error"]["code"], listed["error"]["message"]) == (503, "manager_recovering", why)
+    assert (health_status, health["status"], health["manager"]) == (503, "unavailable", why)
+    assert forgotten == []  # it answers: its handle is good

@@ -257,3 +257,20 @@ def test_an_apply_or_remove_whose_save_failed_is_done_and_saved_by_the_next_pass
     store.fail = False
     h.converge()
     assert list(store.load()) == [] and all(x.stopped for x in h.launcher.started)
+
+
+def test_while_the_store_is_unread_listing_is_refused_as_retryable_not_answered_empty() -> None:
+    """list() and status() said nothing was deployed: `atomr status demo` answered "no deployment
+    named demo", and `atomr down` removed nothing, stopped the manager and left the replicas running."""
+    first = running("demo")
+    load = first.store.load
+    first.store.load = lambda: (_ for _ in ()).throw(ConnectionError("GCS unavailable"))
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.manager.reconcile_once()
+    for method, *args in (("list",), ("status", "demo"), ("status", "other"), ("wait_ready", "demo", 0.05)):
+        with pytest.raises(NotRecoveredYet, match="cannot read its stored state yet .*GCS unavailable") as refused:
+            second.call(method, *args)
+        assert refused.value.retryable
+    first.store.load = load
+    second.manager.reconcile_once()
+    assert [s.name for s in second.call("list")] == ["demo"] and second.call("status", "other") is None
