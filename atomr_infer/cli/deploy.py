@@ -143,10 +143,11 @@ def _wait(control: ControlPlane, names: list[str], timeout: float) -> int:
             else f"the manager retries with backoff, `atomr remove {name}` stops it"
         )
         report(AtomrError(f"deployment {name!r} failed: {reason} (hint: `atomr logs {name}`; {then})"))
+    away = f" ({outcome.away})" if outcome.away else ""  # the manager's last answer was none
     for name in outcome.pending:
         report(
             AtomrError(
-                f"deployment {name!r} not ready after {timeout:g}s (hint: `atomr status {name}`, "
+                f"deployment {name!r} not ready after {timeout:g}s{away} (hint: `atomr status {name}`, "
                 f"`atomr logs {name}`; it keeps starting in the background)"
             )
         )
@@ -247,7 +248,10 @@ def remove_command(
         _say(f"{name}: {'; '.join(result.actions)}")
         removed.append(name)
     if wait and removed:
-        code = _wait_removed(control, removed, timeout) or code
+        try:
+            code = _wait_removed(control, removed, timeout) or code
+        except AtomrError as exc:
+            code = report(exc)
     raise typer.Exit(code)
 
 
@@ -256,7 +260,13 @@ def _wait_removed(control: ControlPlane, names: list[str], timeout: float) -> in
     pending = list(names)
     while pending and time.monotonic() < deadline:
         for name in list(pending):
-            if control.status(name) is None:
+            try:
+                gone = control.status(name) is None
+            except AtomrError as exc:  # the manager restarts, or has not read its state back: asked again
+                if not exc.retryable:
+                    raise
+                break
+            if gone:
                 pending.remove(name)
                 _say(f"{name}: removed")
         if pending:

@@ -8,6 +8,7 @@ printed); the manager keeps retrying with backoff, which the error's hint says.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -19,9 +20,11 @@ from rich.text import Text
 
 from atomr_infer.cli import common, render
 from atomr_infer.cli.app import out
+from atomr_infer.errors import AtomrError, one_line, unwrap
 from atomr_infer.status import DeploymentStatus
 
 POLL_S = 0.5
+STATUS_TIMEOUT_S = 30.0
 WAITING_AFTER_S = 5.0  # ask Ray why a replica is not placed only once placing it takes this long
 
 
@@ -32,6 +35,7 @@ class Outcome:
     recurring: list[str] = field(default_factory=list)  # failures that will recur: the manager stops retrying
     pending: list[str] = field(default_factory=list)  # still not ready at the timeout
     adapters: list[str] = field(default_factory=list)  # of ``failed``: ready, but LoRA adapters failed to load
+    away: str | None = None  # why the manager did not answer when the time ran out
 
 
 def _converged(s: DeploymentStatus) -> bool:
@@ -45,12 +49,32 @@ class _Watch:
         self.first: dict[str, DeploymentStatus | None] = {}
         self.seen: dict[str, str] = {}  # replica key -> last printed state line
         self.waiting: dict[str, str] = {}  # actor name -> why it is not placed yet
+        self.away: str | None = None  # why the last poll had no answer from the manager
 
-    def poll(self) -> tuple[list[DeploymentStatus], dict[str, Any]]:
+    def poll(self) -> tuple[list[DeploymentStatus], dict[str, Any]] | None:
+        """The statuses and their replicas' stats; None while the manager restarts or recovers its
+        state (``away`` says so): the rollout goes on without it, and the next poll asks again."""
         import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
-        refs = [self.manager.status.remote(n) for n in self.names]
-        statuses = [s for s in ray.get(refs, timeout=30) if s is not None]
+        try:
+            found = ray.get([self.manager.status.remote(n) for n in self.names], timeout=STATUS_TIMEOUT_S)
+        except ActorUnavailableError:  # (a RayActorError too)
+            self.away = "the atomr manager is restarting"
+            return None
+        except RayActorError:  # the call was under way when it died: Ray restarts it (max_restarts=-1)
+            self.away = "the atomr manager died; waiting for Ray to restart it"
+            return None
+        except GetTimeoutError:
+            self.away = f"the atomr manager did not answer within {STATUS_TIMEOUT_S:g}s"
+            return None
+        except RayTaskError as exc:
+            if not isinstance(cause := unwrap(exc), AtomrError) or not cause.retryable:  # NotRecoveredYet is
+                raise
+            self.away = one_line(cause)
+            return None
+        self.away = None
+        statuses = [s for s in found if s is not None]
         replicas = [r for s in statuses for r in s.replicas]
         stats = common.replica_stats(replicas, timeout_s=1.0)
         if time.monotonic() - self.started > WAITING_AFTER_S:  # placing an actor takes a moment
@@ -58,10 +82,11 @@ class _Watch:
         return statuses, stats
 
     def failure(self, s: DeploymentStatus) -> str | None:
-        """A failure that happened after the deploy began, else None."""
+        """A failure that happened after the deploy began, else None. (A deployment a restarted
+        manager has not recovered yet says why, and that is no failure of the rollout.)"""
         before = self.first.get(s.name)
         last = s.last_failure
-        if last and (before is None or last != before.last_failure):
+        if last and not s.recovering and (before is None or last != before.last_failure):
             return last
         return None
 
@@ -102,18 +127,33 @@ def _progress_lines(rows: list[dict[str, Any]]) -> list[Text]:
 
 
 def wait_for(manager: Any, names: list[str], timeout_s: float) -> Outcome:
-    """Follow ``names`` until each is ready or failed, or ``timeout_s`` passes."""
+    """Follow ``names`` until each is ready or failed, or ``timeout_s`` passes. While the manager
+    restarts (or recovers its state) the watch says so and asks again: the rollout goes on."""
     watch = _Watch(manager, names)
-    first, _ = watch.poll()
-    watch.first = {s.name: s for s in first}
-    outcome = Outcome()
     deadline = time.monotonic() + timeout_s
+    outcome = Outcome(pending=list(names))
     live = Live(console=out, auto_refresh=False, transient=False) if out.is_terminal else None
+    said_away = None
     try:
         if live is not None:
             live.start()
+        first = None
         for turn in itertools.count():
-            statuses, stats = watch.poll()
+            polled = watch.poll()
+            if polled is None:
+                if live is not None:
+                    live.update(Text(f"waiting: {watch.away}", style="dim"), refresh=True)
+                elif watch.away != said_away:
+                    out.print(f"  waiting: {watch.away}", markup=False, emoji=False)
+                said_away = watch.away
+                if time.monotonic() >= deadline:
+                    return dataclasses.replace(outcome, away=watch.away)
+                time.sleep(POLL_S)
+                continue
+            said_away = None
+            statuses, stats = polled
+            if first is None:  # (as the deploy began: what failed before is not this rollout's failure)
+                first = watch.first = {s.name: s for s in statuses}
             by_name = {s.name: s for s in statuses}
             if turn == 0 and all(n in by_name and _converged(by_name[n]) and not by_name[n].failed_adapters
                                  for n in names):

@@ -25,6 +25,12 @@ from atomr_infer.status import DeploymentStatus, ReplicaState
 CALL_TIMEOUT_S = 60.0
 
 
+class ManagerRestarting(AtomrError):
+    """Ray is restarting the manager (``max_restarts=-1``): the same call may succeed shortly."""
+
+    retryable = True
+
+
 def manager_handle(address: str | None = None, start: bool = True) -> Any:
     """The ``DeploymentManager`` actor handle, created (detached, restartable) if absent."""
     import ray
@@ -59,7 +65,7 @@ def manager_options(name: str = MANAGER_NAME) -> dict[str, Any]:
 def call(ref: Any, timeout_s: float | None = CALL_TIMEOUT_S) -> Any:
     """``ray.get`` of a manager call that raises the atomr error the manager raised."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
     try:
         return ray.get(ref, timeout=timeout_s)
@@ -68,6 +74,8 @@ def call(ref: Any, timeout_s: float | None = CALL_TIMEOUT_S) -> Any:
         if isinstance(cause, AtomrError):
             raise cause from None
         raise AtomrError(one_line(cause)) from None
+    except ActorUnavailableError:  # a RayActorError too: first (Ray's text: `--debug`)
+        raise ManagerRestarting("the atomr manager is restarting; try again shortly") from None
     except RayActorError as exc:
         raise AtomrError(f"the atomr manager died: {one_line(exc)} (hint: `atomr up` restarts it)") from None
     except GetTimeoutError:

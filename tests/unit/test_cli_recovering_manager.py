@@ -91,3 +91,18 @@ def test_status_says_the_manager_is_recovering_not_that_nothing_is_deployed(clus
     assert result.exit_code == 1 and "no deployment named" not in result.output, result.output
     assert result.output.strip().splitlines()[-1].startswith(
         "error: the atomr manager restarted and cannot read its stored state yet (ConnectionError: GCS unavailable)")
+
+
+def test_remove_waits_on_through_a_manager_restart(cluster) -> None:
+    """A status call refused while the manager recovered ended `atomr remove`'s wait with a traceback."""
+
+    class RestartsAfterTheRemove(RecoveringManager):
+        def remove(self, name: str) -> ApplyResult:
+            self.unread = 2
+            return super().remove(name)
+
+    manager = RestartsAfterTheRemove(unread=0)
+    cluster(manager)
+    result = CliRunner().invoke(app, ["remove", "demo", "--address", "10.0.0.9:6379"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == ["demo: drain and stop 1 replica", "demo: removed"]
