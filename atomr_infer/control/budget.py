@@ -294,14 +294,14 @@ def gpu_kv_bytes_per_token(spec: Deployment, config: dict[str, Any], max_len: in
     window and a step's batch (``max_num_batched_tokens``). None where the config lacks the shapes."""
     from atomr_infer.engine.cpu import DTYPE_BYTES
     from atomr_infer.models.estimate import BATCHED_TOKENS, config_dtype_bytes, kv_cache_bytes_per_token
+    from atomr_infer.spec.scheduler import engine_arg_int
 
     extra, dtype = spec.runtime_config.extra_engine_args, spec.runtime_config.dtype
     if str(extra.get("kv_cache_dtype", "auto")).startswith("fp8"):
         dtype_bytes = 1
     else:
         dtype_bytes = DTYPE_BYTES[dtype] if dtype in DTYPE_BYTES else min(config_dtype_bytes(config), 2)
-    batched = extra.get("max_num_batched_tokens")
-    batched = batched if isinstance(batched, int) else BATCHED_TOKENS
+    batched = engine_arg_int(extra, "max_num_batched_tokens") or BATCHED_TOKENS  # "2048" as vLLM gets it
     try:
         return kv_cache_bytes_per_token(config, dtype_bytes, max_len, batched)
     except ValueError:

@@ -36,6 +36,7 @@ from typing import Any
 
 from atomr_infer.errors import BudgetExceeded
 from atomr_infer.spec import Deployment
+from atomr_infer.spec.scheduler import engine_arg_int
 
 GiB = 1 << 30
 # Share of a node's available memory (after the weights) one replica's KV cache may take when
@@ -143,8 +144,7 @@ def explicit_kv_bytes(deployment: Deployment) -> int | None:
     cfg = deployment.runtime_config
     if cfg.cpu_kvcache_space_gb is not None:
         return int(cfg.cpu_kvcache_space_gb * GiB)
-    raw = cfg.extra_engine_args.get("kv_cache_memory_bytes")
-    return int(raw) if isinstance(raw, int | float) and not isinstance(raw, bool) else None
+    return engine_arg_int(cfg.extra_engine_args, "kv_cache_memory_bytes")  # "2147483648" as vLLM gets it
 
 
 def size_kv_cache(

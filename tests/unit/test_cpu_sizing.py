@@ -146,3 +146,10 @@ def test_cpu_model_is_this_machines():
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
     assert cpu_model() == (names[0] if names else platform.machine())  # Arm has no "model name"
+
+
+def test_a_quoted_kv_cache_size_is_the_one_vllm_gets():
+    """A quoted kv_cache_memory_bytes ("1073741824"), which vLLM gets as that number, was skipped:
+    the memory check sized another cache. Found by a review."""
+    quoted = size(bare(extra_engine_args={"kv_cache_memory_bytes": str(GiB)}))
+    assert quoted.explicit and quoted.bytes == GiB

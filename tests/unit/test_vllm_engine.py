@@ -296,3 +296,48 @@ def test_a_generation_config_folder_that_is_not_there_is_refused_before_the_mode
     (tmp_path / "gen").mkdir()
     for folder in (str(tmp_path / "gen"), "auto", "vllm", "org/generation-config"):
         check_server_options(spec(folder))
+
+
+def built_config(monkeypatch, bundled_model_dir, **spec) -> tuple[object, dict]:
+    """The ``VllmConfig`` the replica builds its engine from, and what else it passes vLLM (no engine starts)."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from atomr_infer.engine.vllm import engine_args as args_module
+    from atomr_infer.models.resolve import ResolvedModel
+
+    got: dict = {}
+
+    def capture(vllm_config, **kwargs):
+        got.update(kwargs, config=vllm_config)
+        return "engine"
+
+    def from_args(args, usage_context=UsageContext.ENGINE_CONTEXT, **kwargs):  # as vLLM's, without the engine
+        return capture(args.create_engine_config(usage_context), usage_context=usage_context, **kwargs)
+
+    for name in (MULTIPROCESSING, "VLLM_LOGGING_LEVEL"):  # restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, "0" if name == MULTIPROCESSING else "WARNING"))
+    monkeypatch.setattr("atomr_infer.models.resolve.resolve_model",
+                        lambda model, **_kw: ResolvedModel(bundled_model_dir, "bundled", model))
+    monkeypatch.setattr(args_module, "check_cpu_build", lambda *_: None)  # whichever build is here
+    monkeypatch.setattr(LLMEngine, "from_vllm_config", capture)
+    monkeypatch.setattr(LLMEngine, "from_engine_args", from_args)
+    dep = parse_deployment({"name": "d", "model": "bundled:smollm2-135m-instruct", "device": "cpu", **spec})
+    assert args_module.build_vllm_engine(dep) == "engine"
+    return got.pop("config"), got
+
+
+def test_quoted_extra_engine_args_reach_vllm_as_the_check_read_them(monkeypatch, bundled_model_dir) -> None:
+    """The checks read "false" as false and "2048" as 2048, but vLLM's EngineArgs got the strings:
+    "no" turned routed experts on, "false" skipped the tokenizer, "2048" failed the engine's start
+    ('<' not supported between str and int) and a quoted kv_cache_memory_bytes was not the size the
+    replica's memory check read. Found by a review; fails without the conversion."""
+    quoted = {"tokens_only": "false", "enable_return_routed_experts": "no", "max_num_batched_tokens": "2048",
+              "kv_cache_memory_bytes": str(GiB // 2)}
+    config, _ = built_config(monkeypatch, bundled_model_dir,
+                             runtime_config={"max_model_len": 1024, "extra_engine_args": quoted})
+    assert config.scheduler_config.max_num_batched_tokens == 2048
+    assert config.model_config.skip_tokenizer_init is False
+    assert config.aux_output_config.enable_return_routed_experts is False
+    assert config.cache_config.kv_cache_memory_bytes == GiB // 2
+

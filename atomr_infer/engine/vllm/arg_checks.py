@@ -58,14 +58,17 @@ def dataclass_hints(cls: type) -> dict[str, Any]:
     return hints
 
 
-def check_arg_types(deployment: Deployment, hints: Mapping[str, Any]) -> None:
+def check_arg_types(deployment: Deployment, hints: Mapping[str, Any]) -> dict[str, Any]:
     """Refuse an ``extra_engine_args`` value that does not fit its ``EngineArgs`` field's type
     (``hints``), validated as vLLM's pydantic configs do, not strictly ("8" is 8). Else vLLM
     refused it once the replica had fetched the model, in a message that named no field. A type
-    pydantic cannot validate (``torch.dtype``) is left to vLLM."""
+    pydantic cannot validate (``torch.dtype``) is left to vLLM.
+
+    Returns the values as validated ("false" is False, "8" is 8): what to pass to ``EngineArgs``,
+    which converts nothing (``EngineArgs(tokens_only="false")`` is on, ``"2048"`` fails inside it)."""
     from pydantic import TypeAdapter, ValidationError
 
-    problems = []
+    problems, values = [], dict(deployment.runtime_config.extra_engine_args)
     for key, value in deployment.runtime_config.extra_engine_args.items():
         if key not in hints:
             continue
@@ -74,7 +77,7 @@ def check_arg_types(deployment: Deployment, hints: Mapping[str, Any]) -> None:
         except Exception:  # noqa: BLE001 - PydanticSchemaGenerationError, ...
             continue
         try:
-            adapter.validate_python(value, strict=False)
+            values[key] = adapter.validate_python(value, strict=False)
         except ValidationError as exc:
             error = exc.errors()[0]
             where = ".".join(map(str, error["loc"]))
@@ -86,6 +89,7 @@ def check_arg_types(deployment: Deployment, hints: Mapping[str, Any]) -> None:
             ))
     if problems:
         raise SpecError(problems)
+    return values
 
 
 def _type_text(hint: Any) -> str:

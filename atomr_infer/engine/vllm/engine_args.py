@@ -267,7 +267,7 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
     say = progress or (lambda _msg: None)
     device = resolve_device(deployment)
     prepare_environment(deployment, device)
-    check_with_vllm(deployment, device)  # before the download: a bad setting fails in seconds
+    deployment = check_with_vllm(deployment, device)  # before the download: a bad setting fails in seconds
     say(f"resolving model {deployment.model}")
     resolved = resolve_model(deployment.model, cache_dir=deployment.runtime_config.hf_cache_dir, progress=say)
 
@@ -290,10 +290,12 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
         return LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=stat_loggers)
 
 
-def check_with_vllm(deployment: Deployment, device: Device) -> None:
+def check_with_vllm(deployment: Deployment, device: Device) -> Deployment:
     """Refuse what this vLLM cannot run: its version, its build for ``device``, and the spec's
     engine settings. The manager checked the settings from vLLM's source where it could
-    (spec_check.py); here with vLLM itself. Call after ``prepare_environment``."""
+    (spec_check.py); here with vLLM itself. Call after ``prepare_environment``. Returns
+    ``deployment`` with its ``extra_engine_args`` as vLLM's types read them (``check_arg_types``):
+    what the replica sizes its KV cache from and passes to ``EngineArgs``."""
     import vllm
     from vllm import EngineArgs
 
@@ -303,16 +305,23 @@ def check_with_vllm(deployment: Deployment, device: Device) -> None:
 
         check_cpu_build(deployment, current_platform.device_type)
     hints = dataclass_hints(EngineArgs)
-    problems = []
+    problems, values = [], deployment.runtime_config.extra_engine_args
     for check in (lambda: check_extra_engine_args(deployment, {f.name for f in fields(EngineArgs)}),
                   lambda: check_arg_types(deployment, hints), lambda: check_server_options(deployment),
                   lambda: check_engine_names(deployment)):
         try:  # every problem at once, as the manager reports them
-            check()
+            values = check() or values  # (check_arg_types': the values as vLLM's types read them)
         except SpecError as exc:
             problems += exc.problems
     if problems:
         raise SpecError(problems)
+    return with_engine_args(deployment, values)
+
+
+def with_engine_args(deployment: Deployment, values: dict[str, Any]) -> Deployment:
+    """``deployment`` with ``values`` (checked) as its ``extra_engine_args``."""
+    cfg = deployment.runtime_config.model_copy(update={"extra_engine_args": values})
+    return deployment.model_copy(update={"runtime_config": cfg})
 
 
 def check_cpu_build(deployment: Deployment, platform: str) -> None:
