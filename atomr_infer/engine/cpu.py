@@ -36,14 +36,12 @@ from typing import Any
 
 from atomr_infer.errors import BudgetExceeded
 from atomr_infer.spec import Deployment
-from atomr_infer.spec.scheduler import engine_arg_int
+from atomr_infer.spec.scheduler import CPU_MAX_NUM_SEQS, cpu_workers, engine_arg_int
 
 GiB = 1 << 30
 # Share of a node's available memory (after the weights) one replica's KV cache may take when
 # no size is given; a few replicas fit on one node.
 KV_SHARE = 0.25
-# vLLM's default max_num_seqs on its CPU backend (EngineArgs: 256 per rank for the engine).
-VLLM_CPU_DEFAULT_MAX_NUM_SEQS = 256
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 _X86_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
 _AMX_FLAGS = {"amx_bf16", "amx_tile"}
@@ -177,7 +175,7 @@ def size_kv_cache(
         _refuse(deployment, one_seq, cap, f"one sequence of max_model_len {max_model_len} needs more than "
                 f"{KV_SHARE:.0%} of this node's free memory ({where}); lower runtime_config.max_model_len, "
                 "set runtime_config.cpu_kvcache_space_gb, or free memory")
-    seqs = deployment.runtime_config.max_num_seqs or VLLM_CPU_DEFAULT_MAX_NUM_SEQS
+    seqs = deployment.runtime_config.max_num_seqs or default_max_num_seqs(deployment)
     want = one_seq * seqs
     per_token = f"{kv_bytes_per_token / 1024:.1f} KiB/token"
     if want <= cap:
@@ -186,6 +184,15 @@ def size_kv_cache(
         cap, False, f"{cap // one_seq} of max_num_seqs {seqs} full sequences: capped at {KV_SHARE:.0%} of "
         f"{free / GiB:.1f} GiB free"
     )
+
+
+def default_max_num_seqs(deployment: Deployment) -> int:
+    """The ``max_num_seqs`` vLLM's OpenAI server runs a CPU replica with when the spec leaves it
+    unset: 128 per CPU worker, no more than ``max_num_batched_tokens`` where that is set."""
+    cfg = deployment.runtime_config
+    seqs = CPU_MAX_NUM_SEQS * cpu_workers(cfg)
+    batched = engine_arg_int(cfg.extra_engine_args, "max_num_batched_tokens")
+    return min(seqs, batched) if batched is not None else seqs
 
 
 def _refuse(deployment: Deployment, need: int, have: int, hint: str) -> None:

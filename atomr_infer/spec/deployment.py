@@ -18,6 +18,7 @@ from atomr_infer.models.registry import BUNDLED_MODELS, HF_REPO_ID_RE, LOCAL_PRE
 from atomr_infer.spec.base import FieldValueError, Number, Strict, int_choice
 from atomr_infer.spec.lora import Lora
 from atomr_infer.spec.multimodal import check_mm_limits
+from atomr_infer.spec.scheduler import scheduler_problem
 from atomr_infer.spec.serving import Serving
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -366,6 +367,8 @@ class Deployment(Strict):
                 "is set but routing.policy is kv_events, for which atomr configures each replica's KV-cache "
                 "events itself (ports of its own on its node's address): leave kv_events_config out",
             )
+        if (problem := scheduler_problem(self.runtime_config, self.device)) is not None:
+            raise FieldValueError(*problem)
         scaling = self.autoscaling
         if scaling is not None and not scaling.min_replicas <= self.replicas <= scaling.max_replicas:
             raise FieldValueError(

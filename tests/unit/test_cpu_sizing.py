@@ -61,7 +61,7 @@ def test_bare_spec_asks_for_its_limits_when_they_fit():
 
 
 def test_bare_spec_is_capped_at_a_share_of_free_memory():
-    kv = size(bare(max_model_len=8192), available=4 * GiB, max_len=8192)  # vLLM's 256 seqs want 45 GiB
+    kv = size(bare(max_model_len=8192), available=4 * GiB, max_len=8192)  # vLLM serve's 128 seqs want 22.5 GiB
     assert kv.bytes == int((4 * GiB - WEIGHTS) * KV_SHARE)
     assert "capped" in str(kv)
 
@@ -148,8 +148,11 @@ def test_cpu_model_is_this_machines():
     assert cpu_model() == (names[0] if names else platform.machine())  # Arm has no "model name"
 
 
-def test_a_quoted_kv_cache_size_is_the_one_vllm_gets():
-    """A quoted kv_cache_memory_bytes ("1073741824"), which vLLM gets as that number, was skipped:
-    the memory check sized another cache. Found by a review."""
+def test_unset_max_num_seqs_is_the_one_vllm_serve_runs_and_a_quoted_size_is_the_one_vllm_gets():
+    """The KV cache was sized for 256 sequences where vLLM's OpenAI server runs 128 per CPU worker
+    (no more than max_num_batched_tokens), and a quoted kv_cache_memory_bytes ("1073741824"), which
+    vLLM gets as that number, was skipped: the memory check sized another cache. Found by a review."""
+    assert size(bare()).bytes == 128 * 1024 * KV_PER_TOKEN
+    assert size(bare(extra_engine_args={"max_num_batched_tokens": "64"})).bytes == 64 * 1024 * KV_PER_TOKEN
     quoted = size(bare(extra_engine_args={"kv_cache_memory_bytes": str(GiB)}))
     assert quoted.explicit and quoted.bytes == GiB

@@ -341,3 +341,15 @@ def test_quoted_extra_engine_args_reach_vllm_as_the_check_read_them(monkeypatch,
     assert config.aux_output_config.enable_return_routed_experts is False
     assert config.cache_config.kv_cache_memory_bytes == GiB // 2
 
+
+def test_the_replica_gets_vllm_serves_scheduler_defaults(monkeypatch, bundled_model_dir) -> None:
+    """The replica serves vLLM's OpenAI server, so unset scheduler limits are `vllm serve`'s
+    (UsageContext.OPENAI_API_SERVER), not the bare engine's: on 3 CPU workers 6144 batched tokens
+    and 384 sequences where the engine's context gave 2048 and 128 (on an H100: 8192 and 1024).
+    Found by a review; fails without the usage context."""
+    from vllm.usage.usage_lib import UsageContext
+
+    config, passed = built_config(monkeypatch, bundled_model_dir, runtime_config={
+        "max_model_len": 512, "tensor_parallel_size": 3, "cpu_kvcache_space_gb": 0.5})  # 9 heads, 3 KV heads
+    assert (config.scheduler_config.max_num_batched_tokens, config.scheduler_config.max_num_seqs) == (6144, 384)
+    assert passed["usage_context"] == UsageContext.OPENAI_API_SERVER

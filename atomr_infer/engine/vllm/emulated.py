@@ -126,10 +126,11 @@ def emulated_engine(model_dir: str, step_s: float, max_model_len: int = 2048, co
     (``core_process``) over vLLM's ``SyncMPClient`` to the same core in a process of its own."""
     from unittest import mock
 
-    from vllm import EngineArgs
     from vllm.v1.engine.core_client import EngineCoreClient
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.executor import Executor
+
+    from atomr_infer.engine.vllm.engine_args import engine_config
 
     # Started first: its imports overlap the engine's config and tokenizer here.
     core = CoreProcess.start(step_s) if core_process else None
@@ -141,7 +142,7 @@ def emulated_engine(model_dir: str, step_s: float, max_model_len: int = 2048, co
         return TimedCore(step_s, token_id(renderer))
 
     try:
-        config = EngineArgs(model=model_dir, max_model_len=max_model_len, enforce_eager=True).create_engine_config()
+        config = engine_config({"model": model_dir, "max_model_len": max_model_len, "enforce_eager": True})
         # multiprocess_mode: LLMEngine then reaches for no in-process executor; the core is ours.
         with mock.patch.object(EngineCoreClient, "make_client", staticmethod(make_client)):
             return LLMEngine(config, Executor.get_class(config), log_stats=False, multiprocess_mode=True)

@@ -39,6 +39,7 @@ from atomr_infer.engine.vllm.kv_events import kv_events_config, publishes
 from atomr_infer.errors import DeviceUnavailable, EngineError, SpecError, SpecProblem
 from atomr_infer.log import get_logger
 from atomr_infer.spec import Deployment
+from atomr_infer.spec.scheduler import cpu_workers, scheduler_problem
 
 log = get_logger(__name__)
 # The vLLM releases atomr-infer is tested with (pyproject's cpu and gpu extras pin the same):
@@ -271,7 +272,7 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
     say(f"resolving model {deployment.model}")
     resolved = resolve_model(deployment.model, cache_dir=deployment.runtime_config.hf_cache_dir, progress=say)
 
-    from vllm import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.llm_engine import LLMEngine
 
     kv = cpu_kv_cache(deployment, resolved.path) if device == "cpu" else None
@@ -287,7 +288,19 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
     )
     say(f"starting vLLM engine on {device}" + (f" ({args['dtype']}, {threads} threads, {kv})" if kv else ""))
     with core_start_failures():  # a core process's own exception, not vLLM's wrapper of it
-        return LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=stat_loggers)
+        return LLMEngine.from_vllm_config(engine_config(args), usage_context=UsageContext.OPENAI_API_SERVER,
+                                          stat_loggers=stat_loggers, disable_log_stats=args["disable_log_stats"])
+
+
+def engine_config(args: dict[str, Any]) -> Any:
+    """The ``VllmConfig`` of ``EngineArgs(**args)`` as vLLM's OpenAI server (``vllm serve``)
+    makes it, which the replica serves: its usage context picks the scheduler's defaults for
+    what the spec leaves unset (on an H100 or H200 max_num_batched_tokens 8192 and max_num_seqs
+    1024, where the engine's own context, ``from_engine_args``' default, picks 2048 and 128)."""
+    from vllm import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    return EngineArgs(**args).create_engine_config(UsageContext.OPENAI_API_SERVER)
 
 
 def check_with_vllm(deployment: Deployment, device: Device) -> Deployment:
@@ -315,13 +328,25 @@ def check_with_vllm(deployment: Deployment, device: Device) -> Deployment:
             problems += exc.problems
     if problems:
         raise SpecError(problems)
-    return with_engine_args(deployment, values)
+    deployment = with_engine_args(deployment, values)
+    if (problem := scheduler_problem(deployment.runtime_config, device, batch_default(deployment, device))) is not None:
+        raise SpecError([SpecProblem(deployment.name, *problem)])
+    return deployment
 
 
 def with_engine_args(deployment: Deployment, values: dict[str, Any]) -> Deployment:
     """``deployment`` with ``values`` (checked) as its ``extra_engine_args``."""
     cfg = deployment.runtime_config.model_copy(update={"extra_engine_args": values})
     return deployment.model_copy(update={"runtime_config": cfg})
+
+
+def batch_default(deployment: Deployment, device: Device) -> int:
+    """The ``max_num_batched_tokens`` vLLM's OpenAI server defaults to on this node's device."""
+    from vllm import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    world = cpu_workers(deployment.runtime_config) if device == "cpu" else deployment.gpus
+    return EngineArgs.get_batch_defaults(world)[0][UsageContext.OPENAI_API_SERVER]
 
 
 def check_cpu_build(deployment: Deployment, platform: str) -> None:
