@@ -17,7 +17,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 API_PARAMETERS = ("host", "port", "api_keys", "max_body_mb", "allowed_origins", "allowed_methods", "allowed_headers",
                   "allow_credentials", "enable_request_id_headers")
 RETRY_S = 1.0  # how often `down` asks again a manager that restarts or recovers its state
+UP_LIST_WAIT_S = 10.0  # how long `up` waits for a restarted manager to list its deployments
 T = TypeVar("T")
 
 
@@ -83,24 +84,40 @@ def up_command(
         _line("Ray", f"starting a local head at {cluster.local_address()} …")
     try:
         control = common.control_plane(address, start=True, announce=False)
-        deployments = control.list()
     except AtomrError as exc:
         fail(exc)
+    deployments, recovering = _listing_if_recovered(control)
     if joining:
         _line("Ray", f"joined the cluster at {joining}")
     else:
         _line("Ray", f"started a local head at {cluster.local_address()} (`atomr down` stops it)")
-    count = len(deployments)
-    _line("manager", f"atomr-manager running, {count} deployment{'s' if count != 1 else ''}")
+    if deployments is None:
+        _line("manager", f"atomr-manager running, recovering its deployments ({recovering})")
+    else:
+        count = len(deployments)
+        _line("manager", f"atomr-manager running, {count} deployment{'s' if count != 1 else ''}")
     _line("dashboard", common.dashboard_url() or "not running")
     if serve:
         cors = common.cors_of(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
         _start_api(host, port, api_keys, int(max_body_mb * 1024 * 1024) if max_body_mb else None, cors,
                    enable_request_id_headers)
-    code = EXIT_OK if no_gemma else _provision_gemma(control)
-    if not deployments:
+    if deployments is None and not no_gemma:
+        _line("gemma", "skipped: the manager is recovering its deployments (`atomr up` again to provision it)")
+    code = EXIT_OK if no_gemma or deployments is None else _provision_gemma(control)
+    if deployments == []:
         _line("next", "atomr deploy deployments/smollm2.yaml")
     raise typer.Exit(code)
+
+
+def _listing_if_recovered(control: ControlPlane) -> tuple[list[Any] | None, str]:
+    """The manager's deployments, asked again for a while; (None, why) where a restarted manager
+    still reads its stored state: ``up`` goes on (the API serves the deployments it knows)."""
+    try:
+        return _retrying(control.list, time.monotonic() + UP_LIST_WAIT_S), ""
+    except AtomrError as exc:
+        if not exc.retryable:
+            fail(exc)
+        return None, one_line(exc)
 
 
 def _start_api(

@@ -106,3 +106,20 @@ def test_remove_waits_on_through_a_manager_restart(cluster) -> None:
     result = CliRunner().invoke(app, ["remove", "demo", "--address", "10.0.0.9:6379"])
     assert result.exit_code == 0, result.output
     assert result.output.splitlines() == ["demo: drain and stop 1 replica", "demo: removed"]
+
+
+def test_up_goes_on_while_a_restarted_manager_recovers_its_deployments(cluster, monkeypatch) -> None:
+    """`atomr up --serve` while the GCS came back: it failed ("cannot read its stored state yet"),
+    and the API it is there to bring back was not started."""
+    from atomr_infer import cluster as ray_cluster
+
+    cluster(RecoveringManager(unread=10**9))
+    monkeypatch.setattr(lifecycle, "UP_LIST_WAIT_S", 0.05)
+    monkeypatch.setattr(ray_cluster, "use_local_auth_token", lambda: None)
+    monkeypatch.setattr(ray_cluster, "target_address", lambda address: address)
+    monkeypatch.setattr(common, "dashboard_url", lambda: None)
+    monkeypatch.setattr(common, "control_plane", lambda *args, **kwargs: client.ControlPlane.connect())
+    result = CliRunner().invoke(app, ["up", "--address", "10.0.0.9:6379"])
+    assert result.exit_code == 0, result.output
+    assert "atomr-manager running, recovering its deployments (the atomr manager restarted" in result.output
+    assert "gemma      skipped: the manager is recovering its deployments" in result.output
