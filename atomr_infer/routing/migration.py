@@ -111,6 +111,7 @@ async def seam(
     async for item in items:
         if isinstance(item, HttpHead):
             if item.status == 503 and retry is not None:
+                await items.aclose()  # type: ignore[attr-defined] - (the router's request: closed, as on a first try)
                 raise EngineQueueFull(*retry)
             if item.status != 200:
                 body = b"".join([b async for b in items if isinstance(b, bytes)])[:300]
