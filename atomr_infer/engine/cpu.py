@@ -188,9 +188,11 @@ def size_kv_cache(
 
 def default_max_num_seqs(deployment: Deployment) -> int:
     """The ``max_num_seqs`` vLLM's OpenAI server runs a CPU replica with when the spec leaves it
-    unset: 128 per CPU worker, no more than ``max_num_batched_tokens`` where that is set."""
+    unset: 128 per CPU worker (twice that under ``performance_mode: throughput``), no more than
+    ``max_num_batched_tokens`` where that is set."""
     cfg = deployment.runtime_config
-    seqs = CPU_MAX_NUM_SEQS * cpu_workers(cfg)
+    throughput = cfg.extra_engine_args.get("performance_mode") == "throughput"
+    seqs = CPU_MAX_NUM_SEQS * cpu_workers(cfg) * (2 if throughput else 1)
     batched = engine_arg_int(cfg.extra_engine_args, "max_num_batched_tokens")
     return min(seqs, batched) if batched is not None else seqs
 

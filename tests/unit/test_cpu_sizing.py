@@ -154,5 +154,7 @@ def test_unset_max_num_seqs_is_the_one_vllm_serve_runs_and_a_quoted_size_is_the_
     vLLM gets as that number, was skipped: the memory check sized another cache. Found by a review."""
     assert size(bare()).bytes == 128 * 1024 * KV_PER_TOKEN
     assert size(bare(extra_engine_args={"max_num_batched_tokens": "64"})).bytes == 64 * 1024 * KV_PER_TOKEN
+    # performance_mode throughput: vLLM doubles an unset max_num_seqs (the cache was sized for half)
+    assert "max_num_seqs 256" in str(size(bare(extra_engine_args={"performance_mode": "throughput"})))
     quoted = size(bare(extra_engine_args={"kv_cache_memory_bytes": str(GiB)}))
     assert quoted.explicit and quoted.bytes == GiB
