@@ -8,8 +8,20 @@ from __future__ import annotations
 import pytest
 
 from atomr_infer.control.recovery import NotRecoveredYet
+from atomr_infer.control.store import MemoryStore
 
 from .test_manager import Harness, adopting_fails_for, spec
+
+
+class FailingStore(MemoryStore):
+    """A store whose saves fail while ``fail`` (a GCS that does not answer)."""
+
+    fail = False
+
+    def save(self, records):
+        if self.fail:
+            raise TimeoutError("internal_kv_put: GCS did not answer")
+        super().save(records)
 
 
 def running(*names: str) -> Harness:
@@ -114,17 +126,7 @@ def test_a_replica_started_after_the_last_save_is_stopped_not_orphaned() -> None
     """A pass saves the next replica index at its end: a manager that died in between (or whose
     save failed) left a replica no record names. The next one tried its name, failed ("already
     taken"), went on to the next, and the first ran on, unmanaged, for good."""
-    from atomr_infer.control.store import MemoryStore
-
-    class Failing(MemoryStore):
-        fail = False
-
-        def save(self, records):
-            if self.fail:
-                raise TimeoutError("internal_kv_put: GCS did not answer")
-            super().save(records)
-
-    store = Failing()
+    store = FailingStore()
     first = Harness(store=store)
     first.call("apply", spec())
     first.converge()
@@ -143,8 +145,6 @@ def test_a_replica_started_after_the_last_save_is_stopped_not_orphaned() -> None
 def test_strays_past_a_gap_in_their_names_are_stopped_too() -> None:
     """Saves failing, r1 started, failed and was replaced by r2 (its name kept free): a restarted
     manager that looked from the saved next index up to the first missing name left r2 running."""
-    from atomr_infer.control.store import MemoryStore
-
     store = MemoryStore()
     first = Harness(store=store)
     first.call("apply", spec())
@@ -233,17 +233,7 @@ def test_an_apply_or_remove_whose_save_failed_is_done_and_saved_by_the_next_pass
     """The save after an apply or a remove failed (a GCS blip): the caller got the raw error, as
     if nothing were done, while the deployment was created (or removed) in memory and saved later;
     a failed remove did not even stop routing to it at once."""
-    from atomr_infer.control.store import MemoryStore
-
-    class Failing(MemoryStore):
-        fail = False
-
-        def save(self, records):
-            if self.fail:
-                raise TimeoutError("internal_kv_put: GCS did not answer")
-            super().save(records)
-
-    store = Failing()
+    store = FailingStore()
     h = Harness(store=store)
     store.fail = True
     assert h.call("apply", spec()).changed
