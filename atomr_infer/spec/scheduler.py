@@ -38,6 +38,7 @@ class EngineLimits(Protocol):
     @property
     def extra_engine_args(self) -> dict[str, Any]: ...
 
+
 _INT: TypeAdapter[int] = TypeAdapter(int)
 # vLLM 0.32's OpenAI-server defaults (EngineArgs.get_batch_defaults, UsageContext.OPENAI_API_SERVER).
 CPU_MAX_NUM_BATCHED_TOKENS = 2048  # per CPU worker
