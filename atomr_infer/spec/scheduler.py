@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 from pydantic import TypeAdapter, ValidationError
 
+from atomr_infer.models.estimate import BATCHED_TOKENS  # the largest: the KV estimate's too
+
 
 class EngineLimits(Protocol):
     """What these checks read of ``spec.deployment.VllmConfig`` (which imports this module)."""
@@ -43,7 +45,7 @@ _INT: TypeAdapter[int] = TypeAdapter(int)
 # vLLM 0.32's OpenAI-server defaults (EngineArgs.get_batch_defaults, UsageContext.OPENAI_API_SERVER).
 CPU_MAX_NUM_BATCHED_TOKENS = 2048  # per CPU worker
 CPU_MAX_NUM_SEQS = 128  # per CPU worker
-GPU_MAX_NUM_BATCHED_TOKENS = (2048, 8192, 16384)  # by the GPU's memory (see above)
+GPU_MAX_NUM_BATCHED_TOKENS = (2048, 8192, BATCHED_TOKENS)  # by the GPU's memory (see above)
 
 
 def engine_arg_int(extra: Mapping[str, Any], key: str) -> int | None:
