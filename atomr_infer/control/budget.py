@@ -271,9 +271,10 @@ def size_estimates(spec: Deployment, on_cpu: bool) -> tuple[int | None, int | No
     try:
         from atomr_infer.engine.cpu import kv_bytes_per_token, model_max_len
         from atomr_infer.models.estimate import estimate_for_spec, local_model_config
+        from atomr_infer.models.resolve import revision_of
 
-        weights, kv = estimate_for_spec(spec.model, spec.runtime_config.hf_cache_dir)
-        config = local_model_config(spec.model, spec.runtime_config.hf_cache_dir)
+        weights, kv = estimate_for_spec(spec.model, spec.runtime_config.hf_cache_dir, revision_of(spec))
+        config = local_model_config(spec.model, spec.runtime_config.hf_cache_dir, revision_of(spec))
         max_len = spec.runtime_config.max_model_len or (model_max_len(config) if config else None)
         if on_cpu and config is not None:
             kv = kv_bytes_per_token(spec, config)
@@ -331,8 +332,9 @@ def lora_summary(spec: Deployment) -> str | None:
         return None
     try:
         from atomr_infer.models.estimate import local_model_config
+        from atomr_infer.models.resolve import revision_of
 
-        config = local_model_config(spec.model, spec.runtime_config.hf_cache_dir)
+        config = local_model_config(spec.model, spec.runtime_config.hf_cache_dir, revision_of(spec))
         on_cpu = spec.device != "cuda"
         size = f"{lora_bytes(spec, config, on_cpu) / 2**20:.0f} MiB per replica" if config else "size unknown"
     except Exception as exc:  # noqa: BLE001 - a summary only

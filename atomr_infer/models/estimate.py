@@ -298,7 +298,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def estimate_for_spec(model: str, cache_dir: str | None = None) -> tuple[int | None, int | None]:
+def estimate_for_spec(
+    model: str, cache_dir: str | None = None, revision: str | None = None
+) -> tuple[int | None, int | None]:
     """(weights bytes, KV-cache bytes per token) for a spec's ``model`` without downloading.
 
     Uses the local directory when there is one (a local path, a converted bundled model, or a
@@ -311,7 +313,7 @@ def estimate_for_spec(model: str, cache_dir: str | None = None) -> tuple[int | N
     bundled = bundled_name(model)
     if bundled is not None and not is_prepared(bundled_model_dir(bundled)):
         return BUNDLED_MODELS[bundled].parameters * 2, None
-    directory = local_model_dir(model, cache_dir)
+    directory = local_model_dir(model, cache_dir, revision)
     if directory is None or not (directory / "config.json").is_file():
         return None, None
     config = _read_json(directory / "config.json")
@@ -322,8 +324,9 @@ def estimate_for_spec(model: str, cache_dir: str | None = None) -> tuple[int | N
     return weights_bytes(directory), kv
 
 
-def local_model_dir(model: str, cache_dir: str | None = None) -> Path | None:
-    """The model's directory on this machine, if it is here (never downloads)."""
+def local_model_dir(model: str, cache_dir: str | None = None, revision: str | None = None) -> Path | None:
+    """The model's directory on this machine, if it is here (never downloads); for a repo id,
+    its snapshot at ``revision`` (the spec's, ``models.resolve.revision_of``; None: main)."""
     from atomr_infer.models.bundled import bundled_model_dir, is_prepared
     from atomr_infer.models.registry import bundled_name, is_local_path
     from atomr_infer.models.resolve import _cached_snapshot, hub_cache_dir
@@ -334,12 +337,12 @@ def local_model_dir(model: str, cache_dir: str | None = None) -> Path | None:
         return candidate if is_prepared(candidate) else None
     if is_local_path(model):
         return Path(model).expanduser()
-    return _cached_snapshot(model, hub_cache_dir(cache_dir))
+    return _cached_snapshot(model, hub_cache_dir(cache_dir), revision)
 
 
-def local_model_config(model: str, cache_dir: str | None = None) -> dict[str, Any] | None:
+def local_model_config(model: str, cache_dir: str | None = None, revision: str | None = None) -> dict[str, Any] | None:
     """The model's ``config.json`` when the model is on this machine, else None."""
-    directory = local_model_dir(model, cache_dir)
+    directory = local_model_dir(model, cache_dir, revision)
     if directory is None or not (directory / "config.json").is_file():
         return None
     return _read_json(directory / "config.json")

@@ -7,7 +7,10 @@ Three forms, tried in this order:
 - anything else is a Hugging Face repo id, fetched with ``huggingface_hub.snapshot_download``
   into the hub cache (``HF_HUB_CACHE`` / ``HF_HOME``, or the spec's
   ``runtime_config.hf_cache_dir``), honouring ``HF_TOKEN`` and ``HF_HUB_OFFLINE``. Only what
-  vLLM reads is downloaded: safetensors, JSON configs and tokenizer files.
+  vLLM reads is downloaded: safetensors, JSON configs and tokenizer files (and the repo's Python
+  files under ``trust_remote_code``). The spec's ``revision`` and ``hf_token`` engine arguments
+  choose the snapshot and the token, as ``vllm serve --revision`` does: vLLM itself is given the
+  snapshot's directory, where it ignores them (``HubOptions``).
 
 Every failure is a ``ModelError`` that names the model and carries a hint. huggingface_hub is
 imported lazily: the spec validator imports this package and must stay light.
@@ -20,7 +23,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from atomr_infer.errors import ModelError
 from atomr_infer.log import get_logger
@@ -48,6 +51,44 @@ _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
 @dataclass(frozen=True)
+class HubOptions:
+    """The engine arguments that choose which files of a hub repository a replica loads. vLLM
+    reads them only when it downloads; atomr downloads, then gives vLLM a local directory, so
+    atomr applies them: ``revision`` (a branch, tag or commit), ``hf_token`` (a token, True for
+    the stored login, False for none; unset: ``HF_TOKEN`` or the stored login), and
+    ``trust_remote_code`` (the repository's own ``*.py`` files, which vLLM then imports)."""
+
+    revision: str | None = None
+    token: str | bool | None = None
+    remote_code: bool = False
+
+    @classmethod
+    def of(cls, engine_args: Mapping[str, Any]) -> HubOptions:
+        """From a spec's ``extra_engine_args``, as written (the manager) or as vLLM's types read
+        them (the replica)."""
+        revision, token, remote = (engine_args.get(k) for k in ("revision", "hf_token", "trust_remote_code"))
+        if isinstance(token, str) and token.strip().upper() in _TRUE | {"0", "OFF", "NO", "FALSE"}:
+            token = token.strip().upper() in _TRUE
+        return cls(
+            revision=str(revision) if revision not in (None, "") else None,
+            token=token if isinstance(token, (str, bool)) and token != "" else None,
+            remote_code=remote is True or (isinstance(remote, str) and remote.strip().upper() in _TRUE),
+        )
+
+
+def revision_of(deployment: Any) -> str | None:
+    """The hub revision a ``Deployment`` loads (None: main)."""
+    return HubOptions.of(deployment.runtime_config.extra_engine_args).revision
+
+
+def resolve_for(deployment: Any, progress: Callable[[str], None] | None = None) -> ResolvedModel:
+    """``resolve_model`` for a ``Deployment``: its model, hub cache and ``HubOptions``."""
+    runtime = deployment.runtime_config
+    return resolve_model(deployment.model, cache_dir=runtime.hf_cache_dir, progress=progress,
+                         hub=HubOptions.of(runtime.extra_engine_args))
+
+
+@dataclass(frozen=True)
 class ResolvedModel:
     """A model ready to load: ``path`` is a local directory with ``config.json`` and weights."""
 
@@ -57,19 +98,22 @@ class ResolvedModel:
 
 
 def resolve_model(
-    model: str, cache_dir: str | None = None, progress: Callable[[str], None] | None = None
+    model: str, cache_dir: str | None = None, progress: Callable[[str], None] | None = None,
+    hub: HubOptions | None = None,
 ) -> ResolvedModel:
     """Resolve ``model`` to a local directory, converting or downloading it if needed.
 
     ``cache_dir`` is the Hugging Face hub cache to use for repo ids (the spec's
     ``runtime_config.hf_cache_dir``); bundled models always live in atomr-infer's own cache.
+    ``hub`` applies to repo ids only.
     """
     name = bundled_name(model)
     if name is not None:
         return ResolvedModel(path=prepare_bundled(name, progress=progress), source="bundled", ref=model)
     if is_local_path(model):
         return ResolvedModel(path=_resolve_local(model), source="local", ref=model)
-    return ResolvedModel(path=_resolve_hub(model, cache_dir, progress), source="hub", ref=model)
+    path = _resolve_hub(model, cache_dir, progress, hub=hub or HubOptions())
+    return ResolvedModel(path=path, source="hub", ref=model)
 
 
 def is_cached(model: str, cache_dir: str | None = None) -> bool:
@@ -137,9 +181,10 @@ def _resolve_local(model: str) -> Path:
 def _resolve_hub(
     model: str, cache_dir: str | None, progress: Callable[[str], None] | None,
     allow: list[str] = HUB_ALLOW_PATTERNS, ignore: list[str] = HUB_IGNORE_PATTERNS,
-    check: Callable[[str, Path, Path], None] | None = None,
+    check: Callable[[str, Path, Path], None] | None = None, hub: HubOptions = HubOptions(),
 ) -> Path:
-    """The snapshot of repo ``model`` (the files ``allow`` matches, less ``ignore``), checked by ``check``
+    """The snapshot of repo ``model`` at ``hub.revision`` (the files ``allow`` matches, less
+    ``ignore``; the repo's Python files too under ``hub.remote_code``), checked by ``check``
     (default: a model's config.json and complete weights)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
@@ -154,13 +199,15 @@ def _resolve_hub(
 
     cache = hub_cache_dir(cache_dir)
     offline = hub_offline()
-    token = os.environ.get("HF_TOKEN") or None  # None: huggingface_hub falls back to a stored login
+    # None: huggingface_hub falls back to a stored login
+    token = hub.token if hub.token is not None else (os.environ.get("HF_TOKEN") or None)
+    named = model if hub.revision is None else f"{model} at revision {hub.revision}"
     message = (
-        f"looking up {model} in the HF cache at {cache} (HF_HUB_OFFLINE is set)"
+        f"looking up {named} in the HF cache at {cache} (HF_HUB_OFFLINE is set)"
         if offline
-        else f"fetching {model} from the Hugging Face Hub into {cache}"
+        else f"fetching {named} from the Hugging Face Hub into {cache}"
     )
-    log.info("hub_resolve_start", model=model, cache=str(cache), offline=offline)
+    log.info("hub_resolve_start", model=model, revision=hub.revision, cache=str(cache), offline=offline)
     if progress is not None:
         progress(message)
 
@@ -171,10 +218,11 @@ def _resolve_hub(
         path = Path(
             snapshot_download(
                 model,
+                revision=hub.revision,
                 cache_dir=str(cache),
                 token=token,
                 local_files_only=offline,
-                allow_patterns=allow,
+                allow_patterns=[*allow, "*.py"] if hub.remote_code else allow,
                 ignore_patterns=ignore,
             )
         )
@@ -201,8 +249,9 @@ def _resolve_hub(
         if offline:
             raise ModelError(
                 model,
-                f"weights for {model} are not in the HF cache at {cache} and HF_HUB_OFFLINE is set",
-                hint=f"download them once with network access (`hf download {model}`), point HF_HUB_CACHE or "
+                f"weights for {named} are not in the HF cache at {cache} and HF_HUB_OFFLINE is set",
+                hint=f"download them once with network access (`hf download {model}"
+                + (f" --revision {hub.revision}" if hub.revision else "") + "`), point HF_HUB_CACHE or "
                 "runtime_config.hf_cache_dir at a cache that has them, or unset HF_HUB_OFFLINE",
             ) from e
         raise ModelError(
@@ -259,12 +308,12 @@ def _weights_complete(snapshot: Path) -> bool:
     return any(snapshot.glob("*.safetensors"))
 
 
-def _cached_snapshot(model: str, cache: Path) -> Path | None:
+def _cached_snapshot(model: str, cache: Path, revision: str | None = None) -> Path | None:
     from huggingface_hub import try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError
 
     try:
-        found = try_to_load_from_cache(model, "config.json", cache_dir=str(cache))
+        found = try_to_load_from_cache(model, "config.json", cache_dir=str(cache), revision=revision)
     except HFValidationError:
         return None
     if not isinstance(found, str):  # None (unknown) or the "known not to exist" sentinel

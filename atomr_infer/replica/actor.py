@@ -350,9 +350,9 @@ def replica_actor_class() -> Any:
 
 
 def tokenizer_files(deployment: Deployment) -> dict[str, str]:
-    from atomr_infer.models.resolve import resolve_model
+    from atomr_infer.models.resolve import resolve_for
 
-    path = resolve_model(deployment.model, cache_dir=deployment.runtime_config.hf_cache_dir).path
+    path = resolve_for(deployment).path
     names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
     files = {name: (path / name).read_text() for name in names if (path / name).is_file()}
     # What the replica's server renders chats with instead of the model's own (a file or inline

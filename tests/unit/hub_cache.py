@@ -9,12 +9,14 @@ from pathlib import Path
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def fake_snapshot(cache: Path, repo: str, files: dict[str, str | bytes]) -> Path:
-    """Lay out ``repo`` in a hub cache the way huggingface_hub does (refs/main → snapshots/<commit>)."""
+def fake_snapshot(
+    cache: Path, repo: str, files: dict[str, str | bytes], ref: str = "main", commit: str = COMMIT
+) -> Path:
+    """Lay out ``repo`` in a hub cache the way huggingface_hub does (refs/<ref> → snapshots/<commit>)."""
     root = cache / ("models--" + repo.replace("/", "--"))
-    (root / "refs").mkdir(parents=True)
-    (root / "refs" / "main").write_text(COMMIT)
-    snapshot = root / "snapshots" / COMMIT
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / ref).write_text(commit)
+    snapshot = root / "snapshots" / commit
     snapshot.mkdir(parents=True)
     for name, content in files.items():
         if isinstance(content, bytes):

@@ -191,3 +191,67 @@ def test_hub_download_asks_only_for_what_vllm_reads(tmp_path: Path, monkeypatch:
     assert call["local_files_only"] is False
     assert "*.safetensors" in call["allow_patterns"] and "*.json" in call["allow_patterns"]
     assert {"*.bin", "*.pth", "*.gguf"} <= set(call["ignore_patterns"])
+
+
+# --- the spec's revision, token and remote code -------------------------------------------------
+
+TAGGED = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def _deployment(**engine_args: object) -> object:
+    from atomr_infer.spec import parse_deployment
+
+    return parse_deployment({"name": "m", "model": REPO, "runtime_config": {"extra_engine_args": engine_args}})
+
+
+def test_a_revision_resolves_to_its_own_snapshot(offline_hub: Path) -> None:
+    """vLLM is given the snapshot's directory, where it ignores ``revision``: the replica must
+    resolve the revision itself, or it serves main's weights under the spec's revision."""
+    from atomr_infer.models.estimate import local_model_config
+    from atomr_infer.models.resolve import HubOptions, resolve_for
+
+    main = fake_snapshot(offline_hub, REPO, {"config.json": '{"at": "main"}', "model.safetensors": "x"})
+    tagged = fake_snapshot(offline_hub, REPO, {"config.json": '{"at": "v2"}', "model.safetensors": "x"},
+                           ref="v2", commit=TAGGED)
+    assert resolve_model(REPO).path == main
+    assert resolve_model(REPO, hub=HubOptions(revision="v2")).path == tagged
+    assert resolve_model(REPO, hub=HubOptions(revision=TAGGED)).path == tagged
+    assert resolve_for(_deployment(revision="v2")).path == tagged
+    assert resolve_for(_deployment()).path == main
+    # What the manager reads at apply (memory estimate, context length) is that snapshot's too.
+    assert local_model_config(REPO, None, "v2") == {"at": "v2"}
+    assert local_model_config(REPO) == {"at": "main"}
+
+
+def test_a_revision_not_in_the_offline_cache_is_named(offline_hub: Path) -> None:
+    from atomr_infer.models.resolve import HubOptions
+
+    fake_snapshot(offline_hub, REPO, {"config.json": "{}", "model.safetensors": "x"})
+    with pytest.raises(ModelError, match="at revision v9 are not in the HF cache") as err:
+        resolve_model(REPO, hub=HubOptions(revision="v9"))
+    assert "--revision v9" in err.value.hint
+
+
+def test_the_spec_chooses_revision_token_and_remote_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    from atomr_infer.models.resolve import resolve_for
+
+    calls: list[dict[str, object]] = []
+
+    def fake_snapshot_download(repo_id: str, **kwargs: object) -> str:
+        calls.append(kwargs)
+        return str(fake_snapshot(tmp_path / str(len(calls)), repo_id, {"config.json": "{}", "model.safetensors": "x"}))
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_TOKEN", "hf_env")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    resolve_for(_deployment(revision="v2", hf_token="hf_spec", trust_remote_code=True))
+    resolve_for(_deployment(hf_token=False, trust_remote_code="false"))
+    resolve_for(_deployment())
+    spec, no_token, plain = calls
+    assert (spec["revision"], spec["token"]) == ("v2", "hf_spec")
+    assert "*.py" in spec["allow_patterns"]  # the modeling code vLLM imports under trust_remote_code
+    assert (no_token["revision"], no_token["token"]) == (None, False)
+    assert "*.py" not in no_token["allow_patterns"]
+    assert (plain["revision"], plain["token"]) == (None, "hf_env")

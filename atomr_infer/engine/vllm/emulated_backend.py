@@ -15,10 +15,10 @@ from atomr_infer.spec import Deployment
 def _emulated_engine(deployment: Deployment, progress: Any) -> Any:
     """The spec's model resolved as for a real engine, then the emulated engine's factory."""
     from atomr_infer.engine.vllm.emulated import emulated_engine_factory
-    from atomr_infer.models.resolve import resolve_model
+    from atomr_infer.models.resolve import resolve_for
 
     step_s = emulated_step_s() or 0.01  # set: the backend is only chosen where it is
-    resolved = resolve_model(deployment.model, cache_dir=deployment.runtime_config.hf_cache_dir, progress=progress)
+    resolved = resolve_for(deployment, progress=progress)
     max_len = deployment.runtime_config.max_model_len or 2048
     return emulated_engine_factory(str(resolved.path), step_s, max_model_len=max_len)(deployment, progress)
 

@@ -263,14 +263,14 @@ def build_vllm_engine(deployment: Deployment, progress: Callable[[str], None] | 
                       stat_loggers: list[Any] | None = None) -> Any:
     """Resolve the model and construct a ``vllm.v1.engine.llm_engine.LLMEngine`` (with vLLM's
     default stat loggers, and ``stat_loggers``' factories: engine_metrics.py)."""
-    from atomr_infer.models.resolve import resolve_model
+    from atomr_infer.models.resolve import resolve_for
 
     say = progress or (lambda _msg: None)
     device = resolve_device(deployment)
     prepare_environment(deployment, device)
     deployment = check_with_vllm(deployment, device)  # before the download: a bad setting fails in seconds
     say(f"resolving model {deployment.model}")
-    resolved = resolve_model(deployment.model, cache_dir=deployment.runtime_config.hf_cache_dir, progress=say)
+    resolved = resolve_for(deployment, progress=say)
 
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.llm_engine import LLMEngine

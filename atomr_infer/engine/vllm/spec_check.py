@@ -157,9 +157,11 @@ def check_spec(deployment: Deployment) -> None:
     if deployment.lora is not None:  # an adapter here (on this node, in the hub cache) that cannot be served
         from atomr_infer.models.adapters import adapter_problems
         from atomr_infer.models.estimate import local_model_dir
+        from atomr_infer.models.resolve import revision_of
 
         lora, cache = deployment.lora, deployment.runtime_config.hf_cache_dir
-        found = adapter_problems(lora.adapters, lora.max_lora_rank, cache, local_model_dir(deployment.model, cache))
+        base = local_model_dir(deployment.model, cache, revision_of(deployment))
+        found = adapter_problems(lora.adapters, lora.max_lora_rank, cache, base)
         problems += [SpecProblem(deployment.name, field, problem) for field, problem in found]
     problems += _context_problems(deployment)
     if problems:
@@ -171,13 +173,14 @@ def _context_problems(deployment: Deployment) -> list[SpecProblem]:
     only at engine start (three full model loads, then the deployment fails) unless told to
     allow it (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``)."""
     from atomr_infer.models.estimate import context_limit, local_model_dir
+    from atomr_infer.models.resolve import revision_of
 
     cfg = deployment.runtime_config
     if not cfg.max_model_len or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").lower() in ("1", "true"):
         return []
     if cfg.extra_engine_args.get("hf_overrides"):  # it may change the length keys: vLLM's to judge
         return []
-    directory = local_model_dir(deployment.model, cfg.hf_cache_dir)
+    directory = local_model_dir(deployment.model, cfg.hf_cache_dir, revision_of(deployment))
     limit = context_limit(directory, cfg.runner == "generate") if directory is not None else None
     if limit is None or cfg.max_model_len <= limit[0]:
         return []
