@@ -166,12 +166,13 @@ class RoutingFacts:
     cache_salt: str | None = None
 
     @classmethod
-    def of(cls, path: str, data: Any) -> RoutingFacts:
+    def of(cls, path: str, data: Any, unnamed_to: str | None = None) -> RoutingFacts:
         """The facts of a parsed request body; ``InvalidRequest`` naming ``model`` (or ``body``)
-        when it does not name a deployment."""
+        when it does not name a deployment. ``unnamed_to``: the deployment of a body whose
+        ``model`` is absent, null or empty (vLLM's server answers it with its one model)."""
         if not isinstance(data, dict):
             raise InvalidRequest("body", f"expected a JSON object, got {type(data).__name__}")
-        model = data.get("model")
+        model = data.get("model") if unnamed_to is None or data.get("model") not in (None, "") else unnamed_to
         if not isinstance(model, str) or not model:
             raise InvalidRequest("model", f"model must name a deployment (a non-empty string), got {model!r}")
         stream = as_vllm_reads(data.get("stream"))

@@ -191,3 +191,15 @@ async def form_model(raw: bytes, content_type: str) -> Any:
         return model if isinstance(model, str) else None
     finally:
         await form.close()
+
+
+def only_deployment(deployments: Any) -> str:
+    """The deployment a request that names no ``model`` (absent, null or empty) goes to: the one
+    served, as ``vllm serve`` answers such a request with its one model; ``InvalidRequest``
+    naming ``model`` where there are more, or none (the names are not listed: ``/v1/models``
+    lists them to those allowed to see them)."""
+    names = list(deployments)
+    if len(names) == 1:
+        return names[0]
+    where = "more than one deployment is served" if names else "no deployment is served"
+    raise InvalidRequest("model", f"is required where {where}: name one (GET /v1/models lists them)")

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from atomr_infer import heavy_imports
-from atomr_infer.errors import AtomrError, DeploymentNotFound, InvalidRequest, NoReadyReplica, one_line, unwrap
+from atomr_infer.errors import AtomrError, DeploymentNotFound, NoReadyReplica, one_line, unwrap
 from atomr_infer.log import get_logger
 from atomr_infer.routing import response_ids
 from atomr_infer.routing.router import Router
@@ -48,6 +48,7 @@ from atomr_infer.serve.answers import (
     error_response,
     form_model,
     model_card,
+    only_deployment,
     relay,
     response_not_found,
 )
@@ -192,17 +193,17 @@ class OpenAIIngress:
             return True
         return table.find(name) is not None
 
-    @staticmethod
-    async def _body_facts(raw: bytes, request: Request) -> tuple[RoutingFacts, Any]:
+    async def _body_facts(self, raw: bytes, request: Request) -> tuple[RoutingFacts, Any]:
         data = parse_json(raw)  # the one parse of the body on this side of the replica
-        return RoutingFacts.of(request.url.path, data), data
+        unnamed = isinstance(data, dict) and data.get("model") in (None, "")  # vLLM's server takes its one model
+        return RoutingFacts.of(request.url.path, data, await self._only_deployment() if unnamed else None), data
 
-    @staticmethod
-    async def _form_facts(raw: bytes, request: Request) -> tuple[RoutingFacts, Any]:
+    async def _form_facts(self, raw: bytes, request: Request) -> tuple[RoutingFacts, Any]:
         model = await form_model(raw, request.headers.get("content-type", ""))
-        if not model:
-            raise InvalidRequest("model", f"the form's model must name a deployment, got {model!r}")
-        return RoutingFacts(model, RequestKind.OTHER), None
+        return RoutingFacts(model or await self._only_deployment(), RequestKind.OTHER), None
+
+    async def _only_deployment(self) -> str:
+        return only_deployment((await self._fresh_table()).deployments)
 
     async def _forward(self, request: Request, read_facts: FactsReader) -> Response:
         """Route by the request's deployment and return the replica's answer (vLLM's) unchanged.

@@ -64,7 +64,7 @@ class Router:
         self.seen.append((facts, http))
         if self.table.find(facts.deployment) is None:
             raise DeploymentNotFound(facts.deployment, sorted(self.table.deployments))
-        body = json.loads(http.body)
+        body = json.loads(http.body) if http.body.startswith(b"{") else {}  # else a form (audio)
         if facts.stream:
             yield HttpHead(200, (("content-type", "text/event-stream; charset=utf-8"),))
             yield b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'

@@ -93,3 +93,54 @@ def test_a_key_that_may_use_a_deployment_by_any_name_may_retrieve_its_stored_res
     made it (through that name), then got 403 retrieving or cancelling it."""
     cls, self = ingress()
     assert cls._by_any_name(self, ApiKey("k", frozenset(listed)), "smollm2") is may
+
+
+@pytest.mark.parametrize("body", [{}, {"model": None}, {"model": ""}])
+def test_a_request_that_names_no_model_goes_to_the_one_deployment(body: dict) -> None:
+    """As `vllm serve` answers it with its one model (vLLM's chat and completion requests have
+    ``model`` optional); 400 naming ``model`` where more than one deployment is served."""
+    import asyncio
+    import json
+
+    from tests.unit.ingress_app import ingress as real_ingress
+    from tests.unit.ingress_app import post
+
+    ingress_, _limiter, app = real_ingress()
+    chat = {**body, "messages": [{"role": "user", "content": "hi"}]}
+    status, _headers, _answer = asyncio.run(post(app, "/v1/chat/completions", chat))
+    assert status == 200
+    (facts, http), = ingress_._router.seen
+    assert facts.deployment == "smollm2"
+    assert "model" not in json.loads(http.body) or not json.loads(http.body)["model"]  # vLLM names its model
+
+    ingress_._router.table = TABLE
+    status, _headers, answer = asyncio.run(post(app, "/v1/chat/completions", chat))
+    assert status == 400
+    error = json.loads(answer)["error"]
+    assert error["param"] == "model" and "more than one deployment" in error["message"]
+    assert "other" not in error["message"]  # the names are /v1/models' to list, to callers allowed to see them
+    status, _headers, answer = asyncio.run(post(app, "/v1/chat/completions", {**chat, "model": 7}))
+    assert status == 400 and json.loads(answer)["error"]["param"] == "model"
+
+
+def test_a_form_that_names_no_model_goes_to_the_one_deployment() -> None:
+    """An audio form without ``model``: the one deployment, as for a JSON body (it was 400)."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from tests.unit.ingress_app import ingress as real_ingress
+
+    ingress_, _limiter, _app = real_ingress()
+    form = (b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+            b"Content-Type: audio/wav\r\n\r\nRIFF\r\n--XyZ--\r\n")
+    scope = {"type": "http", "method": "POST", "path": "/v1/audio/transcriptions", "query_string": b"",
+             "headers": [(b"content-type", b"multipart/form-data; boundary=XyZ")]}
+    messages = [{"type": "http.request", "body": form, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    status = asyncio.run(ingress_.routed_by_form(Request(scope, receive))).status_code
+    assert status == 200
+    assert [facts.deployment for facts, _http in ingress_._router.seen] == ["smollm2"]
