@@ -235,9 +235,12 @@ class RayReplicaLauncher:
         return RayReplicaHandle(actor, name, self.reaper, node=node, asks=asks)
 
     def replica_ids(self, deployment: str) -> list[str]:
-        prefix = actor_name(deployment, "")
+        return [replica for name, replica in self.live_replicas() if name == deployment]
+
+    def live_replicas(self) -> list[tuple[str, str]]:
         named = ray.util.list_named_actors(all_namespaces=True)
-        return [a["name"][len(prefix):] for a in named if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)]
+        parts = [a["name"].split(":") for a in named if a["namespace"] == NAMESPACE and a["name"].startswith("atomr:")]
+        return [(p[1], p[2]) for p in parts if len(p) == 3]  # actor_name's form: a deployment name has no colon
 
     def adopt(self, deployment: str, replica_id: str) -> RayReplicaHandle | None:
         name = actor_name(deployment, replica_id)

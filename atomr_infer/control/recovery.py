@@ -38,10 +38,11 @@ class Recovery:
         self.adopted: list[ReplicaRecord] = []  # replicas adopted and not heard from yet (for wait_s at most)
         self._wait_s = wait_s
         self._deadline = clock() + wait_s
+        self._swept = False  # whether the replicas of deployments the store lacks were stopped
 
     @property
     def done(self) -> bool:
-        return self.unread is None and not self.pending
+        return self.unread is None and not self.pending and self._swept
 
     @property
     def withheld(self) -> bool:
@@ -89,6 +90,8 @@ class Recovery:
                 return []
             self.unread = None
             self._wait_from_now()
+        if not self._swept:
+            self._swept = stop_orphans(launcher, set(self.pending))
         recovered = []
         for name, record in list(self.pending.items()):
             reconciler = new_reconciler(name, record.next_index)
@@ -125,3 +128,28 @@ class Recovery:
         store has not been read (a save then would replace what it holds)."""
         if self.unread is None:
             self._store.save({**self.pending, **records})
+
+
+def stop_orphans(launcher: ReplicaLauncher, stored: set[str]) -> bool:
+    """Stop the live replicas of deployments the store does not hold (as a removal stops its
+    replicas); whether the listing could be had. They are nobody's: a removal's, whose record was
+    deleted once its replicas were stopped but before the manager's reaper killed them (a stopped
+    replica still holds its GPUs in Ray until killed), or an apply's whose save failed before the
+    manager died. Left alone, they would hold their GPUs for good."""
+    try:
+        live = launcher.live_replicas()
+    except Exception as exc:  # noqa: BLE001 - Ray's; the next pass tries again
+        log.error("orphan_listing_failed", error=f"{type(exc).__name__}: {exc}")
+        return False
+    for deployment, replica_id in live:
+        if deployment in stored:
+            continue
+        try:
+            handle = launcher.adopt(deployment, replica_id)
+            if handle is not None:
+                handle.stop()
+                log.warning("orphan_replica_stopped", deployment=deployment, replica=replica_id,
+                            why="its deployment is not in the manager's stored state")
+        except Exception as exc:  # noqa: BLE001 - one replica's Ray error: the others are still stopped
+            log.error("orphan_stop_failed", deployment=deployment, replica=replica_id, error=repr(exc))
+    return True
