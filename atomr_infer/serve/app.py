@@ -217,7 +217,11 @@ class OpenAIIngress:
             facts, data = await read_facts(raw, request)
             facts.wakes = key is not None or self._has_valid_key(request)  # no key: an open path's caller starts no GPU
             raw = raw if data is None else as_utf8(raw)
-            model = self._canonical(facts.deployment)
+            # Keys are checked against the names routing goes by: the newest table this ingress
+            # has (an adapter or alias just applied; one moved between deployments), else the manager's.
+            table = await self._fresh_table()
+            model = self._canonical(facts.deployment, table if table.knows(facts.deployment) else
+                                    await self._fresh_table(force=True))
             if facts.kind is not RequestKind.STORED or not self._by_any_name(key, model):
                 self._authorize(key, model, facts.deployment)
             # What runs no engine step spends no budget: a caller with no key (tokenizing is open)
@@ -366,11 +370,11 @@ class OpenAIIngress:
             return error_response(DeploymentNotFound(name, sorted(deployments)))
         return JSONResponse(card)
 
-    async def _fresh_table(self) -> Any:
+    async def _fresh_table(self, force: bool = False) -> Any:
         """The routing table, refreshed if the manager answers (else the one this ingress has:
         the routing that follows says why there is none)."""
         try:
-            return await self._router.refresh()
+            return await self._router.refresh(force)
         except Exception:  # noqa: BLE001
             return self._router.table
 

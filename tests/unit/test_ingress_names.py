@@ -144,3 +144,43 @@ def test_a_form_that_names_no_model_goes_to_the_one_deployment() -> None:
     status = asyncio.run(ingress_.routed_by_form(Request(scope, receive))).status_code
     assert status == 200
     assert [facts.deployment for facts, _http in ingress_._router.seen] == ["smollm2"]
+
+
+def _router_whose_manager_has(ingress_: object, older: RoutingTable, newer: RoutingTable) -> list[bool]:
+    """The ingress's router holding ``older`` while the manager (its table cache) has ``newer``."""
+    router, refreshed = ingress_._router, []
+    router.table = older
+
+    async def refresh(force: bool = False) -> RoutingTable:
+        refreshed.append(force)
+        router.table = newer
+        return newer
+
+    router.refresh = refresh
+    return refreshed
+
+
+def test_a_key_is_checked_against_the_newest_table_not_the_routers_last() -> None:
+    """Found by a review: keys were checked against the table the router last adopted (it adopts a
+    newer one only as it routes). An adapter applied a moment ago was 403 to a key for its
+    deployment, and stayed so; an adapter moved from deployment a to b was let through for a key
+    of a, and routed to b."""
+    import asyncio
+
+    from tests.unit.ingress_app import ingress as real_ingress
+    from tests.unit.ingress_app import post
+
+    chat = {"model": "fr", "messages": [{"role": "user", "content": "hi"}]}
+    ingress_, _limiter, app = real_ingress("keys: [{name: alice, key: sk-alice-0123456789, deployments: [smollm2]}]")
+    _router_whose_manager_has(ingress_, RoutingTable(1, {"smollm2": DeploymentRoute("smollm2", 4, "queue")}),
+                              RoutingTable(2, {"smollm2": DeploymentRoute("smollm2", 4, "queue", adapters=("fr",))}))
+    assert asyncio.run(post(app, "/v1/chat/completions", chat, "sk-alice-0123456789"))[0] == 200
+
+    ingress_, _limiter, app = real_ingress("keys: [{name: a, key: sk-team-a-0123456789, deployments: [a]}]")
+    _router_whose_manager_has(
+        ingress_,
+        RoutingTable(1, {"a": DeploymentRoute("a", 4, "queue", adapters=("fr",)), "b": DeploymentRoute("b", 4, "queue")}),
+        RoutingTable(2, {"a": DeploymentRoute("a", 4, "queue"), "b": DeploymentRoute("b", 4, "queue", adapters=("fr",))}),
+    )
+    assert asyncio.run(post(app, "/v1/chat/completions", chat, "sk-team-a-0123456789"))[0] == 403
+    assert ingress_._router.seen == []  # never routed
