@@ -177,10 +177,11 @@ def test_a_key_is_checked_against_the_newest_table_not_the_routers_last() -> Non
     assert asyncio.run(post(app, "/v1/chat/completions", chat, "sk-alice-0123456789"))[0] == 200
 
     ingress_, _limiter, app = real_ingress("keys: [{name: a, key: sk-team-a-0123456789, deployments: [a]}]")
+    with_fr, without = DeploymentRoute("a", 4, "queue", adapters=("fr",)), DeploymentRoute("a", 4, "queue")
     _router_whose_manager_has(
         ingress_,
-        RoutingTable(1, {"a": DeploymentRoute("a", 4, "queue", adapters=("fr",)), "b": DeploymentRoute("b", 4, "queue")}),
-        RoutingTable(2, {"a": DeploymentRoute("a", 4, "queue"), "b": DeploymentRoute("b", 4, "queue", adapters=("fr",))}),
+        RoutingTable(1, {"a": with_fr, "b": DeploymentRoute("b", 4, "queue")}),
+        RoutingTable(2, {"a": without, "b": DeploymentRoute("b", 4, "queue", adapters=("fr",))}),
     )
     assert asyncio.run(post(app, "/v1/chat/completions", chat, "sk-team-a-0123456789"))[0] == 403
     assert ingress_._router.seen == []  # never routed
