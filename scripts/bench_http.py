@@ -5,6 +5,7 @@ generator, in one run.
     .venv/bin/python scripts/bench_http.py [--input-len 32] [--output-len 64]
                                            [--loads 1:8,16:32,64:128] [--rounds 1] [--no-rayllm]
                                            [--device cpu|cuda] [--graphs] [--quick]
+                                           [--cpu-by-process] [--profile DIR]
 
 Three servers on the bundled SmolLM2, each with the engine arguments of deployments/smollm2.yaml:
 (a) vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console
@@ -24,7 +25,9 @@ its tokens come in bunches). An idle engine costs (almost) no CPU. Machines here
 compare ratios. ``--device cuda`` runs (a) and (b) on the GPU, each with
 ``gpu_memory_utilization`` 0.3 (tests/device_spec.py), ``--graphs`` with CUDA graphs instead of
 eager; ``--quick`` is a smoke run (``--loads 1:4,4:16 --output-len 16``, no wait for an idle
-machine).
+machine). ``--cpu-by-process`` prints, after each run, the CPU seconds per second of the busiest
+processes; ``--profile DIR`` records py-spy profiles of each server's request path during the
+last load of the first round (scripts/profiling.py).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from profiling import cpu_during, profiled  # noqa: E402 - scripts/, the script's own directory
+
 from atomr_infer.local_ray import free_port  # noqa: E402 - after the path insert
 from tests.device_spec import SHARED_GPU_MEMORY, add_device_options, smollm2_on  # noqa: E402
 from tests.vllm_serve import vllm_server  # noqa: E402
@@ -277,6 +282,11 @@ def main_cli() -> None:
     parser.add_argument("--no-rayllm", action="store_true", help="Leave out Ray Serve LLM (it needs pyarrow).")
     parser.add_argument("--cpu-threads", type=int, help="atomr replica's cpu_threads (default: node cores)")
     add_device_options(parser)
+    parser.add_argument("--cpu-by-process", action="store_true",
+                        help="After each run, the CPU s/s of the busiest processes (scripts/profiling.py).")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="py-spy profiles (speedscope) of each server's request path during the last load of "
+                             "the first round, into DIR, with each one's heaviest functions printed.")
     parser.add_argument("--quick", action="store_true",
                         help="A smoke run: --loads 1:4,4:16 --output-len 16, no wait for an idle machine.")
     opts = parser.parse_args()
@@ -319,7 +329,12 @@ def main_cli() -> None:
             print(f"round {round_ + 1}:", flush=True)
             for concurrency, prompts in loads:
                 for name in order:
-                    result = load(urls[name], model_dir, concurrency, prompts, opts)
+                    with contextlib.ExitStack() as watch:
+                        if opts.profile and round_ == 0 and (concurrency, prompts) == loads[-1]:
+                            watch.enter_context(profiled(name, roots.get(name), Path(opts.profile)))
+                        if opts.cpu_by_process:
+                            watch.enter_context(cpu_during(f"{name} c={concurrency}"))
+                        result = load(urls[name], model_dir, concurrency, prompts, opts)
                     runs.setdefault((name, concurrency), []).append(result)
                     print(line(name, concurrency, result), flush=True)
         memory = stack_pss_gib(roots)  # after serving, all still up

@@ -25,7 +25,7 @@ echo "resolving vLLM's closure ..."
 # shellcheck disable=SC2086
 quiet $PIP install --dry-run --ignore-installed -q --report "$W/report.json" --target "$W/t" $TAGS \
   vllm==0.32.0 torch==2.13.0 'ray[serve]==2.60.0' 'nvidia-cutlass-dsl[cu13]' 'grpcio>=1.85' grpcio-reflection \
-  gguf accelerate structlog typer rich pyzmq msgspec openai httpx
+  gguf accelerate structlog typer rich pyzmq msgspec openai httpx py-spy psutil
 python3 - "$W/report.json" > "$W/want.txt" <<'PY'
 import json, re, sys
 # Left out: the host's CUDA libraries; kernels and codecs a text model on one GPU never imports.
