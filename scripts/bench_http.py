@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import statistics
 import subprocess
@@ -59,6 +60,7 @@ START_TIMEOUT_S = 600
 
 
 DEVICE = {"device": "cpu", "graphs": False}  # --device and --graphs (main_cli sets them)
+ATOMR_ENGINE_ARGS: dict[str, Any] = {}  # --atomr-engine-args
 
 
 def spec():  # noqa: ANN201 - a Deployment
@@ -97,6 +99,11 @@ def atomr_server(cpu_threads: int | None = None) -> Iterator[str]:
     try:
         manager = get_manager()
         deployment = spec()
+        if ATOMR_ENGINE_ARGS:  # --atomr-engine-args: an A/B of one engine setting, atomr's arm only
+            config = deployment.runtime_config
+            extra = {**config.extra_engine_args, **ATOMR_ENGINE_ARGS}
+            deployment = deployment.model_copy(update={"runtime_config": config.model_copy(
+                update={"extra_engine_args": extra})})
         if cpu_threads is not None:
             config = deployment.runtime_config.model_copy(update={"cpu_threads": cpu_threads})
             deployment = deployment.model_copy(update={"runtime_config": config})
@@ -287,12 +294,16 @@ def main_cli() -> None:
     parser.add_argument("--profile", metavar="DIR",
                         help="py-spy profiles (speedscope) of each server's request path during the last load of "
                              "the first round, into DIR, with each one's heaviest functions printed.")
+    parser.add_argument("--atomr-engine-args", type=json.loads, default={}, metavar="JSON",
+                        help="More extra_engine_args for atomr's deployment only, e.g. "
+                             "'{\"kv_events_config\": {\"enable_kv_cache_events\": false}}' (an A/B run).")
     parser.add_argument("--quick", action="store_true",
                         help="A smoke run: --loads 1:4,4:16 --output-len 16, no wait for an idle machine.")
     opts = parser.parse_args()
     if opts.device != "cpu" and not opts.no_rayllm:
         parser.error("Ray Serve LLM runs on the CPU only here (scripts/rayllm_peer.py): add --no-rayllm")
     DEVICE.update(device=opts.device, graphs=opts.graphs)
+    ATOMR_ENGINE_ARGS.update(opts.atomr_engine_args)
     if opts.quick:
         opts.loads, opts.output_len = "1:4,4:16", 16
     loads = [tuple(int(x) for x in item.split(":")) for item in opts.loads.split(",")]

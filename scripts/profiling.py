@@ -78,6 +78,10 @@ def profiled(server: str, root: int | None, out: Path, rate: int = 100) -> Itera
     recorders = []
     for proc in path_processes(server, root):
         name = role(proc).replace("::", "-").replace("/", "-").replace(":", "-")
+        with contextlib.suppress(psutil.Error):  # Ray sets OMP_NUM_THREADS to an actor's num_cpus
+            env = proc.environ()
+            threads = {k: env[k] for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if k in env}
+            print(f"    {name} ({proc.pid}): {proc.num_threads()} threads; {threads or 'no OMP/CUDA settings'}")
         path = out / f"{server}-{name}-{proc.pid}.json"
         cmd = [spy, "record", "--nonblocking", "--rate", str(rate), "--format", "speedscope", "--output", str(path),
                "--pid", str(proc.pid)]
