@@ -39,6 +39,11 @@ REPLAY_IDLE_S = 2.0
 POLL_MS = 20
 READ_MAX = 256  # messages read from one socket per turn: a busy replica cannot starve the others
 FOLLOW_RETRY_S = 5.0  # a replica that could not be followed (no socket) is tried again after this
+# vLLM sends a whole replay at once through a ROUTER socket, which drops what passes its send
+# high-water mark (1,000 messages): a replay of larger batches arrives with gaps. Each ask brings
+# at least that many, so asking again from the gap gets on; bounded, so a replica that keeps
+# dropping is given up (its entries rebuilt from what follows) rather than asked for good.
+MAX_REPLAY_RESUMES = 50
 
 
 def _zmq_context() -> Any:
@@ -64,6 +69,8 @@ class _Follower:
     replay_heard_at: float = 0.0  # when it was asked, or last brought a batch (REPLAY_IDLE_S)
     replay_from: int = 0
     retried: bool = False  # a gap (or a replay cut short) asked again once before it counts as lost
+    replay_started: bool = False  # the replay asked for last has brought a batch
+    resumes: int = 0  # replays asked again from a batch dropped midway, since the last one that ended
     held: list[tuple[int, bytes]] = field(default_factory=list)  # SUB batches while replaying
 
 
@@ -230,7 +237,7 @@ class KvEventsHub:
         self._close(follower.dealer)
         follower.dealer = None
         follower.replaying_since = follower.replay_heard_at = time.monotonic()
-        follower.replay_from = start
+        follower.replay_from, follower.replay_started = start, False
         self._replaying[follower.replica] = follower
         try:
             follower.dealer = self._socket(zmq.DEALER, follower.replay_endpoint or "", follower)
@@ -267,10 +274,16 @@ class KvEventsHub:
             self._end_replay(follower, complete=True)
             return
         seq = int.from_bytes(frames[2], "big")
+        started, follower.replay_started = follower.replay_started, True
         if seq <= follower.last:
             return
-        if follower.last >= 0 and seq > follower.last + 1:  # the buffer no longer reaches back, or a drop
-            self._lost(follower)
+        if follower.last >= 0 and seq > follower.last + 1:
+            if started and follower.resumes < MAX_REPLAY_RESUMES:  # dropped in transit: ask again from it
+                follower.resumes += 1
+                self.gaps += 1
+                self._ask_replay(follower, follower.last + 1)
+                return
+            self._lost(follower)  # the buffer no longer reaches back
         self._apply(follower, seq, frames[3])
 
     def _end_replay(self, follower: _Follower, complete: bool) -> None:
@@ -279,6 +292,7 @@ class KvEventsHub:
         once more; then it is lost for good, and the replica's entries are rebuilt from what
         follows (never a prefix of the buffer kept as if it were all of it)."""
         self._stop_replay(follower)
+        follower.resumes = 0 if complete else follower.resumes
         held = sorted(follower.held)
         missing = bool(held) and follower.last >= 0 and held[0][0] > follower.last + 1
         if (missing or not complete) and not follower.retried:

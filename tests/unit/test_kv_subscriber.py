@@ -160,3 +160,20 @@ def test_a_replica_that_cannot_be_followed_does_not_stop_the_others_and_is_tried
     wait_until(lambda: set(hub._followers) == {"r0", "r1", "r2"}, 10, what="r1 followed on a retry")
     hub.follow("d", {})
     wait_until(lambda: not hub._followers, 10)
+
+
+def test_a_batch_dropped_midway_through_a_replay_is_asked_again_not_taken_as_lost(replica, monkeypatch):
+    """vLLM sends a replay at once through a ROUTER socket, which drops what passes its send
+    high-water mark: replays of larger batches arrive with gaps (seen at 5 KB a batch over
+    loopback). Found by a review: each gap wiped the replica's entries, so the start-up replay
+    kept only its tail. Now the replay is asked again from the missing batch."""
+    monkeypatch.setattr(kv_subscriber, "REPLAY_IDLE_S", 0.5)
+    dropped = [(i, payload(i)) for i in range(16) if i != 5]
+    pub = replica((dropped, 0.0, True), ([(i, payload(i)) for i in range(5, 16)], 0.0, True))
+    hub = KvEventsHub()
+    hub.follow("d", {"r0": (pub.endpoint, pub.replay_endpoint)})
+    follower = wait_until(lambda: hub._followers.get("r0"), 10)
+    wait_until(lambda: pub.asked == [0, 5] and follower.replaying_since is None, 10, what="the replay resumed")
+    assert follower.last == 15 and hub.partial == 0
+    assert hub.index("d").depths(chain(DOC, BLOCK)) == {"r0": 16}
+    hub.follow("d", {})
