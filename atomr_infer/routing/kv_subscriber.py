@@ -81,6 +81,7 @@ class KvEventsHub:
         self._indexes: dict[str, KvIndex] = {}
         self._followers: dict[str, _Follower] = {}  # replica -> its follower (touched by the thread only)
         self._wanted: dict[str, dict[str, tuple[str, str | None]]] = {}  # deployment -> replica -> endpoints
+        self._owners: dict[str, dict[int, dict[str, tuple[str, str | None]]]] = {}  # deployment -> owner -> its map
         self._changes: queue.SimpleQueue[tuple[str, dict[str, tuple[str, str | None]]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -97,18 +98,34 @@ class KvEventsHub:
         with self._lock:
             return self._indexes.setdefault(deployment, KvIndex())
 
-    def follow(self, deployment: str, replicas: dict[str, tuple[str, str | None]]) -> None:
-        """Listen to exactly these replicas of ``deployment`` (name -> (endpoint, replay endpoint));
-        a replica no longer named is dropped from the index, and an empty map forgets the
-        deployment. Cheap when nothing changed."""
-        if self._wanted.get(deployment) == replicas:
+    def follow(self, deployment: str, replicas: dict[str, tuple[str, str | None]], owner: object = None) -> None:
+        """Listen to exactly these replicas of ``deployment`` (name -> (endpoint, replay endpoint))
+        for ``owner`` (a router's picker; routers in one process share the listener): the replicas
+        any owner names are followed, a replica none names is dropped from the index, and a
+        deployment no owner follows is forgotten. Cheap when nothing changed."""
+        owners = self._owners.setdefault(deployment, {})
+        if replicas:
+            owners[id(owner)] = dict(replicas)
+        else:
+            owners.pop(id(owner), None)
+        wanted = {name: ends for each in owners.values() for name, ends in each.items()}
+        if not owners:
+            del self._owners[deployment]
+        if self._wanted.get(deployment, {}) == wanted and deployment in self._wanted:
             return
-        self._wanted[deployment] = dict(replicas)
-        self._changes.put((deployment, dict(replicas)))
+        self._wanted[deployment] = wanted
+        self._changes.put((deployment, dict(wanted)))
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="atomr-kv-events", daemon=True)
                 self._thread.start()
+
+    def forget(self, deployment: str) -> None:
+        """Stop following ``deployment`` for every owner."""
+        for owner in list(self._owners.get(deployment, {})):
+            self._owners[deployment][owner] = {}
+        self._owners.pop(deployment, None)
+        self.follow(deployment, {})
 
     def _run(self) -> None:
         import zmq

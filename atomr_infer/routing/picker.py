@@ -80,6 +80,12 @@ class ReplicaPicker:
             self._metrics = RouterMetrics()
         return self._metrics
 
+    def close(self) -> None:
+        """Stop following what this router followed (the process's listener serves other routers too)."""
+        for name in list(self._followed):
+            kv_hub().follow(name, {}, self)
+        self._followed.clear()
+
     def table_changed(self, table: RoutingTable) -> None:
         """Forget what only a deployment, or an adapter, gone from ``table`` (or routing by another
         policy now) needed: the KV events this router followed (their sockets and index), the
@@ -87,7 +93,7 @@ class ReplicaPicker:
         for name in list(self._followed):
             dep = table.deployments.get(name)
             if dep is None or dep.policy != "kv_events":
-                kv_hub().follow(name, {})
+                kv_hub().follow(name, {}, self)
                 del self._followed[name]
         # Each deployment of the table, and each of the last one's no longer in it, is named:
         # those that do not route by kv_events (now) keep no tokenizer.
@@ -165,7 +171,7 @@ class ReplicaPicker:
         replica's events are fresh or the prompt's tokens are unknown here (no tokenizer yet)."""
         events = kv_hub()
         if self._followed.get(dep.name) is not dep:  # a new table: the replicas to listen to
-            events.follow(dep.name, {r.actor_name: r.kv_events[:2] for r in dep.replicas if r.kv_events})
+            events.follow(dep.name, {r.actor_name: r.kv_events[:2] for r in dep.replicas if r.kv_events}, self)
             self._followed[dep.name] = dep
         index, now = events.index(dep.name), time.monotonic()
         # Only the replicas serving the model whose tokenizer gave ``tokens`` are matched by them.

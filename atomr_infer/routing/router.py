@@ -98,8 +98,7 @@ class Router:
         self._background_since = 0.0
         self._in_flight: collections.Counter[str] = collections.Counter()
         self._released = asyncio.Event()
-        # actor name -> table version it was excluded at, or None for "until the table drops it".
-        self._excluded: dict[str, int | None] = {}
+        self._excluded: dict[str, int | None] = {}  # actor name -> the table version it was excluded at, or None
         self._channels: dict[str, ReplicaChannel] = {}  # actor name -> its channel
         self._retired: list[ReplicaChannel] = []  # channels of unlisted replicas, until their requests end
         self._closed = False  # aclose()d: opens no channel again
@@ -141,6 +140,7 @@ class Router:
             tasks.append(self._background)
         self._channels.clear()
         self._retired.clear()
+        self._picker.close()  # the KV events it followed
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def refresh(self, force: bool = False) -> RoutingTable:

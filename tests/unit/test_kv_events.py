@@ -356,7 +356,7 @@ def kv_deployment(*replicas):
     finally:
         kv_index.SILENT_S, channel.LOAD_FRESH_S = kept
         tokenizers()._ready.pop((name, "m"), None)
-        hub().follow(name, {})
+        hub().forget(name)  # (followed by the routers' pickers)
 
 
 def test_prefill_waiting_counts_until_the_first_output_and_every_router_hears_the_replicas_total():

@@ -177,3 +177,38 @@ def test_a_batch_dropped_midway_through_a_replay_is_asked_again_not_taken_as_los
     assert follower.last == 15 and hub.partial == 0
     assert hub.index("d").depths(chain(DOC, BLOCK)) == {"r0": 16}
     hub.follow("d", {})
+
+
+def test_routers_in_one_process_follow_a_deployment_until_the_last_one_lets_go(replica):
+    """Found by a review: the process's listener kept one map per deployment, the last one given,
+    so a router whose table dropped the deployment (or a Client closed) stopped it for every
+    other router of the process. Each router (owner) now has its own, and a closed router's
+    picker lets go of what it followed."""
+    from atomr_infer.routing.picker import ReplicaPicker
+
+    pub = replica()
+    hub = KvEventsHub()
+    first, second = object(), object()
+    hub.follow("d", {"r0": (pub.endpoint, None)}, first)
+    hub.follow("d", {"r0": (pub.endpoint, None)}, second)
+    hub.follow("d", {}, first)  # the first router's table dropped it
+
+    def published():
+        pub.pub.send_multipart((b"", (1).to_bytes(8, "big"), payload(0)))
+        return hub.index("d").depths(chain(DOC, BLOCK)) == {"r0": 1}
+
+    wait_until(published, 10, 0.1, what="the second router's replica still followed")
+    hub.follow("d", {}, second)
+    wait_until(lambda: "r0" not in hub._followers, 10, what="let go once no router follows it")
+
+    import atomr_infer.routing.picker as picker_module
+
+    picker, calls = ReplicaPicker(), []
+    picker._followed = {"d": object()}
+    real = picker_module.kv_hub
+    picker_module.kv_hub = lambda: type("Hub", (), {"follow": lambda _s, *a: calls.append(a)})()
+    try:
+        picker.close()
+    finally:
+        picker_module.kv_hub = real
+    assert calls == [("d", {}, picker)] and picker._followed == {}
