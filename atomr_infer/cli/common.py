@@ -259,12 +259,14 @@ def node_ips() -> dict[str, str]:
         return {}
 
 
-def check_engine_settings(deployments: list[Any]) -> None:
+def check_engine_settings(deployments: list[Any], models_here: bool = False) -> None:
     """Each spec's vLLM settings (extra_engine_args keys and types, names, adapters found here) against
     the vLLM installed here, as the manager checks them at apply (engine/vllm/spec_check.py: its
-    source read, nothing imported); ``SpecError`` with every problem at once."""
+    source read, nothing imported); ``SpecError`` with every problem at once. ``models_here``: the
+    replicas run on this machine (a local head), so a ``model`` given as a local path must be a
+    model directory here, or every replica would fail to find it."""
     from atomr_infer.engine.backend import backend_class
-    from atomr_infer.errors import SpecError
+    from atomr_infer.errors import SpecError, SpecProblem
 
     problems = []
     for d in deployments:
@@ -272,8 +274,29 @@ def check_engine_settings(deployments: list[Any]) -> None:
             backend_class(d).validate(d)
         except SpecError as exc:
             problems += exc.problems
+    if models_here:
+        problems += [SpecProblem(d.name, "model", f"{d.model!r}: {exc.message} on this machine, where a local Ray "
+                                 f"head would run the replicas (hint: {exc.hint})")
+                     for d, exc in missing_local_models(deployments)]
     if problems:
         raise SpecError(problems)
+
+
+def missing_local_models(deployments: list[Any]) -> list[tuple[Any, Any]]:
+    """The deployments whose ``model`` is a local path that is no model directory on this machine,
+    each with the ``ModelError`` a replica here would fail with (models/resolve.py)."""
+    from atomr_infer.errors import ModelError
+    from atomr_infer.models.registry import is_local_path
+    from atomr_infer.models.resolve import local_model_dir
+
+    missing = []
+    for d in deployments:
+        if is_local_path(d.model):
+            try:
+                local_model_dir(d.model)
+            except ModelError as exc:
+                missing.append((d, exc))
+    return missing
 
 
 def load_specs(paths: list[Any]) -> list[Any]:

@@ -2,7 +2,9 @@
 
 ``deploy`` validates every file first (exit 2, nothing touched), checks that each deployment's
 device can be had (a ``device: cuda`` spec on a host and cluster without a GPU fails here,
-before a Ray is started), has the manager check several together (names, vLLM settings, the
+before a Ray is started; with no cluster running, also the vLLM settings and a local-path
+``model`` against this machine, where a local head would run the replicas), has the manager
+check several together (names, vLLM settings, the
 budget of all of them: a refusal applies none), then applies each one and, with ``--wait``,
 follows them until ready.
 Exit codes: 0 ready (or applied, with ``--no-wait``), 1 failed or timed out, 2 invalid,
@@ -68,12 +70,12 @@ def deploy_command(
     use_local_auth_token()
     target = target_address(address)  # the device probe looks at the cluster we deploy to
     if dry_run:
-        raise typer.Exit(_dry_run(deployments, address))
+        raise typer.Exit(_dry_run(deployments, address, local_head=target is None))
     try:
         for d in deployments:
             require_device(d, address=target)  # before anything starts: gemma on a CPU host stops here
-        if target is None:  # the local head's vLLM is this one: refused before a head is started for it
-            common.check_engine_settings(deployments)
+        if target is None:  # the local head's vLLM and files are this machine's: refused before a head starts
+            common.check_engine_settings(deployments, models_here=True)
         control = common.control_plane(address, start=True)
     except Exception as exc:  # noqa: BLE001 - fail() prints one line
         fail(exc)
@@ -154,9 +156,11 @@ def _wait(control: ControlPlane, names: list[str], timeout: float) -> int:
     return EXIT_FAILED
 
 
-def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
+def _dry_run(deployments, address: str | None, local_head: bool) -> int:  # noqa: ANN001
     """Per deployment: the plan's actions and the budget verdict, or why the manager would refuse
-    it (each with the deployments before it counted as applied). Starts and changes nothing."""
+    it (each with the deployments before it counted as applied). Starts and changes nothing.
+    ``local_head``: no cluster runs, so the deploy would start one here (and refuse what the
+    replicas could not find here)."""
     from atomr_infer.provision import require_device
 
     try:
@@ -165,7 +169,7 @@ def _dry_run(deployments, address: str | None) -> int:  # noqa: ANN001
         control = None
         offline = one_line(exc)
         try:  # what the manager would refuse, as far as the vLLM here can tell
-            common.check_engine_settings(deployments)
+            common.check_engine_settings(deployments, models_here=local_head)
         except AtomrError as refused:
             return report(refused)
     code = EXIT_OK

@@ -111,7 +111,7 @@ def resolve_model(
     if name is not None:
         return ResolvedModel(path=prepare_bundled(name, progress=progress), source="bundled", ref=model)
     if is_local_path(model):
-        return ResolvedModel(path=_resolve_local(model), source="local", ref=model)
+        return ResolvedModel(path=local_model_dir(model), source="local", ref=model)
     path = _resolve_hub(model, cache_dir, progress, hub=hub or HubOptions())
     return ResolvedModel(path=path, source="hub", ref=model)
 
@@ -166,7 +166,9 @@ def hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _resolve_local(model: str) -> Path:
+def local_model_dir(model: str) -> Path:
+    """The directory a local-path ``model`` names, on this machine; ``ModelError`` when it is
+    not an HF model directory (missing, not a directory, or without config.json)."""
     path = Path(model).expanduser().resolve()
     hint = "give a directory that holds config.json and safetensors weights, or an HF repo id (org/name)"
     if not path.exists():

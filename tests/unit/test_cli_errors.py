@@ -212,3 +212,45 @@ def test_a_bad_keep_alive_setting_is_refused_before_anything_starts(args, monkey
     assert (result.exit_code, joined) == (2, []), result.output
     assert "error: VLLM_HTTP_TIMEOUT_KEEP_ALIVE is '5s': set it to whole seconds (0 or more), or unset it for 5" in (
         result.output)
+
+
+@pytest.mark.parametrize("flags", [[], ["--dry-run"]])
+@pytest.mark.parametrize("folder", ["missing", "no-config"])
+def test_a_local_model_missing_here_is_refused_before_a_local_head_starts(flags, folder, tmp_path, monkeypatch) -> None:
+    """A typo in a local path started a local head and recorded the deployment; its replica then
+    failed 3 times ("local model directory … does not exist") and the deployment was marked failed."""
+    from typer.testing import CliRunner
+
+    from atomr_infer import cluster
+    from atomr_infer.cli import common
+    from atomr_infer.cli.main import app
+
+    started: list[bool] = []  # each call's start=
+
+    def join(address, start, **kwargs):
+        started.append(start)
+        raise AtomrError("joined the cluster")
+
+    (tmp_path / "no-config").mkdir()  # a directory, but no HF model's: no config.json
+    spec = tmp_path / "t1.yaml"
+    spec.write_text(f"name: t1\nmodel: {tmp_path / folder}\ndevice: cpu\n")
+    monkeypatch.setattr(cluster, "target_address", lambda address=None: None)  # no cluster runs
+    monkeypatch.setattr(common, "control_plane", join)
+    result = CliRunner().invoke(app, ["deploy", *flags, str(spec)])
+    assert result.exit_code == 2, result.output
+    assert f"error: t1: model: '{tmp_path / folder}': " in result.output
+    assert started == ([] if not flags else [False])  # (a dry run asks for a running manager, starting nothing)
+
+
+def test_validate_warns_of_a_local_model_missing_here(tmp_path) -> None:
+    """It may be on the cluster's nodes, where the replicas load it: a warning, not a refusal."""
+    from typer.testing import CliRunner
+
+    from atomr_infer.cli.main import app
+
+    spec = tmp_path / "t1.yaml"
+    spec.write_text(f"name: t1\nmodel: {tmp_path / 'modles'}\ndevice: cpu\n")
+    result = CliRunner().invoke(app, ["validate", str(spec)])
+    assert result.exit_code == 0, result.output
+    assert f"warning: t1: model: local model directory {tmp_path / 'modles'} does not exist on this machine" in (
+        result.output)
