@@ -95,9 +95,13 @@ def start_local_head(dashboard: bool = True) -> str:
                              "(hint: set ATOMR_RAY_PORT to a free port)")
         # A new session: the head's daemons have no controlling terminal, so closing the
         # terminal (SIGHUP) or Ctrl-C in it does not take them down with the command.
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, start_new_session=True, env=env
-        )
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+            )
+        except BaseException:  # Ctrl-C: `ray start` is killed, the daemons it started are not
+            stop_head(int(port))  # (no marker yet: `atomr down` would leave them running)
+            raise
         if proc.returncode == 0:
             break
         stop_head(int(port))  # a failed `ray start` leaves some of its processes behind
