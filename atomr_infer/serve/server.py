@@ -34,7 +34,9 @@ APP_NAME = "atomr-openai"
 class Server:
     host: str
     port: int
-    started_serve: bool  # whether run_server started Serve (and so stop_server may shut it down)
+    # Whether atomr started Serve for this API (so stop_server may shut it down): recorded with it,
+    # so that an update in place (which finds Serve running) keeps it.
+    started_serve: bool
     # What it runs with, as run_server recorded it: api_keys_path, max_body_bytes, cors (a dict), request_id_headers.
     settings: dict[str, Any] = field(default_factory=dict)
 
@@ -94,7 +96,8 @@ def _record(server: Server | None) -> None:
     if server is None:
         internal_kv._internal_kv_del(APP_NAME, namespace=NAMESPACE)
     else:
-        value = json.dumps({"host": server.host, "port": server.port, "settings": server.settings})
+        value = json.dumps({"host": server.host, "port": server.port, "started_serve": server.started_serve,
+                            "settings": server.settings})
         internal_kv._internal_kv_put(APP_NAME, value, overwrite=True, namespace=NAMESPACE)
 
 
@@ -212,7 +215,10 @@ def run_server(
     if current is None:
         check_free(host, port)  # else the ingress replicas would fail to start, and Serve retry them
     manager_handle(address)  # created if it is not running yet: after the checks, not left behind by them
-    started = _start_serve()
+    started_now = _start_serve()
+    # An API updated in place keeps what its first start recorded: `atomr serve` over the API
+    # `atomr up --serve` started finds Serve running, yet its stop must still shut Serve down.
+    started = started_now or (current is not None and current.started_serve)
     limits: dict[str, object] = {"max_body_bytes": max_body_bytes} if max_body_bytes is not None else {}
     if cors is not None:
         limits["cors"] = cors
@@ -223,7 +229,7 @@ def run_server(
     try:
         serve._run(app, name=APP_NAME, route_prefix=None, _blocking=blocking)
     except BaseException:
-        if started:
+        if started_now:  # (not Serve the API running before runs on)
             _shutdown_serve()
         raise
     settings = {"api_keys_path": api_keys_path, "max_body_bytes": max_body_bytes,
@@ -250,7 +256,8 @@ def running_server() -> Server | None:
     value = _recorded_value()
     if value is None or not _serve_running() or APP_NAME not in serve.status().applications:
         return None
-    return Server(value["host"], int(value["port"]), started_serve=False, settings=value.get("settings") or {})
+    return Server(value["host"], int(value["port"]), started_serve=bool(value.get("started_serve")),
+                  settings=value.get("settings") or {})
 
 
 @dataclass(frozen=True)
