@@ -287,13 +287,13 @@ def missing_local_models(deployments: list[Any]) -> list[tuple[Any, Any]]:
     each with the ``ModelError`` a replica here would fail with (models/resolve.py)."""
     from atomr_infer.errors import ModelError
     from atomr_infer.models.registry import is_local_path
-    from atomr_infer.models.resolve import local_model_dir
+    from atomr_infer.models.resolve import checked_local_dir
 
     missing = []
     for d in deployments:
         if is_local_path(d.model):
             try:
-                local_model_dir(d.model)
+                checked_local_dir(d.model)
             except ModelError as exc:
                 missing.append((d, exc))
     return missing

@@ -111,7 +111,7 @@ def resolve_model(
     if name is not None:
         return ResolvedModel(path=prepare_bundled(name, progress=progress), source="bundled", ref=model)
     if is_local_path(model):
-        return ResolvedModel(path=local_model_dir(model), source="local", ref=model)
+        return ResolvedModel(path=checked_local_dir(model), source="local", ref=model)
     path = _resolve_hub(model, cache_dir, progress, hub=hub or HubOptions())
     return ResolvedModel(path=path, source="hub", ref=model)
 
@@ -166,7 +166,7 @@ def hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def local_model_dir(model: str) -> Path:
+def checked_local_dir(model: str) -> Path:
     """The directory a local-path ``model`` names, on this machine; ``ModelError`` when it is
     not an HF model directory (missing, not a directory, or without config.json)."""
     path = Path(model).expanduser().resolve()
