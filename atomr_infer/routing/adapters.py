@@ -15,9 +15,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
+from atomr_infer.log import get_logger
+from atomr_infer.routing import forms
 from atomr_infer.routing.prefix import load_cap, rendezvous_order
 from atomr_infer.routing.table import ReplicaRoute
 from atomr_infer.wire import HttpRequest
+
+log = get_logger(__name__)
 
 # Requests of imbalance an adapter's home may take over the mean at low load: a swap avoided is
 # worth less than a prefix-cache hit (measured on CPU: with prefix affinity's 4, 8 streams piled
@@ -45,16 +49,23 @@ def pick_adapter_home(
 
 def by_full_name(request: HttpRequest, asked: str, deployment: str, adapter: str | None) -> HttpRequest:
     """The request for ``adapter`` of ``deployment`` as vLLM knows it, ``<deployment>:<adapter>``:
-    with its JSON body's ``model`` replaced where it ``asked`` for it otherwise (by its bare
-    name, or by an alias of the deployment); a body that is not JSON (a form) as it is."""
+    with its body's ``model`` replaced where it ``asked`` for it otherwise (by its bare name, or by
+    an alias of the deployment), in a JSON body, or in a form (audio: only the field's bytes change)."""
     if adapter is None or asked == (model := f"{deployment}:{adapter}"):
         return request
+    content_type = next((v for k, v in request.headers if k.lower() == "content-type"), "")
+    if forms.is_form(content_type):
+        body = forms.with_field(request.body, content_type, "model", model)
+        if body is None:  # the ingress read the form's model: not expected; vLLM says what it finds
+            log.warning("adapter_form_not_rewritten", deployment=deployment, adapter=adapter)
+            return request
+        return HttpRequest(request.method, request.path, request.headers, body)
     try:
-        body = json.loads(request.body)
+        data = json.loads(request.body)
     except ValueError:
         return request
-    body["model"] = model
-    return HttpRequest(request.method, request.path, request.headers, json.dumps(body).encode())
+    data["model"] = model
+    return HttpRequest(request.method, request.path, request.headers, json.dumps(data).encode())
 
 
 def failed_everywhere(replicas: Sequence[ReplicaRoute], adapter: str, excluded: Mapping[str, int | None]) -> str | None:
