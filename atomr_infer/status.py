@@ -105,6 +105,7 @@ class DeploymentStatus:
     # Every ready replica has each of the spec's LoRA adapters loaded or failed (none loading, and
     # an in-place change heard): ``wait_ready`` and ``atomr deploy --wait`` wait for it too.
     adapters_settled: bool = True
+    adapter_sources: dict[str, str] = field(default_factory=dict)  # the spec's lora.adapters: name -> source
 
     @property
     def failed_adapters(self) -> dict[str, str]:

@@ -367,8 +367,7 @@ class DeploymentReconciler:
             model=spec.model if spec else None,
             generation=self.generation,
             observed_generation=self.observed_generation,
-            replicas_desired=self.want,
-            replicas_ready=len(self.ready_replicas()),
+            replicas_desired=self.want, replicas_ready=len(self.ready_replicas()),
             replicas=replicas,
             last_failure=self.last_failure or None,
             failure_kind=self.failure_kind or None,
@@ -377,6 +376,7 @@ class DeploymentReconciler:
             start_failures=self.recurring_failures,
             next_start_in_s=self._next_start_in(),
             adapters_settled=self._adapters_settled(),
+            adapter_sources=wanted_names,
         )
 
     def retry_adapters(self) -> list[str]:

@@ -158,12 +158,17 @@ def _permission(created: int) -> dict[str, Any]:
 
 
 def adapter_cards(status: DeploymentStatus) -> list[dict[str, Any]]:
-    """A card per LoRA adapter loaded on a ready replica of the deployment, with its parent (as
-    vLLM lists its adapters)."""
-    loaded = sorted({a for r in status.replicas if r.state == "ready"
-                     for a, state in r.adapters.items() if state in ADAPTER_ROUTED})
+    """A card per LoRA adapter of the deployment that requests are routed to: each loaded on a ready
+    replica, or, while none is ready (scaled to zero, starting: a request starts one), each of its
+    spec, as ``vllm serve --lora-modules`` always lists its adapters. As vLLM's adapter cards: the
+    ``parent`` is the deployment, the ``root`` the adapter's source (a path or a repo id), and no
+    ``max_model_len``."""
+    ready = [r for r in status.replicas if r.state == "ready"]
+    names = {a for r in ready for a, state in r.adapters.items() if state in ADAPTER_ROUTED} if ready \
+        else set(status.adapter_sources)
     base = model_card(status)
-    return [{**base, "id": f"{status.name}:{a}", "parent": status.name} for a in loaded]
+    return [{**base, "id": f"{status.name}:{a}", "root": status.adapter_sources.get(a), "parent": status.name,
+             "max_model_len": None} for a in sorted(names)]
 
 
 async def form_model(raw: bytes, content_type: str) -> Any:

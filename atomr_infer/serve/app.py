@@ -44,7 +44,6 @@ from atomr_infer.routing.router import Router
 from atomr_infer.serve.access_log import AccessLog
 from atomr_infer.serve.answers import (
     SSEResponse,
-    adapter_cards,
     error_response,
     form_model,
     model_card,
@@ -54,7 +53,7 @@ from atomr_infer.serve.answers import (
 )
 from atomr_infer.serve.api_keys import ApiKey, ApiKeyError, KeyFile, may_use_as_asked
 from atomr_infer.serve.body import MAX_BODY_BYTES, as_utf8, parse_json, read_body
-from atomr_infer.serve.catalog import answering, health_report, model_list
+from atomr_infer.serve.catalog import adapter_card, answering, health_report, model_list
 from atomr_infer.serve.cors import Cors
 from atomr_infer.serve.errors import ManagerRecovering, ManagerUnreachable
 from atomr_infer.serve.listener import HttpListener, direct_posts, listen
@@ -365,7 +364,7 @@ class OpenAIIngress:
             return error_response(NoReadyReplica(status.name))
         if adapter is None:
             return JSONResponse(model_card(status, name))
-        card = next((c for c in adapter_cards(status) if c["id"] == f"{status.name}:{adapter}"), None)
+        card = adapter_card(status, adapter, name)
         if card is None:
             return error_response(DeploymentNotFound(name, sorted(deployments)))
         return JSONResponse(card)

@@ -4,16 +4,18 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
 from starlette.requests import Request
 
 from atomr_infer.routing.table import DeploymentRoute, RoutingTable
-from atomr_infer.status import DeploymentStatus
+from atomr_infer.status import DeploymentStatus, ReplicaState, ReplicaStatus
 from tests.unit.ingress_app import ingress
 
 ALICE = "sk-alice-0123456789"
+DAVE, ERIN = "sk-dave-0123456789", "sk-erin-0123456789"
 AT_ZERO = DeploymentStatus("big", "m2", 1, 1, 0, 0, autoscaling={"min_replicas": 0, "target": 0})
 
 
@@ -126,3 +128,62 @@ def test_while_the_manager_cannot_list_its_deployments_the_catalog_says_it_is_re
     assert (status, listed["error"]["code"], listed["error"]["message"]) == (503, "manager_recovering", why)
     assert (health_status, health["status"], health["manager"]) == (503, "unavailable", why)
     assert forgotten == []  # it answers: its handle is good
+
+
+def test_a_deployment_with_no_ready_replica_lists_its_specs_adapters_as_vllm_serve_does() -> None:
+    """Found by a review: scaled to zero (or starting its first replica), a deployment listed none
+    of its adapters and GET /v1/models/big:fr was 404, while a chat to big:fr starts a replica and
+    is answered; `vllm serve --lora-modules` always lists its adapters. A failed one lists none."""
+    at_zero = dataclasses.replace(AT_ZERO, adapter_sources={"fr": "/srv/adapters/fr", "sql": "org/sql-lora"})
+    failed = DeploymentStatus("broken", "m3", 1, 1, 0, 0, failed=True, adapter_sources={"de": "/srv/de"})
+    ingress_ = catalog(at_zero, failed)
+    ingress_._router.table = RoutingTable(1, {"big": DeploymentRoute("big", 4, "queue", adapters=("fr", "sql")),
+                                              "broken": DeploymentRoute("broken", 4, "queue", adapters=("de",))})
+
+    async def main():
+        return answer(await ingress_.list_models(get("/v1/models"))), \
+            answer(await ingress_.get_model("big:fr", get("/v1/models/big:fr")))
+
+    (status, listed), (card_status, card) = asyncio.run(main())
+    assert status == 200 and [c["id"] for c in listed["data"]] == ["big", "big:fr", "big:sql"]
+    assert [(c["parent"], c["root"]) for c in listed["data"][1:]] == [
+        ("big", "/srv/adapters/fr"), ("big", "org/sql-lora")]
+    assert card_status == 200 and (card["id"], card["parent"], card["root"]) == ("big:fr", "big", "/srv/adapters/fr")
+
+
+def test_an_adapters_card_has_vllms_root_and_no_context_length() -> None:
+    """vLLM's adapter card has the adapter's path as its ``root`` and no ``max_model_len``; ours
+    had the base model's."""
+    from vllm.entrypoints.serve.engine.protocol import ModelCard
+
+    replica = ReplicaStatus("r0", "atomr:smollm2:r0", ReplicaState.READY, 1, max_model_len=2048,
+                            adapters={"fr": "loaded", "de": "loading"})
+    ready = DeploymentStatus("smollm2", "bundled:smollm2-135m-instruct", 1, 1, 1, 1, (replica,),
+                             adapter_sources={"fr": "/srv/fr", "de": "/srv/de"})
+    (_, listed) = answer(asyncio.run(catalog(ready).list_models(get("/v1/models"))))
+    base, adapter = listed["data"]  # de is still loading on the one ready replica: not routed yet
+    assert (base["root"], base["max_model_len"]) == ("bundled:smollm2-135m-instruct", 2048)
+    assert (adapter["id"], adapter["root"], adapter["parent"], adapter["max_model_len"]) == (
+        "smollm2:fr", "/srv/fr", "smollm2", None)
+    ModelCard.model_validate(adapter)
+
+
+def test_a_key_that_lists_an_alias_sees_the_adapters_under_the_alias() -> None:
+    """Found by a review: a key listing the alias ``smol`` may call ``smol:fr``, but the list
+    filtered adapters by their full name, ``smollm2:fr`` (which that key may not call): none listed."""
+    replica = ReplicaStatus("r0", "atomr:smollm2:r0", ReplicaState.READY, 1, adapters={"fr": "loaded"})
+    ready = DeploymentStatus("smollm2", "m", 1, 1, 1, 1, (replica,), adapter_sources={"fr": "/srv/fr"})
+    keys = (f"keys: [{{name: carol, key: {ALICE}, deployments: [smol]}},"
+            f" {{name: dave, key: {DAVE}, deployments: [other]}}, {{name: erin, key: {ERIN}, deployments: [smollm2]}}]")
+    ingress_ = catalog(ready, keys=keys)
+    ingress_._router.table = RoutingTable(1, {"smollm2": DeploymentRoute("smollm2", 4, "queue", aliases=("smol",),
+                                                                         adapters=("fr",))})
+
+    async def main():
+        lists = [answer(await ingress_.list_models(get("/v1/models", key))) for key in (ALICE, DAVE, ERIN)]
+        return lists, answer(await ingress_.get_model("smol:fr", get("/v1/models/smol:fr", ALICE)))
+
+    lists, (card_status, card) = asyncio.run(main())
+    assert [[c["id"] for c in body["data"]] for _status, body in lists] == [
+        ["smol", "smol:fr"], [], ["smollm2", "smol", "smollm2:fr"]]
+    assert card_status == 200 and card["id"] == "smol:fr" and card["root"] == "/srv/fr"

@@ -757,6 +757,8 @@ def test_an_adapter_an_apply_removed_is_neither_listed_nor_routed_while_it_unloa
     assert reconciler.status().replicas[0].adapters == {"french": "loaded", "pirate": "loaded"}
     managed.update(spec(adapters={"french": "/srv/fr"}), forced_restart=False)  # in place, before a health check
     assert reconciler.status().replicas[0].adapters == {"french": "loaded"}
+    # The spec's adapters and their sources: /v1/models lists them with none ready, each its root.
+    assert reconciler.status().adapter_sources == {"french": "/srv/fr"}
     [(_, (loaded, _pending, _failed))] = reconciler._routes()
     assert loaded == frozenset({"french"})
 
