@@ -65,8 +65,7 @@ class DeploymentManager:
         self._removing: dict[str, DeploymentReconciler] = {}
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
-        # Versions start from the clock (in µs: no manager publishes that often) so a restarted
-        # manager never reuses a version number that routers may have cached with other contents.
+        # Versions start from the clock (µs): a restarted manager reuses no version routers may have cached.
         self._table = RoutingTable(version=time.time_ns() // 1_000)
         self._table_changed = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -124,13 +123,14 @@ class DeploymentManager:
 
     def _recover(self) -> None:
         """Rebuild desired state from the store and re-adopt live replicas by name."""
+        pending = set(self._recovery.pending)
         recovered = self._recovery.recover(self._new_reconciler, self._launcher, self._clock)
         for name, managed, reconciler in recovered:
             if managed is None:  # refused by this version: its replicas are stopped, as a removal's
                 self._removing[name] = reconciler
             else:
                 self._desired[name] = managed
-        if recovered:
+        if recovered or set(self._recovery.pending) != pending:  # (the store read, or a deployment recovered)
             self._publish()  # every deployment, some with no replica (scaled to zero); withheld while recovering
 
     # -- the loop ----------------------------------------------------------------------------
@@ -184,7 +184,7 @@ class DeploymentManager:
 
     def _publish(self) -> None:
         deployments = {name: d.route() for name, d in self._desired.items()}
-        self._table = RoutingTable(self._table.version + 1, deployments)
+        self._table = RoutingTable(self._table.version + 1, self._recovery.routes() | deployments)
         self._table_changed.set()
         self._table_changed = asyncio.Event()
 

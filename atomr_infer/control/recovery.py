@@ -16,8 +16,10 @@ from atomr_infer.control.managed import ManagedDeployment, recover_or_stop
 from atomr_infer.control.reconcile import DeploymentReconciler
 from atomr_infer.control.replicas import ReplicaLauncher, ReplicaRecord
 from atomr_infer.control.store import DeploymentRecord, StateStore
-from atomr_infer.errors import AtomrError
+from atomr_infer.errors import AtomrError, SpecError
 from atomr_infer.log import get_logger
+from atomr_infer.routing.table import DeploymentRoute
+from atomr_infer.spec import parse_deployment
 from atomr_infer.status import DeploymentStatus, ReplicaState
 
 log = get_logger(__name__)
@@ -119,6 +121,21 @@ class Recovery:
         why = f"not recovered yet after a manager restart: its replicas could not be looked up ({self._why.get(name)})"
         return DeploymentStatus(name, record.spec.get("model"), record.generation, record.generation,
                                 len(record.replicas), 0, last_failure=why, recovering=True)
+
+    def routes(self) -> dict[str, DeploymentRoute]:
+        """The deployments not recovered yet, as routing tables list them once they are no longer
+        withheld: known (a request waits for a replica, it is not told there is no such model),
+        with no replica the manager knows of, and ``recovering``, so that routers keep routing to
+        the replicas their last table had, which may well be serving still."""
+        routes = {}
+        for name, record in self.pending.items():
+            try:
+                serving = parse_deployment(record.spec).serving
+                routes[name] = DeploymentRoute(name, serving.max_concurrent, serving.on_capacity_exhausted,
+                                               aliases=tuple(serving.openai.served_model_name), recovering=True)
+            except SpecError:  # a spec this version refuses: it is recovered only to be stopped
+                continue
+        return routes
 
     def statuses(self) -> list[DeploymentStatus]:
         return [s for name in self.pending if (s := self.status(name)) is not None]

@@ -199,9 +199,9 @@ class Router:
         """Route by ``newer`` from now on (``None``: the table is still current)."""
         self._fetched_at = time.monotonic()
         if newer is not None:
-            self._table = newer
-            self._forget_exclusions(newer)
-            self._picker.table_changed(newer)
+            self._table = newer.keeping(self._table)  # a deployment not recovered yet: as it was
+            self._forget_exclusions(self._table)
+            self._picker.table_changed(self._table)
 
     def exclude(self, actor_name: str, permanent: bool) -> None:
         """Stop picking ``actor_name``: for good (dead, draining) or until a newer table."""

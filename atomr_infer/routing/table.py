@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,12 +44,22 @@ class DeploymentRoute:
     migration_tries: int = 2  # serving.migration.max_tries; 0: not enabled
     parses_output: bool = False  # vLLM parses the output (a reasoning parser, Harmony): streams move only unstarted
     model: str = ""  # spec.model, the one a roll goes to: kv_events tokenizes with its tokenizer
+    # A deployment a restarted manager has not recovered yet (its replicas not looked up): routers
+    # keep routing it by their last table's route (RoutingTable.keeping).
+    recovering: bool = False
 
 
 @dataclass(frozen=True)
 class RoutingTable:
     version: int
     deployments: dict[str, DeploymentRoute] = field(default_factory=dict)
+
+    def keeping(self, older: RoutingTable) -> RoutingTable:
+        """This table, with each deployment it lists as ``recovering`` routed as ``older`` routed
+        it, where that had replicas: they were serving before the manager restarted."""
+        kept = {name: older.deployments[name] for name, dep in self.deployments.items()
+                if dep.recovering and name in older.deployments and older.deployments[name].replicas}
+        return dataclasses.replace(self, deployments={**self.deployments, **kept}) if kept else self
 
     def find(self, name: str) -> DeploymentRoute | None:
         """The deployment called ``name`` (or answering to it as an alias), also as the part of

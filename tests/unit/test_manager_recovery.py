@@ -310,3 +310,41 @@ def test_replicas_the_store_lacks_are_stopped_once_ray_lists_them() -> None:
     assert not ghost.stopped and not fails
     second.manager.reconcile_once()
     assert ghost.stopped
+
+
+def test_a_deployment_not_recovered_within_the_wait_stays_routed_as_routers_had_it() -> None:
+    """Its replicas could not be looked up for 30 s: the table then left it out, and every router
+    answered 404 "no such model" while its replicas, untouched, could still serve. It is now
+    listed as recovering, and routers keep their last route of it (a router that never had one
+    makes requests wait for a replica, as for one scaled to zero)."""
+    import asyncio
+
+    from atomr_infer.routing.router import Router
+
+    first = running("good", "other")
+    before = first.call("routing_table", -1)
+    adopting_fails_for(first.launcher, "good")
+    second = Harness(store=first.store, launcher=first.launcher)
+    second.manager.reconcile_once()
+    assert second.call("routing_table", -1) is None  # withheld: routers keep theirs
+    second.clock.advance(31.0)
+    second.manager.reconcile_once()
+    table = second.call("routing_table", -1)
+    assert table.deployments["good"].recovering and table.deployments["good"].replicas == ()
+    assert not table.deployments["other"].recovering and table.deployments["other"].replicas
+
+    tables = [before, table]
+
+    async def source(version):
+        return tables.pop(0) if tables else None
+
+    async def main():
+        router = Router(source, refresh_s=0.0)
+        await router.refresh(force=True)
+        await router.refresh(force=True)
+        return router.table
+
+    routed = asyncio.run(main())
+    assert routed.version == table.version
+    assert routed.find("good").replicas == before.deployments["good"].replicas  # still routed there
+    assert routed.find("other") == table.deployments["other"]
