@@ -4,7 +4,10 @@ the load bound prefix affinity uses (routing/prefix.py ``load_cap``).
 
 Among the replicas under the bound, the one whose request would cost least: the blocks of the
 prompt it does not hold, plus a sixteenth of the prefill waiting there (every router's, as the
-replica says in its batches, or this router's own not yet answered, whichever is more). Reasons:
+replica says in its batches, or this router's own not yet answered, whichever is more); of
+those costing the same, the least loaded, then the first in the conversation's rendezvous order
+(as prefix affinity places one): a system prompt every replica holds spreads new conversations
+over them, each conversation to the same one from every router. Reasons:
 ``kv_hit`` (it holds some of the prompt), ``kv_overflow`` (a replica holding none: the holders
 are above the bound or busy prefilling), ``kv_miss`` (no replica holds the first block: placed
 as prefix affinity places a new conversation, or at a LoRA adapter's home). Pure: the router
@@ -16,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from atomr_infer.routing.prefix import Named, load_cap
+from atomr_infer.routing.prefix import Named, load_cap, rendezvous_order
 
 # Requests of imbalance a holder may take over the mean at low load. Prefix affinity's 4 is for
 # a guess; here a hit is known, but the simulation (scripts/sim_routing.py, 100 replicas with
@@ -50,11 +53,12 @@ class QueuedPrefill:
 def pick_by_depth(
     replicas: Sequence[Named], loads: Mapping[str, int], max_concurrent: int, depths: Mapping[str, int],
     place: Callable[[], tuple[Any, str]], load_bound: float = 1.25, blocks: int = 0,
-    queued: QueuedPrefill | Mapping[str, float] | None = None,
+    queued: QueuedPrefill | Mapping[str, float] | None = None, conversation: Callable[[], bytes | None] | None = None,
 ) -> tuple[Any, str]:
     """(replica, reason) from each replica's ``depths`` (leading blocks held of the prompt's
     ``blocks``) and the prefill ``queued`` there (blocks); ``place`` decides when no replica
-    holds the first block. None when every replica is at ``max_concurrent``."""
+    holds the first block. ``conversation``: the request's conversation key (``PromptKey``),
+    asked for only to break a tie (None: by name). None when every replica is at ``max_concurrent``."""
     free = {r.actor_name: r for r in replicas if loads.get(r.actor_name, 0) < max_concurrent}
     if not free:
         return None, "full"
@@ -65,9 +69,16 @@ def pick_by_depth(
     under = [n for n in free if loads.get(n, 0) + 1 <= cap] or list(free)
     queued = queued or {}
 
-    def cost(n: str) -> tuple[float, int, str]:
+    def cost(n: str) -> tuple[float, int]:
         work = max(blocks, depths.get(n, 0)) - depths.get(n, 0) + QUEUED_BLOCK_WEIGHT * queued.get(n, 0.0)
-        return work, loads.get(n, 0), n
+        return work, loads.get(n, 0)
 
-    best = min(under, key=cost)
+    costs = {n: cost(n) for n in under}
+    least = min(costs.values())
+    tied = sorted(n for n, c in costs.items() if c == least)
+    key = conversation() if conversation is not None and len(tied) > 1 else None
+    if key is not None:  # ordered among every replica, as prefix affinity orders them (and caches the order)
+        best = next(n for n in rendezvous_order(key, tuple(r.actor_name for r in replicas)) if n in tied)
+    else:
+        best = tied[0]
     return free[best], "kv_hit" if depths.get(best, 0) > 0 else "kv_overflow"

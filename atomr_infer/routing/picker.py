@@ -147,8 +147,12 @@ class ReplicaPicker:
             prefixes = self._prefixes[dep.name, adapter]  # vLLM caches per adapter
             return pick_prefix_affinity(usable, loads, dep.max_concurrent, key(), prefixes, dep.load_bound, home)
 
+        def conversation() -> bytes | None:  # kv_events breaks a tie of equal cost by it
+            found = key()
+            return None if found is None else found.conversation
+
         if dep.policy == "kv_events":
-            choice, reason = self._by_kv_events(dep, usable, loads, adapter, tokens, by_prefix, waiting)
+            choice, reason = self._by_kv_events(dep, usable, loads, adapter, tokens, by_prefix, waiting, conversation)
         elif dep.policy == "prefix_affinity":
             choice, reason = by_prefix()
         elif home is not None:
@@ -164,7 +168,7 @@ class ReplicaPicker:
     def _by_kv_events(
         self, dep: DeploymentRoute, usable: list[ReplicaRoute], loads: Mapping[str, int], adapter: str | None,
         tokens: PromptIds | None, by_prefix: Callable[[], tuple[Any, str]],
-        waiting: Callable[[str], int] | None = None,
+        waiting: Callable[[str], int] | None = None, conversation: Callable[[], bytes | None] | None = None,
     ) -> tuple[Any, str]:
         """The replica whose request would cost least by what it holds and what waits there
         (routing/kv_policy.py); prefix affinity, its reason marked ``fallback_``, while no usable
@@ -185,7 +189,7 @@ class ReplicaPicker:
         blocks = chain(tokens.ids, block_size, root, limit=MAX_KV_BLOCKS, salt=tokens.salt)
         depths = {n: d for n, d in index.depths(blocks, sources).items() if not index.silent(n, now)}
         choice, reason = pick_by_depth(usable, loads, dep.max_concurrent, depths, by_prefix, dep.load_bound,
-                                       len(blocks), QueuedPrefill(self._queued, waiting))
+                                       len(blocks), QueuedPrefill(self._queued, waiting), conversation)
         if choice is not None and depths.get(choice.actor_name, 0) < len(blocks):
             index.expect(choice.actor_name, now)  # it will store blocks: it owes us an event
             self._queued[choice.actor_name] += len(blocks) - depths.get(choice.actor_name, 0)

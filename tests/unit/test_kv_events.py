@@ -163,6 +163,41 @@ def test_the_picker_takes_the_deepest_holder_within_the_load_bound_and_falls_bac
     assert pick({r0: 1}) == r1 and picker.reasons["kv", "fallback_no_affinity"] == 2
 
 
+
+def test_new_conversations_over_a_system_prompt_every_replica_holds_spread_over_the_replicas(monkeypatch):
+    """Every replica holds the shared system prompt, none the rest: a tie, which went to the
+    replica with the smallest name, so at low load (or with many routers, each with little
+    traffic) every new conversation landed on one replica. Now by the conversation's rendezvous
+    order: spread, and each conversation to the same replica from every router."""
+    from atomr_infer.routing import kv_index
+    from atomr_infer.routing.kv_index import BlockStored, KVEventBatch
+    from atomr_infer.routing.kv_subscriber import hub
+    from atomr_infer.routing.picker import PromptIds, ReplicaPicker
+    from atomr_infer.routing.prefix import prompt_key
+    from atomr_infer.routing.table import DeploymentRoute, ReplicaRoute
+
+    monkeypatch.setattr(kv_index, "SILENT_S", 3600.0)
+    source = ("tcp://127.0.0.1:9", None, BLOCK)
+    routes = [ReplicaRoute(f"r{i}", f"atomr:kvtie:r{i}", None, kv_events=source) for i in range(4)]
+    dep = DeploymentRoute("kvtie", 8, "queue", tuple(routes), policy="kv_events")
+    index = hub().index("kvtie")
+    for route in routes:  # the system prompt's 2 blocks, held everywhere
+        index.apply(route.actor_name, KVEventBatch(0.0, [BlockStored([1, 2], None, DOC[:2 * BLOCK], BLOCK)]))
+
+    def pick(picker, i):
+        chat = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": f"Question {i}?"}]
+        ids = DOC[:2 * BLOCK] + [1000 + i] * 3 * BLOCK  # the system prompt, then this conversation's own
+        choice = picker.pick(dep, routes, {}, lambda: prompt_key(chat), tokens=PromptIds("", ids))
+        picker.answered(choice.actor_name, picker.take_work(choice.actor_name))  # answered before the next
+        return choice.actor_name
+
+    one, another = ReplicaPicker(), ReplicaPicker()
+    picked = [pick(one, i) for i in range(20)]
+    assert len(set(picked)) > 1, picked
+    assert [pick(one, i) for i in range(20)] == picked == [pick(another, i) for i in range(20)]
+    assert dict(one.reasons) == {("kvtie", "kv_hit"): 40}
+
+
 @pytest.mark.parametrize("runtime, field, says", [
     ({"enable_prefix_caching": False}, "runtime_config.enable_prefix_caching",
      "is false but routing.policy is kv_events"),
