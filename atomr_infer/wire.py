@@ -155,8 +155,9 @@ class RoutingFacts:
     # the prefix key of routing.prefix is computed from it only where the deployment routes by
     # prefix. None when the body has neither.
     prompt: Any = None
-    # A chat's fields its template renders besides the messages (tools, chat_template_kwargs, …):
-    # routing.policy kv_events tokenizes the prompt as vLLM renders it. None when it has none.
+    # A chat's fields its template renders besides the messages (tools, chat_template_kwargs, …)
+    # and how it is tokenized (a completion's too: add_special_tokens): routing.policy kv_events
+    # tokenizes the prompt as vLLM renders it. None when it has none.
     template: dict[str, Any] | None = None
     # Whether waiting for it may start a replica of a deployment scaled to zero (demand): not
     # for a caller the API did not authenticate (tokenizing is open where it has keys).
@@ -198,7 +199,7 @@ class RoutingFacts:
             named=isinstance(data.get("request_id"), str),
             resumable=resumable(data, kind is RequestKind.CHAT) if stream and kind in _RESUMABLE else "",
             prompt=messages if isinstance(messages, list) else text if isinstance(text, str) else None,
-            template={k: data[k] for k in _TEMPLATE_FIELDS if k in data} or None if kind is RequestKind.CHAT else None,
+            template={k: data[k] for k in _TEMPLATE_FIELDS.get(kind, ()) if k in data} or None,
             cache_salt=salt if isinstance(salt, str) and salt else None,
         )
 
@@ -214,7 +215,13 @@ class RoutingFacts:
         return cls.of(request.path, data)
 
 
-_TEMPLATE_FIELDS = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+# The fields besides the prompt by which vLLM renders and tokenizes a chat or a completion
+# (ChatCompletionRequest.build_chat_params and build_tok_params; CompletionRequest's).
+_TEMPLATE_FIELDS = {
+    RequestKind.CHAT: ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                       "documents", "reasoning_effort", "add_special_tokens", "chat_template"),
+    RequestKind.COMPLETION: ("add_special_tokens",),
+}
 
 # Request fields under which a continuation is not the answer the client would have had: a
 # grammar's or a parser's state mid-way, logprobs computed with another context, several choices.

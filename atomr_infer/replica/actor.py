@@ -263,7 +263,8 @@ class VllmReplica:
     async def tokenizer_files(self) -> dict[str, str]:
         """The model's tokenizer and chat template, for a router that hashes prompts as the
         engine caches them (routing.policy kv_events): ``tokenizer.json``,
-        ``tokenizer_config.json`` and ``chat_template.jinja`` where the model has them."""
+        ``tokenizer_config.json`` and ``chat_template.jinja`` where the model has them; only
+        ``untokenizable`` (why) where the engine tokenizes with another tokenizer."""
         return await asyncio.to_thread(tokenizer_files, self._deployment)
 
     async def open_many(self, channel_id: str, requests: list[OpenRequest]) -> list[int | AtomrError]:
@@ -350,8 +351,12 @@ def replica_actor_class() -> Any:
 
 
 def tokenizer_files(deployment: Deployment) -> dict[str, str]:
+    from atomr_infer.engine.vllm.kv_events import tokenizer_override
     from atomr_infer.models.resolve import resolve_for
 
+    override = tokenizer_override(deployment)
+    if override is not None:  # not the model folder's: a router cannot tokenize as the replica does
+        return {"untokenizable": f"{override} is set"}
     path = resolve_for(deployment).path
     names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
     files = {name: (path / name).read_text() for name in names if (path / name).is_file()}

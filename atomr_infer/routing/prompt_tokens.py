@@ -20,6 +20,7 @@ from typing import Any
 
 from atomr_infer.log import get_logger
 from atomr_infer.task_context import outside_request
+from atomr_infer.wire import as_vllm_reads
 
 log = get_logger(__name__)
 RETRY_S = 10.0  # after a failed fetch of a deployment's model's tokenizer
@@ -120,11 +121,34 @@ def _environment() -> Any:
     return env
 
 
+def _merged(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``merge_kwargs``: an override of None or "auto" leaves the default."""
+    return defaults | {k: v for k, v in overrides.items() if v not in (None, "auto")}
+
+
+def _template_kwargs(args: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM renders a chat's template with, from the request's ``args`` (``RoutingFacts.template``)
+    and the server's ``defaults`` (``ChatCompletionRequest.build_chat_params``, then
+    ``ChatParams.with_defaults``): its own fields win over its ``chat_template_kwargs``, which win
+    over the server's; a ``reasoning_effort`` also sets ``enable_thinking`` unless those do."""
+    own = args.get("chat_template_kwargs")
+    own = own if isinstance(own, dict) else {}  # (anything else: vLLM answers 400)
+    effort = args.get("reasoning_effort")
+    fields = {"add_generation_prompt": as_vllm_reads(args.get("add_generation_prompt", True)),
+              "continue_final_message": as_vllm_reads(args.get("continue_final_message", False)),
+              "documents": args.get("documents"), "reasoning_effort": effort}
+    if effort is not None and "enable_thinking" not in own:
+        fields["enable_thinking"] = effort != "none"
+    return _merged(_merged(defaults, {"tools": _tool_dicts(args.get("tools"))}), _merged(own, fields))
+
+
 class PromptTokenizer:
     def __init__(self, files: dict[str, str]) -> None:
         from tokenizers import Tokenizer
 
-        self._tokenizer = Tokenizer.from_str(files["tokenizer.json"])
+        # The replica tokenizes with another tokenizer than its model folder's: nothing known here.
+        self.untokenizable = files.get("untokenizable")
+        self._tokenizer = None if self.untokenizable else Tokenizer.from_str(files["tokenizer.json"])
         config = json.loads(files.get("tokenizer_config.json") or "{}")
         template = files.get("chat_template.jinja") or config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
@@ -145,23 +169,29 @@ class PromptTokenizer:
     def tokens(self, prompt: Any, template: dict[str, Any] | None = None) -> list[int] | None:
         """The token ids of a completion's ``prompt`` text or a chat's ``messages`` (rendered with
         the request's ``template`` fields: ``RoutingFacts.template``); None when they cannot be
-        known here (no chat template, one that fails on these messages)."""
-        if isinstance(prompt, str):
-            return self._tokenizer.encode(prompt).ids
+        known here (another tokenizer, no chat template, one that fails on these messages, one
+        the request brings)."""
         args = template or {}
-        if not isinstance(prompt, Sequence) or self._template is None or args.get("continue_final_message"):
+        if self._tokenizer is None:
+            return None
+        if isinstance(prompt, str):  # vLLM adds the model's special tokens (BOS) unless told not to
+            return self._tokenizer.encode(prompt, add_special_tokens=as_vllm_reads(args.get("add_special_tokens",
+                                                                                              True))).ids
+        if not isinstance(prompt, Sequence) or self._template is None or args.get("chat_template"):
+            return None  # (a request's own template: vLLM renders with it, "" with the server's)
+        kwargs = _template_kwargs(args, self._defaults)
+        if kwargs.pop("continue_final_message", False):
             return None  # (continuing the last message cuts the rendered text as transformers does)
         messages = [_as_vllm_renders(m) for m in prompt if isinstance(m, dict)]
-        extra = args.get("chat_template_kwargs")
-        try:
+        try:  # as transformers' apply_chat_template renders: these by name, the rest after the special tokens
             text = self._template.render(
-                **{**self._special, **self._defaults, **(extra if isinstance(extra, dict) else {})}, messages=messages,
-                add_generation_prompt=args.get("add_generation_prompt", True) is not False,
-                tools=_tool_dicts(args.get("tools")),
+                messages=messages, tools=kwargs.pop("tools", None), documents=kwargs.pop("documents", None),
+                add_generation_prompt=kwargs.pop("add_generation_prompt", False), **{**self._special, **kwargs},
             )
         except Exception:  # noqa: BLE001 - a template's own refusal: route without it
             return None
-        return self._tokenizer.encode(text, add_special_tokens=False).ids  # as vLLM encodes a rendered chat
+        # A rendered chat holds its special tokens: vLLM adds more only when asked (add_special_tokens).
+        return self._tokenizer.encode(text, add_special_tokens=as_vllm_reads(args.get("add_special_tokens"))).ids
 
 
 class TokenizerCache:
@@ -206,7 +236,10 @@ class TokenizerCache:
                 self._failed_at[key] = time.monotonic()  # not asked for again at once
                 return
             self._ready[key] = tokenizer
-            log.info("prompt_tokenizer_ready", deployment=deployment, model=model)
+            if tokenizer.untokenizable:  # kept: not asked for again; its requests go by prefix affinity
+                log.info("prompt_tokenizer_unknown", deployment=deployment, model=model, why=tokenizer.untokenizable)
+            else:
+                log.info("prompt_tokenizer_ready", deployment=deployment, model=model)
         except Exception as exc:  # noqa: BLE001 - routing goes on without it (prefix_affinity)
             self._failed_at[key] = time.monotonic()
             log.warning("prompt_tokenizer_failed", deployment=deployment, model=model,

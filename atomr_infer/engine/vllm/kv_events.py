@@ -72,10 +72,25 @@ def kv_event_source(engine: Any) -> dict[str, Any] | None:
 
 def renders_key(deployment: Deployment) -> str:
     """A fingerprint of what the replica's server renders chats with beyond the model's files (its
-    chat template, default template arguments), or "" for none: routers key their tokenizer by it."""
+    chat template, default template arguments, another tokenizer), or "" for none: routers key
+    their tokenizer by it."""
     o = deployment.serving.openai
     kwargs = o.server_args.get("default_chat_template_kwargs")
-    if o.chat_template is None and kwargs is None:
+    override = tokenizer_override(deployment)
+    if o.chat_template is None and kwargs is None and override is None:
         return ""
-    said = json.dumps([o.chat_template, kwargs], sort_keys=True, default=str)
+    said = json.dumps([o.chat_template, kwargs, *([override] if override else [])], sort_keys=True, default=str)
     return hashlib.sha256(said.encode()).hexdigest()[:16]
+
+
+def tokenizer_override(deployment: Deployment) -> str | None:
+    """The ``extra_engine_args`` field by which the replicas tokenize otherwise than with the model
+    folder's tokenizer files (the only ones a router reads): ``tokenizer`` naming another, or a
+    ``tokenizer_mode`` with a tokenizer or renderer of its own (mistral, deepseek_v32, ...); None
+    where they tokenize with the model's own."""
+    extra = deployment.runtime_config.extra_engine_args
+    if extra.get("tokenizer") not in (None, deployment.model):
+        return f"runtime_config.extra_engine_args.tokenizer ({extra['tokenizer']!r})"
+    if extra.get("tokenizer_mode", "auto") not in ("auto", "hf"):
+        return f"runtime_config.extra_engine_args.tokenizer_mode ({extra['tokenizer_mode']!r})"
+    return None
