@@ -106,6 +106,19 @@ def test_the_index_holds_the_prompts_blocks_and_the_prompt_returns_to_its_holder
             await wait_for(lambda: late.index(NAME).depths(blocks).get(holder) == len(blocks))
             late.follow(NAME, {})
 
+            # A router that missed the prompt's events (here: no replay at all): vLLM publishes
+            # only the blocks a step computes, so it learned nothing while the prompt stayed
+            # cached. A few requests a second are reported in full (kv_events.FullReports).
+            blind = KvEventsHub()
+            blind.follow(NAME, {r.actor_name: (r.kv_events[0], None) for r in route.replicas})
+            for _ in range(10):  # (a SUB misses what is published before it has joined)
+                await asyncio.sleep(1.1)  # a new second: the next request is reported in full
+                await chat(router)
+                if blind.index(NAME).depths(blocks).get(holder) == len(blocks):
+                    break
+            assert blind.index(NAME).depths(blocks).get(holder) == len(blocks), blind.index(NAME).depths(blocks)
+            blind.follow(NAME, {})
+
             from atomr_infer.control.client import ControlPlane
 
             # A reset is published (AllBlocksCleared) with the engine's next step: other prompts

@@ -772,3 +772,29 @@ def test_a_roll_that_changes_only_the_chat_template_gets_routers_a_new_tokenizer
     assert ids(new) == [50]
     assert (name, "m#old") not in tokenizers()._ready  # no replica renders with it any more
     picker.table_changed(RoutingTable(2, {}))
+
+
+def test_a_few_requests_a_second_ask_vllm_to_report_their_cached_prefix_in_full():
+    """vLLM publishes only blocks it computes: a router that missed a cached prefix's events never
+    placed what is stored on top of it. FullReports marks at most 4 requests a second for vLLM to
+    publish their cached prefix again (kv_cache_report_mode, read by vLLM's Request from
+    sampling_params.extra_args); the rest are left as they are. The e2e test sees a router heal."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from atomr_infer.engine.vllm.kv_events import FullReports
+
+    now = [100.0]
+    reports = FullReports(per_second=4, clock=lambda: now[0])
+    requests = [SimpleNamespace(sampling_params=SamplingParams(extra_args={"mine": 1} if i == 0 else None))
+                for i in range(10)]
+    for request in requests[:6]:
+        reports.mark(request)
+    now[0] += 1.0
+    for request in requests[6:]:
+        reports.mark(request)
+    modes = [(r.sampling_params.extra_args or {}).get("kv_cache_report_mode") for r in requests]
+    assert modes == ["full"] * 4 + [None, None] + ["full"] * 4
+    assert requests[0].sampling_params.extra_args["mine"] == 1  # a request's own extra_args are kept
+    reports.mark(SimpleNamespace(sampling_params=None))  # pooling: nothing to mark

@@ -25,7 +25,7 @@ from atomr_infer.engine.vllm.core_failure import CoreStartFailed
 from atomr_infer.engine.vllm.engine_info import engine_memory, engine_unfinished, start_failure_recurs
 from atomr_infer.engine.vllm.engine_metrics import SchedulerGauges, stat_loggers
 from atomr_infer.engine.vllm.handoff import LoopHandoff
-from atomr_infer.engine.vllm.kv_events import kv_event_source, renders_key
+from atomr_infer.engine.vllm.kv_events import FullReports, kv_event_source, renders_key
 from atomr_infer.engine.vllm.open_streams import OpenStreams
 from atomr_infer.engine.vllm.openai_app import OpenAIApp
 from atomr_infer.engine.vllm.prefill_watch import PREFILLED, PrefillWatch
@@ -62,6 +62,7 @@ class VllmBackend:
         self._app: OpenAIApp | None = None
         self._client: Any = None
         self._app_lock = asyncio.Lock()
+        self._full_reports: FullReports | None = None  # once the engine is up, where it publishes KV events
         metrics = context.metrics
         self._prefill_watch = PrefillWatch(self._handoff.call)
         self._loop = StepLoop(
@@ -104,6 +105,7 @@ class VllmBackend:
         kv_events = kv_event_source(engine)
         if kv_events is not None:  # what routers key the tokenizer they fetch from here by
             kv_events["renders"] = renders_key(self._deployment)
+            self._full_reports = FullReports()
         self._facts = EngineFacts(max_model_len=max_len, kv_events=kv_events, parses_output=harmony,
                                   **engine_memory(engine))
         self._started.set()
@@ -236,6 +238,8 @@ class VllmBackend:
         # Unique on this replica, as vLLM's AsyncLLM makes them (assign_request_id): two requests
         # with one X-Request-Id or request_id (a client's retry while the first runs) both run.
         logged_id, request.request_id = request.request_id, f"{request.request_id}-{uuid.uuid4().hex[:8]}"
+        if self._full_reports is not None:  # a router that missed a cached prefix's events learns it
+            self._full_reports.mark(request)
         stream = self._streams.open(
             request.request_id, prompt_tokens, request, request.params, logged_id, prompt_text=prompt_text
         )

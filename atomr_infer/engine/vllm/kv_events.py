@@ -22,12 +22,43 @@ from typing import Any
 from atomr_infer.spec import Deployment
 
 REPLAY_BATCHES = 10_000  # vLLM's buffer_steps: engine steps a restarted router can replay
+FULL_REPORTS_PER_S = 4  # requests a second whose cached prefix vLLM publishes again (FullReports)
 
 
 def publishes(deployment: Deployment) -> bool:
     """Whether the deployment's replicas publish KV events (prefix caching on, not overridden)."""
     return (deployment.runtime_config.enable_prefix_caching is not False
             and "kv_events_config" not in deployment.runtime_config.extra_engine_args)
+
+
+class FullReports:
+    """Marks at most ``per_second`` requests a second for vLLM to publish their cached prefix in
+    full (``kv_cache_report_mode: full``): blocks stored again, from the first, with no parent.
+
+    vLLM publishes only the blocks a step computes, and a router's index places a block only
+    under a parent it knows. A router that missed a prefix's events (it started once the prefix
+    was cached and the replay no longer reached back, or its events were lost) never learned
+    anything stored on top of it while the prefix stayed cached: a hot system prompt does. A
+    prompt that comes often is among the few reported in full soon, which heals such a router;
+    the bound keeps the events (each the size of its cached prefix) and the routers' work on them
+    small."""
+
+    def __init__(self, per_second: int = FULL_REPORTS_PER_S, clock: Any = None) -> None:
+        import time
+
+        self._per_second, self._clock = per_second, clock or time.monotonic
+        self._window, self._count = float("-inf"), 0
+
+    def mark(self, request: Any) -> None:
+        params = getattr(request, "sampling_params", None)
+        if params is None:  # pooling: no generation, nothing cached to report
+            return
+        now = self._clock()
+        if now - self._window >= 1.0:
+            self._window, self._count = now, 0
+        if self._count < self._per_second:
+            self._count += 1
+            params.extra_args = {**(params.extra_args or {}), "kv_cache_report_mode": "full"}
 
 
 def use_node_address() -> None:
