@@ -186,12 +186,12 @@ def check_reachable(target: str, source: str) -> None:
     this machine's own address before connecting, and then retries that one for many minutes)."""
     from atomr_infer.local_ray import port_open
 
-    if target.startswith("ray://") or ":" not in target:
+    if target.startswith("ray://") or target in ("auto", "local"):
         return
-    host, port_text = target.rsplit(":", 1)
+    host, _, port_text = target.rpartition(":")
     host = host.strip("[]")
-    if not port_text.isdigit():
-        return
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise SettingError(f"{source} is {target!r}: expected host:port (or auto, or ray://host:port)")
     port = int(port_text)
     if not port_open(host, port, timeout_s=3.0):
         raise NoCluster(f"no Ray cluster answers at {target} ({source}) (hint: check the address, or `atomr up`)")

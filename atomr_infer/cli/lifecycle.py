@@ -23,7 +23,7 @@ import typer
 
 from atomr_infer.cli import common
 from atomr_infer.cli.app import EXIT_OK, app, err, fail, out, usage_error
-from atomr_infer.errors import AtomrError, NoCluster, one_line
+from atomr_infer.errors import AtomrError, NoCluster, SettingError, one_line
 
 if TYPE_CHECKING:
     from atomr_infer.control.client import ControlPlane
@@ -201,6 +201,8 @@ def down_command(
     except AtomrError as exc:
         # Another machine's cluster that does not answer, or a cluster that answers but cannot be
         # joined (a timeout, no auth token): stopping the head here would be undrained, on a guess.
+        if isinstance(exc, SettingError):  # a malformed address: invalid input (exit 2)
+            fail(exc)
         if not isinstance(exc, NoCluster) or (target and not _on_this_machine(target)):
             fail(AtomrError(f"nothing was stopped: {one_line(exc)}"))
         if not target or _atomrs_head(target):  # (not the head atomr started here when another is named)

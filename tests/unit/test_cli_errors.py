@@ -254,3 +254,20 @@ def test_validate_warns_of_a_local_model_missing_here(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     assert f"warning: t1: model: local model directory {tmp_path / 'modles'} does not exist on this machine" in (
         result.output)
+
+
+@pytest.mark.parametrize(("args", "env_address", "named"), [
+    (["status", "--address", "foo"], None, "--address is 'foo'"),
+    (["status"], "localhost:abc", "RAY_ADDRESS is 'localhost:abc'"),
+    (["down", "--address", ":6379"], None, "--address is ':6379'"),
+])
+def test_a_malformed_cluster_address_is_invalid_input_naming_where_it_came_from(args, env_address, named,
+                                                                                tmp_path) -> None:
+    """It was exit 1 with Ray's "Invalid address format: foo", as if no cluster answered there."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"ATOMR_STATE_DIR": str(tmp_path)}
+    if env_address is not None:
+        env["RAY_ADDRESS"] = env_address
+    proc = subprocess.run([sys.executable, "-m", "atomr_infer.cli.main", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {named}: expected host:port"), proc.stderr
