@@ -70,4 +70,6 @@ def holding(
     alive = any(r.replica_id == where.replica_id and gone.get(r.actor_name, 0) is not None for r in listed)
     if not (held or again or usable or alive):
         raise ResponseNotFound(response_id)
+    if alive and not (held or again):  # listed, reachable, not usable for this request yet (an adapter
+        return []  # it is loading): wait for it; any other replica would answer 404 "not found"
     return held or again or usable

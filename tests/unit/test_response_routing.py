@@ -227,3 +227,16 @@ def test_requests_their_clients_left_do_not_push_out_the_finished_responses():
     serving.msg_store["ok"], serving.response_store["ok"] = ["hi"], "hello"
     assert serving.response_store.get("ok") == "hello" and serving.msg_store.get("ok") == ["hi"]
     assert sorted(serving.msg_store) == ["left0", "left1", "left4", "ok"]  # two spared (until their age)
+
+
+def test_a_response_whose_replica_has_not_loaded_the_adapter_yet_waits_for_it():
+    """Found by a review: a request with an adapter naming a stored response whose replica was
+    listed but had not loaded the adapter yet went to another replica, whose vLLM answered 404
+    "not found" for a response that exists. It now waits for its replica, as a request for an
+    adapter being loaded does; a replica gone still leaves it to any other."""
+    r0, r1 = route(EchoReplica("r0")), route(EchoReplica("r1"))
+    previous = response_ids.mint("d", "r1")
+    assert response_ids.holding([r0], "d", previous, [r0, r1], {}) == []
+    assert response_ids.holding([r0, r1], "d", previous, [r0, r1], {}) == [r1]
+    assert response_ids.holding([r0], "d", previous, [r0], {}) == [r0]  # r1 gone: vLLM's own 404 there
+    assert response_ids.holding([r0], "d", previous, [r0, r1], {r1.actor_name: None}) == [r0]  # r1 died
