@@ -41,6 +41,7 @@ class Recovery:
         self._wait_s = wait_s
         self._deadline = clock() + wait_s
         self._swept = False  # whether the replicas of deployments the store lacks were stopped
+        self._stored: set[str] = set()  # the deployments the store held when it was read
 
     @property
     def done(self) -> bool:
@@ -79,10 +80,11 @@ class Recovery:
 
     def recover(
         self, new_reconciler: Callable[[str, int], DeploymentReconciler], launcher: ReplicaLauncher,
-        clock: Callable[[], float],
+        clock: Callable[[], float], held: Callable[[], set[str]] = set,
     ) -> list[tuple[str, ManagedDeployment | None, DeploymentReconciler]]:
         """The stored deployments recovered by this try: (name, the deployment or None where this
-        version refuses its spec, its reconciler); the rest stay pending."""
+        version refuses its spec, its reconciler); the rest stay pending. ``held``: the deployments
+        the manager holds now (applied since the store was read), whose replicas are no orphans."""
         if self.unread is not None:
             try:
                 self.pending = self._store.load()
@@ -90,10 +92,10 @@ class Recovery:
                 self.unread = f"{type(exc).__name__}: {exc}"
                 log.error("state_load_failed", error=self.unread)
                 return []
-            self.unread = None
+            self.unread, self._stored = None, set(self.pending)
             self._wait_from_now()
-        if not self._swept:
-            self._swept = stop_orphans(launcher, set(self.pending))
+        if not self._swept:  # (on a later pass too: what the store held, and what was applied since)
+            self._swept = stop_orphans(launcher, self._stored | held())
         recovered = []
         for name, record in list(self.pending.items()):
             reconciler = new_reconciler(name, record.next_index)

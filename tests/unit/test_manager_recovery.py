@@ -348,3 +348,26 @@ def test_a_deployment_not_recovered_within_the_wait_stays_routed_as_routers_had_
     assert routed.version == table.version
     assert routed.find("good").replicas == before.deployments["good"].replicas  # still routed there
     assert routed.find("other") == table.deployments["other"]
+
+
+def test_a_listing_tried_again_stops_no_replica_of_a_deployment_recovered_or_applied_meanwhile() -> None:
+    """Found by a review of the sweep above: tried again on a later pass, it took the deployments
+    still pending for all the store held, and stopped the replicas of those recovered meanwhile,
+    and of one applied since the restart."""
+    first = running("demo")
+    listing, failing = first.launcher.live_replicas, [True]
+
+    def flaky():
+        if failing[0]:
+            raise ConnectionError("GCS did not answer")
+        return listing()
+
+    first.launcher.live_replicas = flaky
+    second = Harness(store=first.store, launcher=first.launcher)  # demo adopted; the listing failed
+    second.call("apply", spec(name="fresh"))
+    second.manager.reconcile_once()
+    failing[0] = False
+    second.manager.reconcile_once()
+    live = {h.actor_name: h for h in first.launcher.started}
+    assert live["atomr:demo:r0"].adopted and not live["atomr:demo:r0"].stopped
+    assert not live["atomr:fresh:r0"].stopped
