@@ -149,3 +149,18 @@ def test_replicas_tokenizing_with_another_tokenizer_leave_routers_to_prefix_affi
     assert renders_key(deployment(extra)) != renders_key(deployment({})) == ""
     own = deployment({"tokenizer": str(bundled_model_dir), "tokenizer_mode": "hf"})  # the model's own: known
     assert PromptTokenizer(tokenizer_files(own)).tokens("Once upon a time")
+
+
+def test_a_roll_to_another_hub_revision_gets_routers_a_new_tokenizer() -> None:
+    """Found by a review: routers key the tokenizer they fetch by the model and this fingerprint,
+    which left out the revision the replica loads (``extra_engine_args.revision``): a roll from v1
+    to a v2 with a fixed chat template kept v1's tokenizer in every router, and its prompts'
+    blocks never matched."""
+    from atomr_infer.engine.vllm.kv_events import renders_key
+    from atomr_infer.spec import parse_deployment
+
+    def deployment(**extra):
+        return parse_deployment({"name": "x", "model": "org/model", "runtime_config": {"extra_engine_args": extra}})
+
+    assert renders_key(deployment()) == ""
+    assert "" != renders_key(deployment(revision="v1")) != renders_key(deployment(revision="v2")) != ""

@@ -19,6 +19,7 @@ import json
 import os
 from typing import Any
 
+from atomr_infer.models.resolve import revision_of
 from atomr_infer.spec import Deployment
 
 REPLAY_BATCHES = 10_000  # vLLM's buffer_steps: engine steps a restarted router can replay
@@ -108,9 +109,12 @@ def renders_key(deployment: Deployment) -> str:
     o = deployment.serving.openai
     kwargs = o.server_args.get("default_chat_template_kwargs")
     override = tokenizer_override(deployment)
-    if o.chat_template is None and kwargs is None and override is None:
+    # The hub revision the replica loads (models/resolve.py): another revision's tokenizer files may differ.
+    revision = revision_of(deployment)
+    if o.chat_template is None and kwargs is None and override is None and revision is None:
         return ""
-    said = json.dumps([o.chat_template, kwargs, *([override] if override else [])], sort_keys=True, default=str)
+    said = json.dumps([o.chat_template, kwargs, *([override] if override else []), *([revision] if revision else [])],
+                      sort_keys=True, default=str)
     return hashlib.sha256(said.encode()).hexdigest()[:16]
 
 
