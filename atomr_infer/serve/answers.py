@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from atomr_infer.errors import AtomrError, InvalidRequest, ResponseNotFound
 from atomr_infer.log import get_logger
-from atomr_infer.serve.errors import http_error
+from atomr_infer.serve.errors import ManagerUnreachable, http_error
 from atomr_infer.serve.routes import served_paths
 from atomr_infer.status import ADAPTER_ROUTED, DeploymentStatus
 from atomr_infer.wire import LastBytes, RequestKind
@@ -198,13 +198,24 @@ async def form_model(raw: bytes, content_type: str) -> Any:
         await form.close()
 
 
-def only_deployment(deployments: Any) -> str:
-    """The deployment a request that names no ``model`` (absent, null or empty) goes to: the one
-    served, as ``vllm serve`` answers such a request with its one model; ``InvalidRequest``
-    naming ``model`` where there are more, or none (the names are not listed: ``/v1/models``
-    lists them to those allowed to see them)."""
-    names = list(deployments)
-    if len(names) == 1:
-        return names[0]
-    where = "more than one deployment is served" if names else "no deployment is served"
-    raise InvalidRequest("model", f"is required where {where}: name one (GET /v1/models lists them)")
+def only_deployment(table: Any, key: Any = None) -> str:
+    """The name a request that names no ``model`` (absent, null or empty) goes by: the one
+    deployment served, as ``vllm serve`` answers such a request with its one model, by a name
+    ``key`` may use it by (its own, or an alias the key lists). ``InvalidRequest`` naming ``model``
+    where more are served, or none, or none the key may use (no name is said: ``/v1/models``
+    lists them to those allowed to see them); ``ManagerUnreachable`` while there is no table."""
+    from atomr_infer.serve.api_keys import may_use_as_asked
+
+    if table.version < 0:
+        raise ManagerUnreachable("no routing table yet: the manager is not answering")
+    names = list(table.deployments)
+    if len(names) != 1:
+        where = "more than one deployment is served" if names else "no deployment is served"
+        raise InvalidRequest("model", f"is required where {where}: name one (GET /v1/models lists them)")
+    name = names[0]
+    if key is None or key.may_use(name):
+        return name
+    for alias in table.deployments[name].aliases:
+        if may_use_as_asked(key, alias, name):
+            return alias
+    raise InvalidRequest("model", "is required: name a model this API key may use (GET /v1/models lists them)")

@@ -195,14 +195,14 @@ class OpenAIIngress:
     async def _body_facts(self, raw: bytes, request: Request) -> tuple[RoutingFacts, Any]:
         data = parse_json(raw)  # the one parse of the body on this side of the replica
         unnamed = isinstance(data, dict) and data.get("model") in (None, "")  # vLLM's server takes its one model
-        return RoutingFacts.of(request.url.path, data, await self._only_deployment() if unnamed else None), data
+        return RoutingFacts.of(request.url.path, data, await self._only_deployment(request) if unnamed else None), data
 
     async def _form_facts(self, raw: bytes, request: Request) -> tuple[RoutingFacts, Any]:
         model = await form_model(raw, request.headers.get("content-type", ""))
-        return RoutingFacts(model or await self._only_deployment(), RequestKind.OTHER), None
+        return RoutingFacts(model or await self._only_deployment(request), RequestKind.OTHER), None
 
-    async def _only_deployment(self) -> str:
-        return only_deployment((await self._fresh_table()).deployments)
+    async def _only_deployment(self, request: Request) -> str:  # (the key: authenticated already)
+        return only_deployment(await self._fresh_table(), self._authenticate(request))
 
     async def _forward(self, request: Request, read_facts: FactsReader) -> Response:
         """Route by the request's deployment and return the replica's answer (vLLM's) unchanged.
@@ -219,8 +219,9 @@ class OpenAIIngress:
             # Keys are checked against the names routing goes by: the newest table this ingress
             # has (an adapter or alias just applied; one moved between deployments), else the manager's.
             table = await self._fresh_table()
-            model = self._canonical(facts.deployment, table if table.knows(facts.deployment) else
-                                    await self._fresh_table(force=True))
+            restricted = key is not None and key.deployments is not None  # (else any name passes)
+            model = self._canonical(facts.deployment, table if table.knows(facts.deployment) or not restricted
+                                    else await self._fresh_table(force=True))
             if facts.kind is not RequestKind.STORED or not self._by_any_name(key, model):
                 self._authorize(key, model, facts.deployment)
             # What runs no engine step spends no budget: a caller with no key (tokenizing is open)

@@ -185,3 +185,46 @@ def test_a_key_is_checked_against_the_newest_table_not_the_routers_last() -> Non
     )
     assert asyncio.run(post(app, "/v1/chat/completions", chat, "sk-team-a-0123456789"))[0] == 403
     assert ingress_._router.seen == []  # never routed
+
+
+def test_a_request_without_model_goes_by_a_name_the_key_may_use_and_says_no_other() -> None:
+    """Found by a review: a key listing only the alias ``smol`` got 403 naming the deployment
+    ``smollm2`` (which the model list hides from it) for a request that names no model, which
+    ``vllm serve --served-model-name smol`` answers. A key that may use none of its names gets 400
+    naming ``model``, and no deployment's name."""
+    import asyncio
+    import json
+
+    from tests.unit.ingress_app import ingress as real_ingress
+    from tests.unit.ingress_app import post
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    keys = ("keys: [{name: pub, key: sk-pub-0123456789, deployments: [smol]},"
+            " {name: other, key: sk-other-0123456789, deployments: [elsewhere]}]")
+    ingress_, _limiter, app = real_ingress(keys)
+    ingress_._router.table = RoutingTable(1, {"smollm2": DeploymentRoute("smollm2", 4, "queue", aliases=("smol",))})
+    assert asyncio.run(post(app, "/v1/chat/completions", chat, "sk-pub-0123456789"))[0] == 200
+    assert [facts.deployment for facts, _http in ingress_._router.seen] == ["smol"]
+    status, _headers, answer = asyncio.run(post(app, "/v1/chat/completions", chat, "sk-other-0123456789"))
+    assert status == 400 and json.loads(answer)["error"]["param"] == "model"
+    assert "smollm2" not in answer.decode() and "smol" not in answer.decode()
+
+
+def test_an_unknown_name_forces_a_table_fetch_only_for_a_key_limited_to_some_deployments() -> None:
+    """Found by a review: every unknown name cost a forced fetch from the manager before the key
+    check, and another in routing; only a key limited to some deployments needs the newest names
+    to be checked."""
+    import asyncio
+
+    from tests.unit.ingress_app import ingress as real_ingress
+    from tests.unit.ingress_app import post
+
+    chat = {"model": "nobody", "messages": [{"role": "user", "content": "hi"}]}
+    for keys, key, forced in [(None, None, 0), ("keys: [{name: all, key: sk-all-0123456789}]", "sk-all-0123456789", 0),
+                              ("keys: [{name: a, key: sk-a-01234567890, deployments: [smollm2]}]",
+                               "sk-a-01234567890", 1)]:
+        ingress_, _limiter, app = real_ingress(keys)
+        table = ingress_._router.table
+        refreshed = _router_whose_manager_has(ingress_, table, table)
+        status = asyncio.run(post(app, "/v1/chat/completions", chat, key))[0]
+        assert status in (403, 404) and refreshed.count(True) == forced, (keys, status, refreshed)
