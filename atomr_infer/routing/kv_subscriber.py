@@ -103,28 +103,27 @@ class KvEventsHub:
         for ``owner`` (a router's picker; routers in one process share the listener): the replicas
         any owner names are followed, a replica none names is dropped from the index, and a
         deployment no owner follows is forgotten. Cheap when nothing changed."""
-        owners = self._owners.setdefault(deployment, {})
-        if replicas:
-            owners[id(owner)] = dict(replicas)
-        else:
-            owners.pop(id(owner), None)
-        wanted = {name: ends for each in owners.values() for name, ends in each.items()}
-        if not owners:
-            del self._owners[deployment]
-        if self._wanted.get(deployment, {}) == wanted and deployment in self._wanted:
-            return
-        self._wanted[deployment] = wanted
-        self._changes.put((deployment, dict(wanted)))
-        with self._lock:
+        with self._lock:  # (Clients route on threads of their own)
+            owners = self._owners.setdefault(deployment, {})
+            if replicas:
+                owners[id(owner)] = dict(replicas)
+            else:
+                owners.pop(id(owner), None)
+            wanted = {name: ends for each in owners.values() for name, ends in each.items()}
+            if not owners:
+                del self._owners[deployment]
+            if self._wanted.get(deployment, {}) == wanted and deployment in self._wanted:
+                return
+            self._wanted[deployment] = wanted
+            self._changes.put((deployment, dict(wanted)))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="atomr-kv-events", daemon=True)
                 self._thread.start()
 
     def forget(self, deployment: str) -> None:
-        """Stop following ``deployment`` for every owner."""
-        for owner in list(self._owners.get(deployment, {})):
-            self._owners[deployment][owner] = {}
-        self._owners.pop(deployment, None)
+        """Stop following ``deployment`` for every owner (tests: routers they did not close)."""
+        with self._lock:
+            self._owners.pop(deployment, None)
         self.follow(deployment, {})
 
     def _run(self) -> None:
