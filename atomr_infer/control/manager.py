@@ -123,8 +123,8 @@ class DeploymentManager:
 
     def _recover(self) -> None:
         """Rebuild desired state from the store and re-adopt live replicas by name."""
-        pending, held = set(self._recovery.pending), lambda: set(self._desired) | set(self._removing)
-        recovered = self._recovery.recover(self._new_reconciler, self._launcher, self._clock, held)
+        pending = set(self._recovery.pending)
+        recovered = self._recovery.recover(self._new_reconciler, self._launcher, self._clock)
         for name, managed, reconciler in recovered:
             if managed is None:  # refused by this version: its replicas are stopped, as a removal's
                 self._removing[name] = reconciler

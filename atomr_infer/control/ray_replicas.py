@@ -235,12 +235,9 @@ class RayReplicaLauncher:
         return RayReplicaHandle(actor, name, self.reaper, node=node, asks=asks)
 
     def replica_ids(self, deployment: str) -> list[str]:
-        return [replica for name, replica in self.live_replicas() if name == deployment]
-
-    def live_replicas(self) -> list[tuple[str, str]]:
+        prefix = actor_name(deployment, "")
         named = ray.util.list_named_actors(all_namespaces=True)
-        parts = [a["name"].split(":") for a in named if a["namespace"] == NAMESPACE and a["name"].startswith("atomr:")]
-        return [(p[1], p[2]) for p in parts if len(p) == 3]  # actor_name's form: a deployment name has no colon
+        return [a["name"][len(prefix):] for a in named if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)]
 
     def adopt(self, deployment: str, replica_id: str) -> RayReplicaHandle | None:
         name = actor_name(deployment, replica_id)

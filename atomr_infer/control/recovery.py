@@ -40,12 +40,10 @@ class Recovery:
         self.adopted: list[ReplicaRecord] = []  # replicas adopted and not heard from yet (for wait_s at most)
         self._wait_s = wait_s
         self._deadline = clock() + wait_s
-        self._swept = False  # whether the replicas of deployments the store lacks were stopped
-        self._stored: set[str] = set()  # the deployments the store held when it was read
 
     @property
     def done(self) -> bool:
-        return self.unread is None and not self.pending and self._swept
+        return self.unread is None and not self.pending
 
     @property
     def withheld(self) -> bool:
@@ -80,11 +78,10 @@ class Recovery:
 
     def recover(
         self, new_reconciler: Callable[[str, int], DeploymentReconciler], launcher: ReplicaLauncher,
-        clock: Callable[[], float], held: Callable[[], set[str]] = set,
+        clock: Callable[[], float],
     ) -> list[tuple[str, ManagedDeployment | None, DeploymentReconciler]]:
         """The stored deployments recovered by this try: (name, the deployment or None where this
-        version refuses its spec, its reconciler); the rest stay pending. ``held``: the deployments
-        the manager holds now (applied since the store was read), whose replicas are no orphans."""
+        version refuses its spec, its reconciler); the rest stay pending."""
         if self.unread is not None:
             try:
                 self.pending = self._store.load()
@@ -92,10 +89,8 @@ class Recovery:
                 self.unread = f"{type(exc).__name__}: {exc}"
                 log.error("state_load_failed", error=self.unread)
                 return []
-            self.unread, self._stored = None, set(self.pending)
+            self.unread = None
             self._wait_from_now()
-        if not self._swept:  # (on a later pass too: what the store held, and what was applied since)
-            self._swept = stop_orphans(launcher, self._stored | held())
         recovered = []
         for name, record in list(self.pending.items()):
             reconciler = new_reconciler(name, record.next_index)
@@ -147,28 +142,3 @@ class Recovery:
         store has not been read (a save then would replace what it holds)."""
         if self.unread is None:
             self._store.save({**self.pending, **records})
-
-
-def stop_orphans(launcher: ReplicaLauncher, stored: set[str]) -> bool:
-    """Stop the live replicas of deployments the store does not hold (as a removal stops its
-    replicas); whether the listing could be had. They are nobody's: a removal's, whose record was
-    deleted once its replicas were stopped but before the manager's reaper killed them (a stopped
-    replica still holds its GPUs in Ray until killed), or an apply's whose save failed before the
-    manager died. Left alone, they would hold their GPUs for good."""
-    try:
-        live = launcher.live_replicas()
-    except Exception as exc:  # noqa: BLE001 - Ray's; the next pass tries again
-        log.error("orphan_listing_failed", error=f"{type(exc).__name__}: {exc}")
-        return False
-    for deployment, replica_id in live:
-        if deployment in stored:
-            continue
-        try:
-            handle = launcher.adopt(deployment, replica_id)
-            if handle is not None:
-                handle.stop()
-                log.warning("orphan_replica_stopped", deployment=deployment, replica=replica_id,
-                            why="its deployment is not in the manager's stored state")
-        except Exception as exc:  # noqa: BLE001 - one replica's Ray error: the others are still stopped
-            log.error("orphan_stop_failed", deployment=deployment, replica=replica_id, error=repr(exc))
-    return True

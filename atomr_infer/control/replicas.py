@@ -94,9 +94,6 @@ class ReplicaLauncher(Protocol):
     def replica_ids(self, deployment: str) -> list[str]:
         """The ids of every live replica of the deployment named ``deployment`` (one listing)."""
 
-    def live_replicas(self) -> list[tuple[str, str]]:
-        """(deployment, replica id) of every live replica of any deployment (one listing)."""
-
 
 @dataclass
 class ReplicaRecord:

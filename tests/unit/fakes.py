@@ -131,9 +131,6 @@ class FakeLauncher:
         prefix = f"atomr:{deployment}:"
         return [name[len(prefix):] for name, h in self.alive.items() if name.startswith(prefix) and not h.stopped]
 
-    def live_replicas(self):
-        return [tuple(name.split(":")[1:]) for name, h in self.alive.items() if not h.stopped]
-
     def adopt(self, deployment, replica_id):
         h = self.alive.get(f"atomr:{deployment}:{replica_id}")
         if h is None or h.stopped:  # as Ray's get_actor: a stopped actor's name is free

@@ -264,54 +264,6 @@ def test_while_the_store_is_unread_listing_is_refused_as_retryable_not_answered_
     first.store.load = load
     second.manager.reconcile_once()
     assert [s.name for s in second.call("list")] == ["demo"] and second.call("status", "other") is None
-
-
-def test_replicas_of_a_deployment_the_store_lacks_are_stopped_not_left_on_their_gpus() -> None:
-    """An apply whose saves failed until the manager died (or a removal whose record went once its
-    replicas were told to stop, before the manager's reaper killed them: Ray keeps a stopped
-    actor's GPUs until then): the next manager never looked at them, and they held their GPUs for
-    good. Replicas of stored deployments are adopted as before."""
-    store = FailingStore()
-    first = Harness(store=store)
-    first.call("apply", spec())
-    first.converge()
-    store.fail = True
-    first.call("apply", spec(name="ghost"))
-    first.manager.reconcile_once()  # ghost's replica started; every save failed
-    ghost = next(h for h in first.launcher.started if h.actor_name == "atomr:ghost:r0")
-    assert "ghost" not in store.load()
-    store.fail = False
-    second = Harness(store=store, launcher=first.launcher)
-    second.converge()
-    assert ghost.stopped
-    demo = next(h for h in first.launcher.started if h.actor_name == "atomr:demo:r0")
-    assert demo.adopted and not demo.stopped
-    assert [s.name for s in second.call("list")] == ["demo"]
-
-
-def test_replicas_the_store_lacks_are_stopped_once_ray_lists_them() -> None:
-    """A listing that fails (a Ray error) is tried again on the next pass, not given up."""
-    store = FailingStore()
-    first = Harness(store=store)
-    store.fail = True
-    first.call("apply", spec(name="ghost"))
-    first.manager.reconcile_once()
-    (ghost,) = first.launcher.started
-    store.fail = False
-    listing, fails = first.launcher.live_replicas, [True]
-
-    def flaky():
-        if fails.pop() if fails else False:
-            raise ConnectionError("GCS did not answer")
-        return listing()
-
-    first.launcher.live_replicas = flaky
-    second = Harness(store=store, launcher=first.launcher)  # its first recovery: the listing failed
-    assert not ghost.stopped and not fails
-    second.manager.reconcile_once()
-    assert ghost.stopped
-
-
 def test_a_deployment_not_recovered_within_the_wait_stays_routed_as_routers_had_it() -> None:
     """Its replicas could not be looked up for 30 s: the table then left it out, and every router
     answered 404 "no such model" while its replicas, untouched, could still serve. It is now
@@ -348,26 +300,3 @@ def test_a_deployment_not_recovered_within_the_wait_stays_routed_as_routers_had_
     assert routed.version == table.version
     assert routed.find("good").replicas == before.deployments["good"].replicas  # still routed there
     assert routed.find("other") == table.deployments["other"]
-
-
-def test_a_listing_tried_again_stops_no_replica_of_a_deployment_recovered_or_applied_meanwhile() -> None:
-    """Found by a review of the sweep above: tried again on a later pass, it took the deployments
-    still pending for all the store held, and stopped the replicas of those recovered meanwhile,
-    and of one applied since the restart."""
-    first = running("demo")
-    listing, failing = first.launcher.live_replicas, [True]
-
-    def flaky():
-        if failing[0]:
-            raise ConnectionError("GCS did not answer")
-        return listing()
-
-    first.launcher.live_replicas = flaky
-    second = Harness(store=first.store, launcher=first.launcher)  # demo adopted; the listing failed
-    second.call("apply", spec(name="fresh"))
-    second.manager.reconcile_once()
-    failing[0] = False
-    second.manager.reconcile_once()
-    live = {h.actor_name: h for h in first.launcher.started}
-    assert live["atomr:demo:r0"].adopted and not live["atomr:demo:r0"].stopped
-    assert not live["atomr:fresh:r0"].stopped
