@@ -219,14 +219,15 @@ class OpenAIIngress:
             # Keys are checked against the names routing goes by: the newest table this ingress
             # has (an adapter or alias just applied; one moved between deployments), else the manager's.
             table = await self._fresh_table()
-            restricted = key is not None and key.deployments is not None  # (else any name passes)
-            model = self._canonical(facts.deployment, table if table.knows(facts.deployment) or not restricted
-                                    else await self._fresh_table(force=True))
+            if not table.knows(facts.deployment) and key is not None and key.deployments is not None:
+                table = await self._fresh_table(force=True)  # (a key that may use any name needs none)
+            model = self._canonical(facts.deployment, table)
             if facts.kind is not RequestKind.STORED or not self._by_any_name(key, model):
                 self._authorize(key, model, facts.deployment)
             # What runs no engine step spends no budget: a caller with no key (tokenizing is open)
             # would spend the deployment's requests_per_minute, and a poll of a background response one.
-            limit_headers, token_budgets = await self._admit(key, model) if facts.kind.runs_engine else ({}, [])
+            runs = facts.kind.runs_engine  # else it uses no tokens: a stored response's are its creator's
+            limit_headers, token_budgets = await self._admit(key, table.find(model)) if runs else ({}, [])
             if token_budgets:
                 refuse_uncounted(data, facts)
         except AtomrError as exc:
@@ -250,7 +251,6 @@ class OpenAIIngress:
             await items.aclose()
             raise
         out_headers = {k: v for k, v in head.headers if k.lower() not in _HOP_HEADERS} | limit_headers
-        runs = facts.kind.runs_engine  # else it used no tokens: a stored response's are its creator's
         if out_headers.get("content-type", "").startswith("text/event-stream"):
             relayed = self._access.stream(
                 relay(items, facts.kind), name, model, head.status, started,
@@ -288,10 +288,9 @@ class OpenAIIngress:
             return None
         return self._keys.ring().authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
 
-    async def _admit(self, key: ApiKey | None, model: str) -> tuple[dict[str, str], list[Budget]]:
-        """Under the key's and the deployment's rate limits (budgets shared by every ingress
-        replica): the rate-limit headers and the token budgets to charge, or ``RateLimited``."""
-        route = (await self._fresh_table()).find(model)
+    async def _admit(self, key: ApiKey | None, route: Any) -> tuple[dict[str, str], list[Budget]]:
+        """Under the key's and the deployment's (``route``'s) rate limits (budgets shared by every
+        ingress replica): the rate-limit headers and the token budgets to charge, or ``RateLimited``."""
         return await self._limits.admit(
             key.name if key is not None else None,
             (key.requests_per_minute, key.tokens_per_minute) if key is not None else (None, None),
